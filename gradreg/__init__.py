@@ -1,0 +1,26 @@
+"""gradreg: gradient penalties for PyTorch, exact and fast.
+
+The core (this package's top-level modules and :mod:`gradreg.penalties`) depends on torch only.
+"""
+
+from gradreg.autograd import (
+    GradientError,
+    capture,
+    check_double_backward,
+    gradient,
+    nth_derivative,
+    regularized_backward,
+)
+from gradreg.graph import AutogradGraph, autograd_graph
+
+__all__ = [
+    "AutogradGraph",
+    "GradientError",
+    "autograd_graph",
+    "capture",
+    "check_double_backward",
+    "gradient",
+    "nth_derivative",
+    "regularized_backward",
+]
+__version__ = "0.1.0"
