@@ -1,0 +1,49 @@
+"""Gradient penalties: one mechanism (:class:`GradientPenalty`), the published ones as presets.
+
+Plain PyTorch, WGAN-GP::
+
+    gp = gradreg.penalties.wgan_gp()                      # λ = 10
+    x_hat = gradreg.penalties.interpolate(real, fake)
+    loss = D(fake).mean() - D(real).mean() + gp(D(x_hat), x_hat)
+"""
+
+from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty, per_sample_norm
+from gradreg.penalties.points import as_points, interpolate, perturb_dragan
+from gradreg.penalties.presets import (
+    PRESETS,
+    derivative,
+    double_backprop,
+    dragan,
+    intermediate,
+    jacobian,
+    make_penalty,
+    param_grad_norm,
+    path_length,
+    r1,
+    r2,
+    wgan_gp,
+    wgan_lp,
+)
+
+__all__ = [
+    "POINTS",
+    "PRESETS",
+    "GradientPenalty",
+    "as_points",
+    "derivative",
+    "double_backprop",
+    "dragan",
+    "gradient_penalty",
+    "intermediate",
+    "interpolate",
+    "jacobian",
+    "make_penalty",
+    "param_grad_norm",
+    "path_length",
+    "per_sample_norm",
+    "perturb_dragan",
+    "r1",
+    "r2",
+    "wgan_gp",
+    "wgan_lp",
+]

@@ -1,0 +1,315 @@
+r"""One gradient-penalty mechanism; every published penalty is a configuration of it.
+
+For per-sample outputs :math:`f(x_i)` and the tensors :math:`x_i` they were computed from, the
+penalty is
+
+.. math::
+
+    P = \text{weight} \cdot \text{every} \cdot \text{gain} \cdot
+        \operatorname{reduce}_i \big( \phi(\lVert g_i \rVert_p - c) \big)^{\text{power}},
+    \qquad \phi(t) = \max(0, t) \text{ if one-sided else } |t|,
+
+where :math:`g_i` is the gradient of sample :math:`i` (all its non-batch dimensions, over every
+input), :math:`c` the target, and the reduction a mean or a sum over samples. The gradient is that
+of the *sum* of the per-sample outputs (a vector-Jacobian product), so for models whose samples do
+not interact :math:`g_i = \nabla_{x_i} f(x_i)` and the value does not depend on how a batch is
+split into micro-batches or DDP ranks. It is built with ``create_graph=True``: the penalty's
+gradient w.r.t. the parameters is the exact double-backward one.
+
+Where :math:`g_i` comes from is a choice of ``projection`` and ``order``:
+
+* ``"sum"`` (order ``n``): :math:`g_i = \partial^n (\sum f)/\partial x_i^n` (``nth_derivative``);
+* ``"orthonormal"``: ``num_projections`` orthonormal directions :math:`v_{ij}` drawn uniformly per
+  sample; :math:`\lVert g_i\rVert^2 = \frac{K}{n}\sum_j \lVert v_{ij}^\top J_i\rVert^2` is an
+  unbiased estimate of :math:`\lVert J_i \rVert_F^2` (Hoffman, Roberts & Yaida 2019), exact at
+  :math:`n = K`, :math:`K` the number of outputs per sample;
+* ``"gaussian"``: :math:`g_i = J_i^\top y_i`, :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`
+  (StyleGAN2's path length; pixels = H*W for images, the feature count for vectors).
+
+For ``points="parameters"`` there is one norm over all parameters' gradients (no samples).
+With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gradreg.autograd import GradientError, check_double_backward, gradient, nth_derivative
+
+__all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
+
+POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
+          "parameters")
+PROJECTIONS = ("sum", "orthonormal", "gaussian")
+REDUCTIONS = ("mean", "sum")
+
+
+def _as_tuple(tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
+    return (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
+
+
+def per_sample_norm(
+    grads: Tensor | Sequence[Tensor],
+    p: float = 2.0,
+    *,
+    squared: bool = False,
+    per_sample: bool = True,
+) -> Tensor:
+    r""":math:`\lVert g_i \rVert_p` over all non-batch dims of every tensor in ``grads``, shape [B].
+
+    With ``squared=True`` (only for ``p=2``) returns :math:`\sum g_i^2` without a square root.
+    The root has a finite gradient (zero) where the gradient vanishes, so a penalty stays finite
+    for a model that is constant in its input. ``per_sample=False`` gives one norm over
+    everything (shape []).
+    """
+    grads = _as_tuple(grads)
+    flat = [g.flatten(1) if per_sample else g.reshape(1, -1) for g in grads]
+    if p == 2:
+        sq = sum(f.square().sum(1) for f in flat)
+        if squared:
+            return sq if per_sample else sq[0]
+        norm = _safe_sqrt(sq)
+    else:
+        if squared:
+            raise ValueError("squared=True is only defined for p=2.")
+        parts = [torch.linalg.vector_norm(f, ord=p, dim=1) for f in flat]
+        norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
+            torch.stack(parts), ord=p, dim=0)
+    return norm if per_sample else norm[0]
+
+
+def _safe_sqrt(sq: Tensor) -> Tensor:
+    """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
+    positive = sq > 0
+    return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
+
+
+def _projected_sq_norm(
+    outputs: Tensor, inputs: tuple[Tensor, ...], projection: str, num_projections: int
+) -> Tensor:
+    """Squared per-sample norm of J^T v for random v (see the module docstring)."""
+    batch = outputs.shape[0]
+    flat = outputs.reshape(batch, -1)
+    k = flat.shape[1]
+    if projection == "gaussian":
+        pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
+        noise = torch.randn_like(flat) / math.sqrt(pixels)
+        return per_sample_norm(gradient(flat, inputs, grad_outputs=noise), squared=True)
+    if num_projections > k:
+        raise GradientError(
+            f"num_projections={num_projections} exceeds the {k} outputs per sample: "
+            f"at most {k} orthonormal directions exist (and {k} gives the exact norm)."
+        )
+    gaussian = torch.randn(batch, k, num_projections, dtype=flat.dtype, device=flat.device)
+    directions = torch.linalg.qr(gaussian).Q  # [B, K, n], orthonormal columns, uniform
+    sq = sum(
+        per_sample_norm(gradient(flat, inputs, grad_outputs=directions[:, :, j]), squared=True)
+        for j in range(num_projections)
+    )
+    return sq * (k / num_projections)
+
+
+def gradient_penalty(
+    outputs: Tensor,
+    inputs: Tensor | Sequence[Tensor],
+    *,
+    target: float | Tensor = 0.0,
+    one_sided: bool = False,
+    power: float = 2.0,
+    p: float = 2.0,
+    reduction: str = "mean",
+) -> Tensor:
+    r"""Unweighted :math:`\mathrm{reduce}_i\, \phi(\lVert \nabla_{x_i} \sum f \rVert_p - c)^q`.
+
+    ``outputs``: per-sample values, shape [B] or [B, ...] (critic scores, per-sample losses);
+    ``inputs``: tensor(s) requiring grad that ``outputs`` was computed from, batch first.
+    ``reduction``: ``"mean"``, ``"sum"`` or ``"none"`` (per-sample values, shape [B]); q = power.
+    """
+    squared = _squared(target, power, p)
+    norms = _norms(outputs, _as_tuple(inputs), p=p, squared=squared)
+    return _penalty_from_norms(norms, target=target, one_sided=one_sided, power=power,
+                               reduction=reduction, squared=squared)
+
+
+def _squared(target: float | Tensor, power: float, p: float) -> bool:
+    return isinstance(target, (int, float)) and target == 0 and power == 2 and p == 2
+
+
+def _norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
+           order: int = 1, per_sample: bool = True) -> Tensor:
+    grad_outputs = torch.ones_like(outputs)
+    if order == 1:
+        grads = gradient(outputs, inputs, grad_outputs=grad_outputs)
+    else:
+        grads = tuple(nth_derivative(outputs, x, order) for x in inputs)
+    return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
+
+
+def _penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool, power: float,
+                        reduction: str, squared: bool) -> Tensor:
+    if squared:  # target 0, power 2, p 2: the squared norm itself, no root
+        values = norms
+    else:
+        deviation = norms - target
+        deviation = deviation.clamp_min(0) if one_sided else deviation.abs()
+        values = deviation if power == 1 else deviation.pow(power)
+    if reduction == "mean":
+        return values.mean()
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "none":
+        return values
+    raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum', 'none'.")
+
+
+class GradientPenalty(nn.Module):
+    r"""A configured gradient penalty; call it as ``penalty(outputs, inputs)``.
+
+    Returns :math:`\text{weight} \cdot \text{every} \cdot \text{gain} \cdot P` with :math:`P` as in
+    the module docstring. All parameters are plain values (a Hydra config can set them):
+
+    Args:
+        weight: the penalty coefficient (lambda, gamma), >= 0; may be changed between steps.
+        target: the norm's target c >= 0 (0 for R1/R2/double backprop, 1 for WGAN-GP), or
+            ``"ema"`` for StyleGAN2's running mean of the norms (path length).
+        one_sided: penalize only norms above the target (WGAN-LP).
+        power: exponent of the deviation, > 0.
+        p: the norm's order, > 0.
+        reduction: ``"mean"`` or ``"sum"`` over samples.
+        every: lazy regularization: compute on one step in ``every`` (see :meth:`due`) and scale by
+            ``every`` so the expected gradient is unchanged (StyleGAN2).
+        points: what the caller differentiates against (one of :data:`POINTS`); ``"parameters"``
+            takes one norm over all parameter gradients instead of per-sample norms.
+        layers: dotted submodule names whose outputs are the points, for ``"activations"``.
+        gain: a constant factor of the formula (1/2 for R1/R2's gamma/2).
+        order: derivative order n of the ``"sum"`` projection.
+        projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"`` (module docstring).
+        num_projections: random directions for ``"orthonormal"``.
+        ema_decay: the running mean's decay for ``target="ema"``.
+
+    State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
+    current weight. ``last_value`` holds the detached unweighted penalty of the last call.
+    """
+
+    def __init__(
+        self,
+        *,
+        weight: float = 1.0,
+        target: float | str = 0.0,
+        one_sided: bool = False,
+        power: float = 2.0,
+        p: float = 2.0,
+        reduction: str = "mean",
+        every: int = 1,
+        points: str = "inputs",
+        layers: Sequence[str] = (),
+        gain: float = 1.0,
+        order: int = 1,
+        projection: str = "sum",
+        num_projections: int = 1,
+        ema_decay: float = 0.01,
+    ) -> None:
+        super().__init__()
+        _require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
+                 f"target must be a number >= 0 or 'ema', got {target!r}")
+        _require(power > 0, f"power must be > 0, got {power!r}")
+        _require(p > 0, f"p (the norm's order) must be > 0, got {p!r}")
+        _require(reduction in REDUCTIONS,
+                 f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        _require(isinstance(every, int) and every >= 1,
+                 f"every must be an int >= 1 (1 = every step), got {every!r}")
+        _require(points in POINTS, f"points must be one of {POINTS}, got {points!r}")
+        _require(points != "activations" or len(layers) > 0,
+                 "points='activations' needs layers=[...] naming the submodules to penalize")
+        _require(projection in PROJECTIONS,
+                 f"projection must be one of {PROJECTIONS}, got {projection!r}")
+        _require(isinstance(order, int) and order >= 1, f"order must be an int >= 1, got {order!r}")
+        _require(order == 1 or projection == "sum", "order > 1 needs projection='sum'")
+        _require(isinstance(num_projections, int) and num_projections >= 1,
+                 f"num_projections must be an int >= 1, got {num_projections!r}")
+        _require(0 < ema_decay <= 1, f"ema_decay must be in (0, 1], got {ema_decay!r}")
+        _require(gain > 0, f"gain must be > 0, got {gain!r}")
+        self.weight = weight
+        self.target = target
+        self.one_sided = one_sided
+        self.power = power
+        self.p = p
+        self.reduction = reduction
+        self.every = every
+        self.points = points
+        self.layers = tuple(layers)
+        self.gain = gain
+        self.order = order
+        self.projection = projection
+        self.num_projections = num_projections
+        self.ema_decay = ema_decay
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(()))
+        self.last_value: Tensor | None = None
+        self._double_backward_checked = False
+
+    @property
+    def weight(self) -> float:
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: float) -> None:
+        _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+                 f"weight must be a finite number >= 0, got {value!r}")
+        self._weight = float(value)
+
+    def extra_repr(self) -> str:
+        return (f"weight={self.weight}, target={self.target}, points={self.points!r}, "
+                f"every={self.every}")
+
+    def get_extra_state(self) -> dict:
+        return {"weight": self.weight}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.weight = state["weight"]
+
+    def due(self) -> bool:
+        """Advance the lazy counter one step; True on the steps where the penalty is computed.
+
+        Call once per training step and compute the penalty only when it returns True: on the
+        other ``every - 1`` steps nothing is computed, no graph is built.
+        """
+        is_due = bool(self.step % self.every == 0)
+        self.step += 1
+        return is_due
+
+    def forward(self, outputs: Tensor, inputs: Tensor | Sequence[Tensor]) -> Tensor:
+        """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``."""
+        inputs = _as_tuple(inputs)
+        per_sample = self.points != "parameters"
+        squared = _squared(self.target, self.power, self.p) and self.target != "ema"
+        if self.projection == "sum":
+            norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
+                           per_sample=per_sample)
+        else:
+            sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections)
+            norms = sq if squared else _safe_sqrt(sq)
+        if not self._double_backward_checked:
+            check_double_backward(norms)
+            self._double_backward_checked = True
+        target = self._ema_target(norms) if self.target == "ema" else self.target
+        value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
+                                    power=self.power, reduction=self.reduction, squared=squared)
+        self.last_value = value.detach()
+        return value * (self.weight * self.every * self.gain)
+
+    def _ema_target(self, norms: Tensor) -> Tensor:
+        """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose
+        current-batch term keeps its gradient exactly as in the reference code."""
+        ema = self.ema.to(norms.dtype).lerp(norms.mean(), self.ema_decay)
+        self.ema.copy_(ema.detach())
+        return ema
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message + ".")
