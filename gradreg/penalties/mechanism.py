@@ -190,6 +190,8 @@ class GradientPenalty(nn.Module):
         projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"`` (module docstring).
         num_projections: random directions for ``"orthonormal"``.
         ema_decay: the running mean's decay for ``target="ema"``.
+        check_finite: raise :class:`~gradreg.GradientError` when the penalty is NaN or Inf
+            (one host sync per call) instead of letting it poison the parameters.
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
     current weight. ``last_value`` holds the detached unweighted penalty of the last call.
@@ -212,6 +214,7 @@ class GradientPenalty(nn.Module):
         projection: str = "sum",
         num_projections: int = 1,
         ema_decay: float = 0.01,
+        check_finite: bool = True,
     ) -> None:
         super().__init__()
         _require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
@@ -247,6 +250,7 @@ class GradientPenalty(nn.Module):
         self.projection = projection
         self.num_projections = num_projections
         self.ema_decay = ema_decay
+        self.check_finite = check_finite
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
@@ -286,6 +290,11 @@ class GradientPenalty(nn.Module):
         """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``."""
         inputs = _as_tuple(inputs)
         per_sample = self.points != "parameters"
+        if per_sample and outputs.ndim > 0 and outputs.shape[0] == 0:
+            raise GradientError(
+                "empty batch: there are no samples to penalize. Skip the penalty for empty "
+                "batches (or use drop_last=True in the data loader)."
+            )
         squared = _squared(self.target, self.power, self.p) and self.target != "ema"
         if self.projection == "sum":
             norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
@@ -300,6 +309,13 @@ class GradientPenalty(nn.Module):
         value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
                                     power=self.power, reduction=self.reduction, squared=squared)
         self.last_value = value.detach()
+        if self.check_finite and not bool(torch.isfinite(self.last_value)):
+            raise GradientError(
+                f"the penalty is {self.last_value.item()} (not finite): the outputs or the points "
+                "contain NaN/Inf, or the model diverged. Check the batch with "
+                "torch.isfinite(x).all(), lower the learning rate, or guard the step "
+                "(check_finite=False lets the value through)."
+            )
         return value * (self.weight * self.every * self.gain)
 
     def _ema_target(self, norms: Tensor) -> Tensor:
