@@ -88,8 +88,20 @@ def _safe_sqrt(sq: Tensor) -> Tensor:
     return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
 
 
+def _unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
+                  loss_scale: float | Tensor | None) -> tuple[Tensor, ...]:
+    """``gradient(outputs, inputs, grad_outputs)``; under a loss scale s (fp16 GradScaler) the
+    outputs are scaled by s before differentiating and the gradients multiplied by 1/s, PyTorch's
+    documented gradient-penalty recipe (never ``scaler.unscale_``)."""
+    if loss_scale is None:
+        return gradient(outputs, inputs, grad_outputs=grad_outputs)
+    scaled = gradient(outputs * loss_scale, inputs, grad_outputs=grad_outputs)
+    return tuple(g * (1.0 / loss_scale) for g in scaled)
+
+
 def _projected_sq_norm(
-    outputs: Tensor, inputs: tuple[Tensor, ...], projection: str, num_projections: int
+    outputs: Tensor, inputs: tuple[Tensor, ...], projection: str, num_projections: int,
+    loss_scale: float | Tensor | None = None,
 ) -> Tensor:
     """Squared per-sample norm of J^T v for random v (see the module docstring)."""
     batch = outputs.shape[0]
@@ -98,7 +110,7 @@ def _projected_sq_norm(
     if projection == "gaussian":
         pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
         noise = torch.randn_like(flat) / math.sqrt(pixels)
-        return per_sample_norm(gradient(flat, inputs, grad_outputs=noise), squared=True)
+        return per_sample_norm(_unscaled_vjp(flat, inputs, noise, loss_scale), squared=True)
     if num_projections > k:
         raise GradientError(
             f"num_projections={num_projections} exceeds the {k} outputs per sample: "
@@ -107,7 +119,7 @@ def _projected_sq_norm(
     gaussian = torch.randn(batch, k, num_projections, dtype=flat.dtype, device=flat.device)
     directions = torch.linalg.qr(gaussian).Q  # [B, K, n], orthonormal columns, uniform
     sq = sum(
-        per_sample_norm(gradient(flat, inputs, grad_outputs=directions[:, :, j]), squared=True)
+        per_sample_norm(_unscaled_vjp(flat, inputs, directions[:, :, j], loss_scale), squared=True)
         for j in range(num_projections)
     )
     return sq * (k / num_projections)
@@ -140,12 +152,13 @@ def _squared(target: float | Tensor, power: float, p: float) -> bool:
 
 
 def _norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
-           order: int = 1, per_sample: bool = True) -> Tensor:
-    grad_outputs = torch.ones_like(outputs)
+           order: int = 1, per_sample: bool = True,
+           loss_scale: float | Tensor | None = None) -> Tensor:
     if order == 1:
-        grads = gradient(outputs, inputs, grad_outputs=grad_outputs)
+        grads = _unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
     else:
-        grads = tuple(nth_derivative(outputs, x, order) for x in inputs)
+        scale = 1.0 if loss_scale is None else loss_scale
+        grads = tuple(nth_derivative(outputs * scale, x, order) * (1.0 / scale) for x in inputs)
     return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
 
 
@@ -286,8 +299,19 @@ class GradientPenalty(nn.Module):
         self.step += 1
         return is_due
 
-    def forward(self, outputs: Tensor, inputs: Tensor | Sequence[Tensor]) -> Tensor:
-        """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``."""
+    def forward(
+        self,
+        outputs: Tensor,
+        inputs: Tensor | Sequence[Tensor],
+        *,
+        loss_scale: float | Tensor | None = None,
+    ) -> Tensor:
+        """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``.
+
+        ``loss_scale``: with fp16 autocast and a ``GradScaler``, pass ``scaler.get_scale()``: the
+        gradients are taken of ``outputs * scale`` and multiplied by ``1/scale`` (PyTorch's
+        gradient-penalty recipe) so that small fp16 gradients do not underflow.
+        """
         inputs = _as_tuple(inputs)
         per_sample = self.points != "parameters"
         if per_sample and outputs.ndim > 0 and outputs.shape[0] == 0:
@@ -298,9 +322,10 @@ class GradientPenalty(nn.Module):
         squared = _squared(self.target, self.power, self.p) and self.target != "ema"
         if self.projection == "sum":
             norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
-                           per_sample=per_sample)
+                           per_sample=per_sample, loss_scale=loss_scale)
         else:
-            sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections)
+            sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
+                                    loss_scale)
             norms = sq if squared else _safe_sqrt(sq)
         if not self._double_backward_checked:
             check_double_backward(norms)
