@@ -1,0 +1,242 @@
+"""Mechanism properties: estimator bias, batch-split invariance, laziness, stability, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradreg
+from gradreg import GradientError
+from gradreg.penalties import (
+    GradientPenalty,
+    as_points,
+    gradient_penalty,
+    interpolate,
+    jacobian,
+    make_penalty,
+    r1,
+    wgan_gp,
+)
+
+from .conftest import mlp
+
+
+def exact_frobenius_sq(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Mean over samples of ||J_i||_F^2, the Jacobian from torch.autograd.functional."""
+    jac = torch.stack([torch.autograd.functional.jacobian(model, xi) for xi in x])
+    return jac.pow(2).sum((1, 2)).mean()
+
+
+def test_jacobian_estimate_exact_at_full_rank_and_unbiased() -> None:
+    torch.manual_seed(0)
+    model = mlp(3, 4)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    exact = exact_frobenius_sq(model, x)
+    points = as_points(x)
+    full = jacobian(num_projections=4)(model(points), points)
+    assert full.item() == pytest.approx(exact.item(), rel=1e-12)
+    one = jacobian(num_projections=1)
+    draws = []
+    for _ in range(200):
+        points = as_points(x)
+        draws.append(one(model(points), points).item())
+    draws = torch.tensor(draws, dtype=torch.float64)
+    standard_error = draws.std() / len(draws) ** 0.5
+    assert draws.std() > 0  # a real estimator, not the exact value
+    assert abs(draws.mean() - exact) < 4 * standard_error
+
+
+@pytest.mark.parametrize("preset", ["r1", "double_backprop", "jacobian_full"])
+def test_micro_batches_average_to_full_batch(preset: str) -> None:
+    """Per-sample norms of the gradient of the *sum*: two halves averaged = the whole batch."""
+    torch.manual_seed(0)
+    model = mlp(3, 4)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    labels = torch.randint(0, 4, (8,))
+
+    def value_and_grads(rows: slice) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        points = as_points(x[rows])
+        logits = model(points)
+        if preset == "r1":
+            penalty = r1()(logits[:, 0], points)
+        elif preset == "double_backprop":
+            losses = F.cross_entropy(logits, labels[rows], reduction="none")
+            penalty = make_penalty("double_backprop")(losses, points)
+        else:
+            penalty = jacobian(num_projections=4)(logits, points)
+        grads = torch.autograd.grad(penalty, list(model.parameters()), materialize_grads=True)
+        return penalty.detach(), list(grads)
+
+    full_value, full_grads = value_and_grads(slice(0, 8))
+    (v1, g1), (v2, g2) = value_and_grads(slice(0, 4)), value_and_grads(slice(4, 8))
+    assert ((v1 + v2) / 2).item() == pytest.approx(full_value.item(), rel=1e-12)
+    for full, a, b in zip(full_grads, g1, g2, strict=True):
+        torch.testing.assert_close((a + b) / 2, full, rtol=1e-12, atol=1e-14)
+
+
+def _double_backward_nodes(tensor: torch.Tensor) -> list[str]:
+    return [n for n in gradreg.autograd_graph(tensor).names() if "BackwardBackward" in n]
+
+
+def test_lazy_every_k_scales_by_k_and_builds_nothing_off_step() -> None:
+    torch.manual_seed(0)
+    critic = mlp(3, 1)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    eager, lazy = r1(), r1(every=3)
+    points = as_points(x)
+    one_step = torch.autograd.grad(eager(critic(points), points), list(critic.parameters()),
+                                   materialize_grads=True)
+    summed = [torch.zeros_like(p) for p in critic.parameters()]
+    pattern = []
+    for _ in range(3):
+        points = as_points(x)
+        loss = critic(points).mean()
+        due = lazy.due()
+        pattern.append(due)
+        if due:
+            loss = loss + lazy(critic(points), points)
+            assert _double_backward_nodes(loss)
+        else:
+            assert _double_backward_nodes(loss) == []
+        grads = torch.autograd.grad(loss, list(critic.parameters()))
+        task = torch.autograd.grad(critic(as_points(x)).mean(), list(critic.parameters()))
+        for acc, g, t in zip(summed, grads, task, strict=True):
+            acc += g - t
+    assert pattern == [True, False, False]
+    assert lazy.step.item() == 3
+    for acc, g in zip(summed, one_step, strict=True):
+        torch.testing.assert_close(acc, 3 * g, rtol=1e-12, atol=1e-14)
+
+
+def test_constant_critic_gives_zero_penalty_and_finite_gradient() -> None:
+    weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    x = as_points(torch.randn(4, 3, dtype=torch.float64))
+    outputs = weight * (0 * x).sum(1) + weight  # D constant in x: zero input gradient
+    value = r1()(outputs, x)
+    (g,) = torch.autograd.grad(value, weight, retain_graph=True)
+    assert value.item() == 0.0 and g.item() == 0.0
+    one_sided_at_target = wgan_gp()(outputs, x)  # norm 0, target 1: penalty 10 * 1
+    (g,) = torch.autograd.grad(one_sided_at_target, weight, retain_graph=True)
+    assert one_sided_at_target.item() == 10.0 and torch.isfinite(g)
+    for p in (1.0, 3.0):
+        value = GradientPenalty(p=p, power=1.0)(outputs, x)
+        (g,) = torch.autograd.grad(value, weight, retain_graph=True)
+        assert value.item() == 0.0 and torch.isfinite(g)
+
+
+def test_p_norm_sidedness_power_and_reduction() -> None:
+    x = as_points(torch.tensor([[3.0, -4.0], [0.5, 0.0]], dtype=torch.float64))
+    outputs = (x * torch.tensor([1.0, 1.0], dtype=torch.float64)).sum(1) * x[:, 0]
+    # per-sample gradients: [2*x0 + x1, x0] -> [2, 3] and [1, 0.5]
+    g = torch.tensor([[2.0, 3.0], [1.0, 0.5]], dtype=torch.float64)
+    l1 = g.abs().sum(1)  # 5, 1.5
+    value = gradient_penalty(outputs, x, p=1, target=2.0, power=3, reduction="sum")
+    assert value.item() == pytest.approx(((l1 - 2).abs() ** 3).sum().item())
+    one_sided = gradient_penalty(outputs, x, p=1, target=2.0, one_sided=True, reduction="none")
+    assert one_sided.tolist() == pytest.approx([9.0, 0.0])
+    assert gradient_penalty(outputs, x).item() == pytest.approx(g.pow(2).sum(1).mean().item())
+
+
+def test_intermediate_power_one_reproduces_seed_minimize_f() -> None:
+    """Seed 001: penalizing f = dy/dl (= 120) on the activation l gives grads 32, 108, 4."""
+    net = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 1))
+    with torch.no_grad():
+        net[0].weight.fill_(3.0)
+        net[1].weight.fill_(2.0)
+        net[1].bias.fill_(6.0)
+    penalty = make_penalty("intermediate", layers=["0"], power=1.0)
+    with gradreg.capture(net, *penalty.layers) as acts:
+        y = net(torch.tensor([[4.0]])).pow(2)
+    value = penalty(y, list(acts.values()))
+    assert value.item() == 120.0
+    value.backward()
+    assert [p.grad.item() for p in net.parameters()] == [32.0, 108.0, 4.0]
+
+
+def test_state_round_trips_through_state_dict() -> None:
+    penalty = make_penalty("path_length", every=4)
+    generator = mlp(2, 6)
+    for _ in range(5):
+        if penalty.due():
+            w = torch.randn(3, 2, dtype=torch.float64).requires_grad_()
+            penalty(generator(w), w)
+    penalty.weight = 0.5
+    restored = make_penalty("path_length", every=4)
+    restored.load_state_dict(penalty.state_dict())
+    assert restored.step.item() == 5 and restored.weight == 0.5
+    assert restored.ema.item() == penalty.ema.item() != 0.0
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: make_penalty("wgan"), "unknown penalty preset 'wgan'; known presets: wgan_gp"),
+        (lambda: make_penalty("r1", gamma=1), r"unknown option\(s\) \['gamma'\].*weight"),
+        (lambda: r1(weight=-1.0), "weight must be a finite number >= 0, got -1.0"),
+        (lambda: r1(weight=float("nan")), "weight must be a finite number"),
+        (lambda: r1(every=0), "every must be an int >= 1"),
+        (lambda: wgan_gp(target=-1.0), "target must be a number >= 0"),
+        (lambda: r1(p=0), "p .* must be > 0"),
+        (lambda: r1(reduction="max"), "reduction must be one of"),
+        (lambda: make_penalty("intermediate"), "needs layers="),
+        (lambda: interpolate(torch.zeros(4, 2), torch.zeros(3, 2)), "same shape, got"),
+    ],
+)
+def test_bad_configuration_errors(build, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_weight_set_later_is_validated() -> None:
+    penalty = r1()
+    with pytest.raises(ValueError, match=">= 0"):
+        penalty.weight = -0.1
+
+
+def test_outputs_not_depending_on_points_and_missing_double_backward() -> None:
+    x = as_points(torch.randn(4, 3))
+    other = as_points(torch.randn(4, 3))
+    with pytest.raises(GradientError, match="do not depend on input 0"):
+        r1()(other.sum(1), x)
+
+    class OnceTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v):
+            ctx.save_for_backward(v)
+            return v.tanh()
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad_out):
+            (v,) = ctx.saved_tensors
+            return grad_out * (1 - v.tanh() ** 2)
+
+    layer = nn.Linear(3, 1)
+    with pytest.raises(GradientError, match="once_differentiable.*method='finite_difference'"):
+        r1()(layer(OnceTanh.apply(x * 2)).squeeze(1), x)
+
+
+def test_non_finite_and_empty_batch_errors() -> None:
+    x = torch.randn(3, 2)
+    x[1, 0] = float("inf")
+    x = as_points(x)
+    with pytest.raises(GradientError, match="not finite"):
+        r1()((x * x).sum(1), x)
+    empty = as_points(torch.zeros(0, 2))
+    with pytest.raises(GradientError, match="empty batch"):
+        r1()(empty.sum(1), empty)
+
+
+def test_loss_scale_unscales_gradients() -> None:
+    torch.manual_seed(0)
+    critic = mlp(3, 1)
+    x = as_points(torch.randn(4, 3, dtype=torch.float64))
+    plain = r1()(critic(x), x)
+    scaled = r1()(critic(x), x, loss_scale=2.0**16)
+    assert scaled.item() == pytest.approx(plain.item(), rel=1e-12)
+    g_plain = torch.autograd.grad(plain, list(critic.parameters()), materialize_grads=True)
+    g_scaled = torch.autograd.grad(scaled, list(critic.parameters()), materialize_grads=True)
+    for a, b in zip(g_plain, g_scaled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
