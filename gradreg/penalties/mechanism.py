@@ -84,7 +84,7 @@ def per_sample_norm(
 
 def _safe_sqrt(sq: Tensor) -> Tensor:
     """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
-    positive = sq > 0
+    positive = sq != 0  # sq >= 0 or NaN: a NaN stays NaN (check_finite sees it), 0 -> 0
     return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
 
 
@@ -154,6 +154,11 @@ def _squared(target: float | Tensor, power: float, p: float) -> bool:
 def _norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
            order: int = 1, per_sample: bool = True,
            loss_scale: float | Tensor | None = None) -> Tensor:
+    if per_sample and outputs.ndim > 0 and outputs.shape[0] == 0:
+        raise GradientError(
+            "empty batch: there are no samples to penalize. Skip the penalty for empty "
+            "batches (or use drop_last=True in the data loader)."
+        )
     if order == 1:
         grads = _unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
     else:
@@ -197,6 +202,8 @@ class GradientPenalty(nn.Module):
             ``every`` so the expected gradient is unchanged (StyleGAN2).
         points: what the caller differentiates against (one of :data:`POINTS`); ``"parameters"``
             takes one norm over all parameter gradients instead of per-sample norms.
+        of: what the caller differentiates: ``"outputs"`` of the model (critic scores, logits,
+            generated images) or the per-sample task ``"loss"`` (double backprop).
         layers: dotted submodule names whose outputs are the points, for ``"activations"``.
         gain: a constant factor of the formula (1/2 for R1/R2's gamma/2).
         order: derivative order n of the ``"sum"`` projection.
@@ -221,6 +228,7 @@ class GradientPenalty(nn.Module):
         reduction: str = "mean",
         every: int = 1,
         points: str = "inputs",
+        of: str = "outputs",
         layers: Sequence[str] = (),
         gain: float = 1.0,
         order: int = 1,
@@ -239,6 +247,7 @@ class GradientPenalty(nn.Module):
         _require(isinstance(every, int) and every >= 1,
                  f"every must be an int >= 1 (1 = every step), got {every!r}")
         _require(points in POINTS, f"points must be one of {POINTS}, got {points!r}")
+        _require(of in ("outputs", "loss"), f"of must be 'outputs' or 'loss', got {of!r}")
         _require(points != "activations" or len(layers) > 0,
                  "points='activations' needs layers=[...] naming the submodules to penalize")
         _require(projection in PROJECTIONS,
@@ -257,6 +266,7 @@ class GradientPenalty(nn.Module):
         self.reduction = reduction
         self.every = every
         self.points = points
+        self.of = of
         self.layers = tuple(layers)
         self.gain = gain
         self.order = order
@@ -314,11 +324,6 @@ class GradientPenalty(nn.Module):
         """
         inputs = _as_tuple(inputs)
         per_sample = self.points != "parameters"
-        if per_sample and outputs.ndim > 0 and outputs.shape[0] == 0:
-            raise GradientError(
-                "empty batch: there are no samples to penalize. Skip the penalty for empty "
-                "batches (or use drop_last=True in the data loader)."
-            )
         squared = _squared(self.target, self.power, self.p) and self.target != "ema"
         if self.projection == "sum":
             norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,

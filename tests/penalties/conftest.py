@@ -68,7 +68,7 @@ def preset_case(name: str) -> tuple[nn.Module, Run]:
         logits = functional_call(classifier, params, (x,))
         if penalty.points == "parameters":
             return penalty(F.cross_entropy(logits, labels), list(params.values()))
-        if penalty.projection != "sum" or penalty.order > 1:
+        if penalty.of == "outputs":
             return penalty(logits, x)
         return penalty(F.cross_entropy(logits, labels, reduction="none"), x)
 

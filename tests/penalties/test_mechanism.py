@@ -240,3 +240,13 @@ def test_loss_scale_unscales_gradients() -> None:
     g_scaled = torch.autograd.grad(scaled, list(critic.parameters()), materialize_grads=True)
     for a, b in zip(g_plain, g_scaled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_nan_gradient_is_not_hidden_by_the_safe_root() -> None:
+    """A NaN squared norm must stay NaN (the root's zero branch is for exact zeros only)."""
+    x = as_points(torch.tensor([[float("nan"), 1.0], [1.0, 2.0]]))
+    with pytest.raises(GradientError, match="not finite"):
+        wgan_gp()((x**2).sum(1), x)
+    empty = as_points(torch.zeros(0, 3))
+    with pytest.raises(GradientError, match="empty batch"):
+        gradient_penalty(empty.square().sum(1), empty)
