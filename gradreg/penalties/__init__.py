@@ -8,6 +8,7 @@ Plain PyTorch, WGAN-GP::
 """
 
 from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty, per_sample_norm
+from gradreg.penalties.methods import METHODS, lazy_optimizer_kwargs
 from gradreg.penalties.points import as_points, interpolate, perturb_dragan
 from gradreg.penalties.presets import (
     PRESETS,
@@ -26,6 +27,7 @@ from gradreg.penalties.presets import (
 )
 
 __all__ = [
+    "METHODS",
     "POINTS",
     "PRESETS",
     "GradientPenalty",
@@ -37,6 +39,7 @@ __all__ = [
     "intermediate",
     "interpolate",
     "jacobian",
+    "lazy_optimizer_kwargs",
     "make_penalty",
     "param_grad_norm",
     "path_length",

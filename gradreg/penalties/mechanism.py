@@ -33,12 +33,13 @@ With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, check_double_backward, gradient, nth_derivative
+from gradreg.penalties import methods
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
@@ -212,6 +213,15 @@ class GradientPenalty(nn.Module):
         ema_decay: the running mean's decay for ``target="ema"``.
         check_finite: raise :class:`~gradreg.GradientError` when the penalty is NaN or Inf
             (one host sync per call) instead of letting it poison the parameters.
+        method: how the parameter gradient is computed, one of :data:`methods.METHODS`:
+            ``"double_backward"`` (exact), ``"finite_difference"`` (no double backward, error
+            O(fd_eps); refused on piecewise-linear models) or ``"compiled"`` (exact, through
+            compiled ``torch.func``; falls back to double backward with a warning). The two
+            latter need ``outputs`` as a callable; see :mod:`gradreg.penalties.methods`.
+        subsample: evaluate on the first ``ceil(subsample * B)`` samples only (StyleGAN2's batch
+            shrink; needs ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
+        fd_eps: the finite-difference step (input-space length of each sample's shift);
+            ``None`` picks :func:`methods.default_step` for the dtype.
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
     current weight. ``last_value`` holds the detached unweighted penalty of the last call.
@@ -236,6 +246,9 @@ class GradientPenalty(nn.Module):
         num_projections: int = 1,
         ema_decay: float = 0.01,
         check_finite: bool = True,
+        method: str = "double_backward",
+        subsample: float = 1.0,
+        fd_eps: float | None = None,
     ) -> None:
         super().__init__()
         _require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
@@ -258,6 +271,15 @@ class GradientPenalty(nn.Module):
                  f"num_projections must be an int >= 1, got {num_projections!r}")
         _require(0 < ema_decay <= 1, f"ema_decay must be in (0, 1], got {ema_decay!r}")
         _require(gain > 0, f"gain must be > 0, got {gain!r}")
+        _require(method in methods.METHODS,
+                 f"method must be one of {methods.METHODS}, got {method!r}")
+        _require(method == "double_backward" or (
+            projection == "sum" and order == 1 and target != "ema"
+            and points not in ("parameters", "activations")),
+            f"method={method!r} supports projection='sum', order=1, a numeric target and "
+            "per-sample points other than 'activations'; use method='double_backward'")
+        _require(0 < subsample <= 1, f"subsample must be in (0, 1], got {subsample!r}")
+        _require(fd_eps is None or fd_eps > 0, f"fd_eps must be > 0 or None, got {fd_eps!r}")
         self.weight = weight
         self.target = target
         self.one_sided = one_sided
@@ -274,6 +296,10 @@ class GradientPenalty(nn.Module):
         self.num_projections = num_projections
         self.ema_decay = ema_decay
         self.check_finite = check_finite
+        self.method = method
+        self.subsample = subsample
+        self.fd_eps = fd_eps
+        self._compiled: methods.CompiledPenalty | None = None
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
@@ -311,7 +337,7 @@ class GradientPenalty(nn.Module):
 
     def forward(
         self,
-        outputs: Tensor,
+        outputs: Tensor | Callable[..., Tensor],
         inputs: Tensor | Sequence[Tensor],
         *,
         loss_scale: float | Tensor | None = None,
@@ -321,23 +347,42 @@ class GradientPenalty(nn.Module):
         ``loss_scale``: with fp16 autocast and a ``GradScaler``, pass ``scaler.get_scale()``: the
         gradients are taken of ``outputs * scale`` and multiplied by ``1/scale`` (PyTorch's
         gradient-penalty recipe) so that small fp16 gradients do not underflow.
+
+        ``outputs`` may instead be a callable ``fn(*inputs) -> outputs`` (a module, or a closure
+        over the labels for a per-sample loss): the penalty then runs the forward itself, which
+        ``subsample`` and the methods other than ``"double_backward"`` need.
         """
         inputs = _as_tuple(inputs)
+        fn = None if isinstance(outputs, Tensor) else outputs
+        _require(fn is not None or (self.method == "double_backward" and self.subsample == 1),
+                 f"method={self.method!r} and subsample={self.subsample} need outputs as a "
+                 "callable fn(*inputs) -> outputs (e.g. the critic itself), not a tensor")
+        _require(loss_scale is None or self.method == "double_backward",
+                 "loss_scale is only supported by method='double_backward'")
+        batch = inputs[0].shape[0] if inputs[0].ndim > 0 else 1
+        if fn is not None:
+            inputs = methods.subsample(inputs, self.subsample)
         per_sample = self.points != "parameters"
         squared = _squared(self.target, self.power, self.p) and self.target != "ema"
-        if self.projection == "sum":
-            norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
-                           per_sample=per_sample, loss_scale=loss_scale)
-        else:
-            sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
-                                    loss_scale)
-            norms = sq if squared else _safe_sqrt(sq)
-        if not self._double_backward_checked:
-            check_double_backward(norms)
-            self._double_backward_checked = True
-        target = self._ema_target(norms) if self.target == "ema" else self.target
-        value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
-                                    power=self.power, reduction=self.reduction, squared=squared)
+        value = None if self.method == "double_backward" else self._approximate(fn, inputs)
+        if value is None:
+            outputs = outputs if fn is None else fn(*inputs)
+            if self.projection == "sum":
+                norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
+                               per_sample=per_sample, loss_scale=loss_scale)
+            else:
+                sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
+                                        loss_scale)
+                norms = sq if squared else _safe_sqrt(sq)
+            if not self._double_backward_checked:
+                check_double_backward(norms)
+                self._double_backward_checked = True
+            target = self._ema_target(norms) if self.target == "ema" else self.target
+            value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
+                                        power=self.power, reduction=self.reduction,
+                                        squared=squared)
+        if self.reduction == "sum" and inputs[0].ndim > 0 and inputs[0].shape[0] < batch:
+            value = value * (batch / inputs[0].shape[0])
         self.last_value = value.detach()
         if self.check_finite and not bool(torch.isfinite(self.last_value)):
             raise GradientError(
@@ -347,6 +392,24 @@ class GradientPenalty(nn.Module):
                 "(check_finite=False lets the value through)."
             )
         return value * (self.weight * self.every * self.gain)
+
+    def _penalty_of_grads(self, grads: tuple[Tensor, ...]) -> Tensor:
+        """The unweighted penalty as a function of the per-sample input gradients alone."""
+        squared = _squared(self.target, self.power, self.p)
+        return _penalty_from_norms(per_sample_norm(grads, self.p, squared=squared),
+                                   target=self.target, one_sided=self.one_sided, power=self.power,
+                                   reduction=self.reduction, squared=squared)
+
+    def _approximate(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> Tensor | None:
+        """The penalty by ``self.method`` (not double backward); None where compile fell back."""
+        if self.method == "finite_difference":
+            if not self._double_backward_checked:
+                methods.check_smooth(fn)
+                self._double_backward_checked = True
+            return methods.finite_difference(fn, inputs, self._penalty_of_grads, eps=self.fd_eps)
+        if self._compiled is None or self._compiled.module is not fn:
+            self._compiled = methods.CompiledPenalty(fn, self._penalty_of_grads)
+        return self._compiled(inputs)
 
     def _ema_target(self, norms: Tensor) -> Tensor:
         """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose

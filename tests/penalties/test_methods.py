@@ -1,0 +1,161 @@
+"""The computation methods against the exact double-backward gradient, within their stated error."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradreg import GradientError
+from gradreg.penalties import GradientPenalty, lazy_optimizer_kwargs, make_penalty, methods
+
+
+def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(n_in, 16), nn.Tanh(), nn.Linear(16, 16), nn.Softplus(),
+                          nn.Linear(16, 1)).to(dtype)
+    with torch.no_grad():  # input-gradient norms on both sides of 1 (WGAN-LP is one-sided)
+        model[4].weight.mul_(20)  # norms from 0.5 to 1.8
+    return model
+
+
+def points(dtype: torch.dtype = torch.float64, batch: int = 32, n_in: int = 8) -> Tensor:
+    torch.manual_seed(1)
+    return torch.randn(batch, n_in, dtype=dtype).requires_grad_()
+
+
+def value_and_grad(penalty: GradientPenalty, model: nn.Module, fn: object,
+                   x: Tensor) -> tuple[Tensor, Tensor]:
+    model.zero_grad(set_to_none=True)
+    value = penalty(fn, x)
+    value.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+    return value.detach(), torch.cat([g.flatten() for g in grads])
+
+
+def relative_error(estimate: Tensor, exact: Tensor) -> float:
+    return float((estimate - exact).norm() / exact.norm())
+
+
+CONFIGS = [("wgan_gp", {}), ("wgan_lp", {}), ("r1", {}),
+           ("r1", {"power": 1.0, "p": 1.0, "reduction": "sum"})]
+
+
+@pytest.mark.parametrize(("preset", "overrides"), CONFIGS)
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-6), (torch.float32, 3e-3)])
+def test_finite_difference_within_stated_error(preset: str, overrides: dict, dtype: torch.dtype,
+                                               tolerance: float) -> None:
+    model, x = smooth_critic(dtype), points(dtype)
+    exact_value, exact = value_and_grad(make_penalty(preset, **overrides), model, model(x), x)
+    penalty = make_penalty(preset, method="finite_difference", **overrides)
+    value, estimate = value_and_grad(penalty, model, model, x)
+    assert exact.norm() > 0
+    torch.testing.assert_close(value, exact_value)  # the value is exact, only the gradient is not
+    assert relative_error(estimate, exact) < tolerance
+
+
+def test_finite_difference_closure_over_a_per_sample_loss() -> None:
+    model, x = smooth_critic(n_in=8), points()
+    head = nn.Linear(1, 3).double()
+    labels = torch.tensor([0, 1, 2, 1] * 8)
+
+    def losses(inputs: Tensor) -> Tensor:
+        return F.cross_entropy(head(model(inputs)), labels, reduction="none")
+
+    _, exact = value_and_grad(make_penalty("double_backprop"), model, losses(x), x)
+    _, estimate = value_and_grad(make_penalty("double_backprop", method="finite_difference"),
+                                 model, losses, x)
+    assert relative_error(estimate, exact) < 1e-6
+
+
+def test_finite_difference_refuses_piecewise_linear_models_and_half_precision() -> None:
+    relu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(5, 4, requires_grad=True)
+    penalty = make_penalty("r1", method="finite_difference")
+    with pytest.raises(GradientError, match=r"piecewise-linear model \(ReLU at '1'\)"):
+        penalty(relu, x)
+    with pytest.raises(GradientError, match="piecewise-linear"):  # seen through a closure
+        make_penalty("r1", method="finite_difference")(lambda inputs: relu(inputs).squeeze(1), x)
+    with pytest.raises(GradientError, match="float32 or float64"):
+        methods.default_step(torch.bfloat16)
+
+
+def test_callable_outputs_give_the_same_exact_penalty() -> None:
+    model, x = smooth_critic(), points()
+    from_tensor = value_and_grad(make_penalty("wgan_gp"), model, model(x), x)
+    from_callable = value_and_grad(make_penalty("wgan_gp"), model, model, x)
+    torch.testing.assert_close(from_callable, from_tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("reduction", "scale"), [("mean", 1.0), ("sum", 32 / 8)])
+def test_subsample_is_the_penalty_of_the_first_samples(reduction: str, scale: float) -> None:
+    model, x = smooth_critic(), points(batch=32)
+    head = x[:8].detach().requires_grad_()
+    exact_value, exact = value_and_grad(make_penalty("r1", reduction=reduction), model,
+                                        model(head), head)
+    value, grad = value_and_grad(make_penalty("r1", reduction=reduction, subsample=0.25), model,
+                                 model, x)
+    torch.testing.assert_close(value, exact_value * scale)
+    torch.testing.assert_close(grad, exact * scale)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"method": "adjoint"}, "method must be one of .*'double_backward'"),
+     ({"method": "finite_difference", "projection": "gaussian"}, "supports projection='sum'"),
+     ({"method": "compiled", "target": "ema"}, "a numeric target"),
+     ({"subsample": 0.0}, r"subsample must be in \(0, 1\]"),
+     ({"fd_eps": -1.0}, "fd_eps must be > 0")],
+)
+def test_invalid_method_options(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GradientPenalty(**options)
+
+
+def test_methods_other_than_exact_need_a_callable() -> None:
+    model, x = smooth_critic(), points()
+    with pytest.raises(ValueError, match="need outputs as a callable"):
+        make_penalty("r1", method="finite_difference")(model(x), x)
+    with pytest.raises(ValueError, match="need outputs as a callable"):
+        make_penalty("r1", subsample=0.5)(model(x), x)
+    with pytest.raises(GradientError, match="needs outputs as an nn.Module"):
+        make_penalty("r1", method="compiled")(lambda inputs: model(inputs), x)
+
+
+def test_compiled_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_compiler(fn: object) -> object:
+        def fail(*args: object) -> None:
+            raise RuntimeError("no C++ compiler found")
+
+        return fail
+
+    monkeypatch.setattr(methods.torch, "compile", no_compiler)
+    model, x = smooth_critic(), points()
+    exact = value_and_grad(make_penalty("wgan_gp"), model, model, x)
+    penalty = make_penalty("wgan_gp", method="compiled")
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found.*double_backward"):
+        fallback = value_and_grad(penalty, model, model, x)
+    torch.testing.assert_close(fallback, exact, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_is_exact() -> None:
+    model, x = smooth_critic(n_in=3), points(batch=4, n_in=3)
+    exact = value_and_grad(make_penalty("wgan_gp"), model, model, x)
+    compiled = value_and_grad(make_penalty("wgan_gp", method="compiled"), model, model, x)
+    torch.testing.assert_close(compiled, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_lazy_optimizer_kwargs_is_stylegan2s_correction() -> None:
+    kwargs = lazy_optimizer_kwargs(2e-3, (0.0, 0.99), every=16)
+    assert kwargs["lr"] == pytest.approx(2e-3 * 16 / 17)
+    assert kwargs["betas"] == pytest.approx((0.0, 0.99 ** (16 / 17)))
+    kwargs = lazy_optimizer_kwargs(1e-3, (0.5, 0.9), every=1)  # a separate step every step
+    assert kwargs["lr"] == pytest.approx(5e-4)
+    assert kwargs["betas"] == pytest.approx((0.5**0.5, 0.9**0.5))
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        lazy_optimizer_kwargs(1e-3, every=0)
