@@ -1,0 +1,83 @@
+"""Every preset on one tiny model, evaluated where its ``points`` say (shared by the tests here).
+
+The model ``4 -> 16 -> tanh -> 2`` plays every role (classifier, critic, generator): the penalty
+mechanism does not care which. The task loss is a regression to a fixed target, so a plain SGD run
+stays bounded and any NaN comes from the penalty, not from divergence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gradreg import capture
+from gradreg.penalties import (
+    PRESETS,
+    GradientPenalty,
+    as_points,
+    interpolate,
+    make_penalty,
+    perturb_dragan,
+)
+
+FEATURES, HIDDEN, OUTPUTS = 4, 16, 2
+# options a preset needs on this model (the submodule whose output "intermediate" penalizes)
+OVERRIDES: dict[str, dict] = {"intermediate": {"layers": ["1"]}}
+
+
+def tiny_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUTPUTS))
+
+
+def penalty(name: str, **overrides: object) -> GradientPenalty:
+    """The preset ``name`` ready for :func:`tiny_model`."""
+    return make_penalty(name, **{**OVERRIDES.get(name, {}), **overrides})
+
+
+def batch(step: int, size: int = 16) -> Tensor:
+    """A deterministic batch for ``step``: the data never depends on the global RNG."""
+    return torch.randn(size, FEATURES, generator=torch.Generator().manual_seed(step))
+
+
+def task_loss(model: nn.Module, x: Tensor) -> Tensor:
+    return (model(x) - 1.0).square().mean()
+
+
+def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: object) -> Tensor:
+    """``gp`` evaluated on ``model`` at the points its ``points`` names, made from batch ``x``;
+    ``options`` go to ``gp.forward`` (``loss_scale``)."""
+    if gp.points == "parameters":
+        return gp(task_loss(model, x), list(model.parameters()), **options)
+    if gp.points == "activations":
+        with capture(model, *gp.layers) as activations:
+            outputs = model(x)
+        return gp(outputs, [activations[layer] for layer in gp.layers], **options)
+    make_points = {
+        "inputs": as_points, "real": as_points, "latents": as_points,
+        "fake": lambda real: as_points(real + 0.5),
+        "interpolates": lambda real: interpolate(real, real.flip(0) + 0.5),
+        "perturbed": perturb_dragan,
+    }[gp.points]
+    points = make_points(x)
+    return gp(model(points), points, **options)
+
+
+def sgd_step(gp: GradientPenalty, model: nn.Module, x: Tensor, *, lr: float = 1e-2,
+             dtype: torch.dtype | None = None) -> Tensor:
+    """One SGD step on ``task loss + penalty``; returns the detached unweighted penalty.
+
+    ``dtype``: run the forward pass and the penalty under ``torch.autocast("cpu", dtype)`` (as a
+    Lightning ``training_step`` under ``precision="bf16-mixed"``), the backward outside it.
+    """
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        total = task_loss(model, x) + penalty_value(gp, model, x)
+    model.zero_grad(set_to_none=True)
+    total.backward()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter -= lr * parameter.grad
+    return gp.last_value
+
+
+__all__ = ["PRESETS", "batch", "penalty", "penalty_value", "sgd_step", "task_loss", "tiny_model"]
