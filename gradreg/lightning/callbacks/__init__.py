@@ -1,0 +1,33 @@
+"""Callbacks that show what a gradient penalty does, for any LightningModule.
+
+==========================  ===========================================================
+:class:`GradientNormMonitor`  parameter / input gradient norms and penalty values
+:class:`PenaltyWeightSchedule` warm-up and anneal of penalty weights (checkpointed)
+:class:`AccumulationGuard`     gradients not reset between optimizer steps, NaN/Inf
+:class:`AutogradGraphLogger`   the backward graph of the penalized loss, as text and DOT
+:class:`CustomScalarsLayout`   TensorBoard layout: loss, penalties and norms side by side
+:class:`HParamsLogger`         hyperparameters with final metrics (HParams tab)
+:class:`SaliencyMaps`          figure: inputs over their loss gradient
+:class:`CriticLandscape`       figure: a 2D critic's scores and gradient norms, with samples
+==========================  ===========================================================
+"""
+
+from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps
+from gradreg.lightning.callbacks.graph import AutogradGraphLogger
+from gradreg.lightning.callbacks.guard import AccumulationGuard
+from gradreg.lightning.callbacks.hparams import HParamsLogger
+from gradreg.lightning.callbacks.layout import CustomScalarsLayout
+from gradreg.lightning.callbacks.monitor import GradientNormMonitor
+from gradreg.lightning.callbacks.schedule import PenaltyWeightSchedule, WeightSchedule
+
+__all__ = [
+    "AccumulationGuard",
+    "AutogradGraphLogger",
+    "CriticLandscape",
+    "CustomScalarsLayout",
+    "GradientNormMonitor",
+    "HParamsLogger",
+    "PenaltyWeightSchedule",
+    "SaliencyMaps",
+    "WeightSchedule",
+]

@@ -1,0 +1,150 @@
+r"""Warm-up and anneal of penalty weights.
+
+With :math:`s = \operatorname{clip}\big((t - \text{begin}) / \text{steps}, 0, 1\big)` at optimizer
+step :math:`t` (``trainer.global_step``; in manual optimization every ``optimizer.step()``
+counts), the weight is
+
+* ``constant``: :math:`w(t) = \text{end}`;
+* ``linear``:   :math:`w(t) = \text{start} + (\text{end} - \text{start})\, s`;
+* ``cosine``:   :math:`w(t) = \text{end} + (\text{start} - \text{end})\,(1 + \cos \pi s) / 2`;
+* ``step``:     :math:`w(t) = \text{start}` for :math:`s < 1`, then :math:`\text{end}`.
+
+All but ``constant`` start at ``start`` on step ``begin`` and hold ``end`` from step
+``begin + steps`` on: a warm-up has ``start < end``, an anneal ``start > end``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from gradreg.lightning.callbacks._logging import log_scalars, logging_due
+from gradreg.lightning.callbacks._penalties import named_penalties
+from gradreg.lightning.dashboards import PENALTY_WEIGHT
+from gradreg.penalties import GradientPenalty
+
+KINDS = ("constant", "linear", "cosine", "step")
+
+
+@dataclass(frozen=True)
+class WeightSchedule:
+    """The weight :math:`w(t)` of the module docstring; plain values, as a config sets them."""
+
+    kind: str = "linear"
+    start: float = 0.0
+    end: float = 1.0
+    steps: int = 1000
+    begin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown schedule kind {self.kind!r}; choose one of {list(KINDS)}.")
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"{name}={value!r}: a penalty weight must be a finite number >= 0 "
+                    "(0 turns the penalty off)."
+                )
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(
+                f"steps={self.steps!r}: the ramp needs an int number of optimizer steps >= 1."
+            )
+        if not isinstance(self.begin, int) or self.begin < 0:
+            raise ValueError(
+                f"begin={self.begin!r}: the first step of the ramp must be an int >= 0."
+            )
+
+    def __call__(self, step: int) -> float:
+        s = min(max((step - self.begin) / self.steps, 0.0), 1.0)
+        if self.kind == "constant":
+            return float(self.end)
+        if self.kind == "linear":
+            return self.start + (self.end - self.start) * s
+        if self.kind == "cosine":
+            return self.end + (self.start - self.end) * (1.0 + math.cos(math.pi * s)) / 2.0
+        return float(self.start if s < 1.0 else self.end)
+
+
+class PenaltyWeightSchedule(pl.Callback):
+    """Set ``.weight`` of the module's :class:`GradientPenalty` submodules to :math:`w(t)`.
+
+    Before each training batch the weight of every penalty (or of those named in ``penalties``,
+    dotted module paths such as ``"penalties.gp"``) becomes ``w(trainer.global_step)``; it is
+    logged as ``penalty_weight/<module path>``. The schedule and the last applied ``step`` and
+    ``weight`` are saved in checkpoints and restored on resume.
+
+    Args:
+        kind, start, end, steps, begin: the :class:`WeightSchedule` (module docstring).
+        penalties: module paths of the penalties to schedule; ``None`` schedules all of them.
+    """
+
+    def __init__(
+        self,
+        kind: str = "linear",
+        *,
+        start: float = 0.0,
+        end: float = 1.0,
+        steps: int = 1000,
+        begin: int = 0,
+        penalties: Sequence[str] | None = None,
+    ) -> None:
+        if isinstance(penalties, str):
+            raise ValueError(
+                f"penalties must be a list of module paths, got the string {penalties!r}; "
+                f"write penalties=[{penalties!r}]."
+            )
+        self.schedule = WeightSchedule(kind, start, end, steps, begin)
+        self.penalties = None if penalties is None else tuple(penalties)
+        self.step: int | None = None
+        self.weight: float | None = None
+        self._targets: dict[str, GradientPenalty] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(penalties=self.penalties)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        found = named_penalties(pl_module)
+        if not found:
+            raise ValueError(
+                f"PenaltyWeightSchedule found no GradientPenalty in {type(pl_module).__name__}: "
+                "assign the penalties as attributes (or in an nn.ModuleDict) of the module."
+            )
+        unknown = sorted(set(self.penalties or ()) - set(found))
+        if unknown:
+            raise ValueError(
+                f"PenaltyWeightSchedule: no penalty at {unknown}; the module's penalties are "
+                f"{sorted(found)}."
+            )
+        names = found if self.penalties is None else self.penalties
+        self._targets = {name: found[name] for name in names}
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.step = trainer.global_step
+        self.weight = self.schedule(self.step)
+        for penalty in self._targets.values():
+            penalty.weight = self.weight
+        if logging_due(trainer):
+            tags = [f"{PENALTY_WEIGHT}/{name}" for name in self._targets]
+            log_scalars(trainer, dict.fromkeys(tags, self.weight))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**asdict(self.schedule), "step": self.step, "weight": self.weight}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = WeightSchedule(**{f.name: state_dict[f.name] for f in fields(WeightSchedule)})
+        if saved != self.schedule:
+            rank_zero_warn(
+                f"the checkpoint was trained with {saved}; resuming with {self.schedule} from "
+                f"step {state_dict['step']}."
+            )
+        self.step = state_dict["step"]
+        self.weight = state_dict["weight"]
