@@ -1,0 +1,177 @@
+r"""A classifier trained with any number of gradient penalties (automatic optimization).
+
+One training step:
+
+.. math::
+
+    L = \frac1B \sum_i \ell_i + \sum_k P_k, \qquad \ell_i = \mathrm{CE}(f(x_i), y_i),
+
+where each penalty :math:`P_k` is evaluated where its ``points`` say:
+
+* ``"inputs"``: the gradient w.r.t. :math:`x_i` of the per-sample loss :math:`\ell_i`
+  (``of="loss"``: double backprop) or of the model outputs :math:`f(x_i)` (``of="outputs"``:
+  jacobian, derivative);
+* ``"activations"``: the gradient of :math:`\ell_i` w.r.t. the outputs of the named submodules
+  (``layers``) of the backbone;
+* ``"parameters"``: the gradient of the mean loss w.r.t. all trainable parameters.
+
+The step returns :math:`L`, so Lightning's gradient accumulation, clipping and DDP apply to the
+penalty as to the loss. Penalties are computed from per-sample values (``reduction="none"``), so
+for a backbone without batch interaction (no BatchNorm) a batch split into micro-batches gives the
+same gradient as the whole batch.
+
+Validation and test differentiate too (FGSM, input-gradient norm): they need
+``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from functools import partial
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradreg import capture, gradient
+from gradreg.lightning.metrics import accuracy, fgsm
+from gradreg.penalties import PRESETS, GradientPenalty, as_points
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
+
+INFERENCE_MODE_ERROR = (
+    "validation/test of a Classifier takes input gradients (FGSM, gradient norm), which "
+    "torch.inference_mode() forbids: build the Trainer with inference_mode=False."
+)
+
+
+def check_penalties(
+    penalties: Mapping[str, GradientPenalty], module: nn.Module, supported: Sequence[str], kind: str
+) -> None:
+    """Raise ``ValueError`` naming the penalty and the valid values if ``kind`` cannot apply it."""
+    names = [name for name, _ in module.named_modules() if name]
+    for key, penalty in penalties.items():
+        if penalty.points not in supported:
+            presets = [name for name, preset in PRESETS.items() if preset["points"] in supported]
+            raise ValueError(
+                f"penalty {key!r} has points={penalty.points!r}, which a {kind} cannot evaluate; "
+                f"a {kind} supports points {list(supported)}, i.e. the presets {presets}"
+            )
+        unknown = [layer for layer in penalty.layers if layer not in names]
+        if unknown:
+            raise ValueError(
+                f"penalty {key!r} has layers={unknown}, not submodules of the model; "
+                f"valid layers: {names}"
+            )
+
+
+class Classifier(L.LightningModule):
+    """Cross-entropy classification of ``backbone(x)`` plus the penalties (see module docstring).
+
+    Args:
+        backbone: maps a batch ``x`` to logits ``[B, classes]``.
+        penalties: name -> penalty; held in an ``nn.ModuleDict`` so their state is checkpointed.
+            Critic/generator points (real, fake, interpolates, perturbed, latents) raise
+            ``ValueError``: they need a GAN.
+        optimizer: builds the optimizer from the parameters (default Adam, lr 1e-3).
+        fgsm_eps: the FGSM step size for the adversarial accuracy in validation and test.
+        input_range: ``(low, high)`` that FGSM examples are clipped to, or ``None``.
+        input_shape: the shape of one sample, for Lightning's model summary.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        penalties: Mapping[str, GradientPenalty] | None = None,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        fgsm_eps: float = 0.1,
+        input_range: Sequence[float] | None = (0.0, 1.0),
+        input_shape: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        penalties = dict(penalties or {})
+        check_penalties(penalties, backbone, CLASSIFIER_POINTS, "Classifier")
+        self.save_hyperparameters(ignore=["backbone", "penalties", "optimizer"])
+        self.backbone = backbone
+        self.penalties = nn.ModuleDict(penalties)
+        self.optimizer = optimizer or partial(torch.optim.Adam, lr=1e-3)
+        self.fgsm_eps = fgsm_eps
+        self.input_range = None if input_range is None else tuple(input_range)
+        if input_shape is not None:
+            self.example_input_array = torch.zeros(1, *input_shape)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.backbone(x)
+
+    def losses(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The mean task loss and the weighted penalties due at this step (``gp.due()``)."""
+        due = {name: gp for name, gp in self.penalties.items() if gp.due()}
+        if any(gp.points == "inputs" for gp in due.values()):
+            x = as_points(x)
+        layers = sorted({layer for gp in due.values() for layer in gp.layers})
+        with capture(self.backbone, *layers) if layers else nullcontext({}) as activations:
+            logits = self.backbone(x)
+        per_sample = F.cross_entropy(logits, y, reduction="none")
+        loss = per_sample.mean()
+        penalties = {}
+        for name, gp in due.items():
+            if gp.points == "inputs":
+                penalties[name] = gp(self._outputs(gp, logits, per_sample, y), x)
+            elif gp.points == "activations":
+                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers])
+            else:  # "parameters"
+                params = [p for p in self.backbone.parameters() if p.requires_grad]
+                penalties[name] = gp(loss, params)
+        return loss, penalties
+
+    def _outputs(
+        self, gp: GradientPenalty, logits: Tensor, per_sample: Tensor, y: Tensor
+    ) -> Tensor | Callable[[Tensor], Tensor]:
+        """What an ``"inputs"`` penalty differentiates (``gp.of``): logits or per-sample losses.
+
+        Double backward shares the task's forward pass; the other methods and ``subsample`` need
+        a callable ``x -> outputs`` and run their own (on the first samples of the batch).
+        """
+        if gp.method == "double_backward" and gp.subsample == 1:
+            return logits if gp.of == "outputs" else per_sample
+        if gp.of == "outputs":
+            return self.backbone
+        return lambda x: F.cross_entropy(self.backbone(x), y[: x.shape[0]], reduction="none")
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, penalties = self.losses(*batch)
+        total = loss + sum(penalties.values())
+        self.log("train/loss", loss)
+        self.log_dict({f"train/penalty/{name}": value for name, value in penalties.items()})
+        self.log("train/total", total, prog_bar=True)
+        return total
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
+        """Loss, accuracy, FGSM accuracy and mean input-gradient norm ``mean_i ||d l_i/d x_i||``."""
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(INFERENCE_MODE_ERROR)
+        x, y = batch
+        with torch.enable_grad():
+            x = as_points(x)
+            logits = self.backbone(x)
+            per_sample = F.cross_entropy(logits, y, reduction="none")
+            grad = gradient(per_sample.sum(), x, create_graph=False)
+        adversarial_logits = self.backbone(fgsm(x, grad, self.fgsm_eps, self.input_range))
+        self.log(f"{stage}/loss", per_sample.mean())
+        self.log(f"{stage}/acc", accuracy(logits, y), prog_bar=True)
+        self.log(f"{stage}/acc_fgsm", accuracy(adversarial_logits, y), prog_bar=True)
+        self.log(f"{stage}/input_grad_norm", grad.flatten(1).norm(dim=1).mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer(self.parameters())

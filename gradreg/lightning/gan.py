@@ -1,0 +1,145 @@
+r"""A GAN on 2D data trained with critic penalties (manual optimization).
+
+Schedule: every training batch is one critic step; after every ``n_critic``-th critic step
+(counted on critic steps over the whole run, so epochs of any length and resumed runs keep the
+rhythm) comes one generator step, i.e. ``n_critic`` critic updates per generator update as in
+WGAN-GP's Algorithm 1. Each step: toggle the phase's optimizer (the other network's parameters stop
+requiring grad), zero its gradients, one backward of the phase's total (:mod:`gan_loss`), one
+optimizer step. The critic-step counter is a buffer, so it is checkpointed.
+
+Validation draws a fixed set of latents (its own seeded generator: it never touches the training
+RNG) and reports the energy distance between fakes and held-out reals, the critic's Wasserstein
+estimate :math:`E[D(x)] - E[D(G(z))]` and, on the Gaussian mixtures, modes covered and the share
+of high-quality samples (:mod:`gradreg.lightning.metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from gradreg.data.toy import MIXTURES, TOY_SETS
+from gradreg.lightning.classifier import check_penalties
+from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
+from gradreg.lightning.metrics import energy_distance, mode_metrics
+from gradreg.penalties import GradientPenalty
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+# WGAN-GP's toy experiments: Adam, lr 1e-4, betas (0.5, 0.9)
+DEFAULT_OPTIMIZER = partial(torch.optim.Adam, lr=1e-4, betas=(0.5, 0.9))
+
+
+class GAN(L.LightningModule):
+    """Generator ``G: latent -> data`` and critic ``D: data -> [B, 1]`` with penalties.
+
+    Args:
+        generator, critic: the two networks (the critic without BatchNorm: per-sample critic
+            gradients need samples that do not interact).
+        penalties: name -> penalty on points real, fake, interpolates, perturbed (critic) or
+            latents (generator); others raise ``ValueError``.
+        n_critic: critic steps per generator step, >= 1.
+        loss: the adversarial term, ``"wgan"`` or ``"nonsaturating"`` (:mod:`gan_loss`).
+        latent_dim: the generator's input size.
+        generator_optimizer, critic_optimizer: build the optimizers from the parameters.
+        dataset: the toy set's name; on ``8gaussians``/``25gaussians`` validation reports modes.
+        eval_seed: seed of the validation latents.
+    """
+
+    def __init__(
+        self,
+        generator: nn.Module,
+        critic: nn.Module,
+        penalties: Mapping[str, GradientPenalty] | None = None,
+        *,
+        n_critic: int = 5,
+        loss: str = "wgan",
+        latent_dim: int = 2,
+        generator_optimizer: OptimizerFactory = DEFAULT_OPTIMIZER,
+        critic_optimizer: OptimizerFactory = DEFAULT_OPTIMIZER,
+        dataset: str | None = None,
+        eval_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if not (isinstance(n_critic, int) and n_critic >= 1):
+            raise ValueError(f"n_critic must be an integer >= 1, got {n_critic!r}")
+        if dataset is not None and dataset not in TOY_SETS:
+            raise ValueError(f"dataset={dataset!r} is unknown; valid values: {sorted(TOY_SETS)}")
+        penalties = dict(penalties or {})
+        check_penalties(penalties, critic, (*CRITIC_POINTS, *GENERATOR_POINTS), "GAN")
+        self.save_hyperparameters(
+            ignore=["generator", "critic", "penalties", "generator_optimizer", "critic_optimizer"]
+        )
+        self.automatic_optimization = False
+        self.generator, self.critic = generator, critic
+        self.penalties = nn.ModuleDict(penalties)
+        self.gan_loss = GANLoss(generator, critic, self.penalties, adversarial=loss,
+                                latent_dim=latent_dim)
+        self.n_critic = n_critic
+        self.optimizer_factories = (generator_optimizer, critic_optimizer)
+        self.mixture = MIXTURES.get(dataset) if dataset else None
+        self.eval_seed = eval_seed
+        self.register_buffer("critic_steps", torch.zeros((), dtype=torch.long))
+        self._eval: dict[str, list[Tensor]] = {"real": [], "fake": []}
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.generator(z)
+
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        real = batch[0]
+        opt_generator, opt_critic = self.optimizers()
+        self._step("critic", opt_critic, self.gan_loss.critic_terms, real)
+        self.critic_steps += 1
+        if self.critic_steps % self.n_critic == 0:
+            self._step("generator", opt_generator, self.gan_loss.generator_terms, real)
+
+    def _step(
+        self,
+        phase: str,
+        optimizer: torch.optim.Optimizer,
+        terms_of: Callable[[Tensor], dict[str, Tensor]],
+        real: Tensor,
+    ) -> None:
+        with self.toggled_optimizer(optimizer):
+            terms = terms_of(real)
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(sum(terms.values()))
+            optimizer.step()
+        self.log_dict({f"train/{phase}/{name}": value.detach() for name, value in terms.items()})
+
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        real = batch[0]
+        rng = torch.Generator().manual_seed(self.eval_seed + batch_idx)
+        z = torch.randn(real.shape[0], self.gan_loss.latent_dim, generator=rng).to(real)
+        self._eval["real"].append(real)
+        self._eval["fake"].append(self.generator(z))
+
+    def test_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._report("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._report("test")
+
+    def _report(self, stage: str) -> None:
+        real, fake = (torch.cat(self._eval[key]) for key in ("real", "fake"))
+        self._eval = {"real": [], "fake": []}
+        metrics = {
+            f"{stage}/energy_distance": energy_distance(real, fake).float(),
+            f"{stage}/wasserstein": (self.critic(real).mean() - self.critic(fake).mean()),
+        }
+        if self.mixture is not None:
+            modes, high_quality = mode_metrics(fake, *self.mixture)
+            metrics[f"{stage}/modes"] = float(modes)
+            metrics[f"{stage}/high_quality"] = high_quality
+        self.log_dict(metrics, prog_bar=stage == "val")
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        make_generator_opt, make_critic_opt = self.optimizer_factories
+        return [make_generator_opt(self.generator.parameters()),
+                make_critic_opt(self.critic.parameters())]

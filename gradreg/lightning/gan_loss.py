@@ -1,0 +1,99 @@
+r"""The whole GAN loss on one page: two phases, their adversarial terms and their penalties.
+
+In the manner of NVlabs stylegan2-ada-pytorch ``training/loss.py``: what each phase computes is
+data (the tables below), not branches spread over a trainer. For real samples :math:`x`, latents
+:math:`z \sim N(0, I)` and fakes :math:`\tilde x = G(z)`:
+
+* critic phase: :math:`L_D = \mathrm{mean}\, a_D(D(x), D(\tilde x)) + \sum_k P_k(D(p_k), p_k)`
+  with :math:`\tilde x` detached and :math:`p_k` the points that penalty ``k`` asks for;
+* generator phase: :math:`L_G = \mathrm{mean}\, a_G(D(G(z))) + \sum_k P_k(G(z), z)` (penalties
+  on ``latents``: path length).
+
+Penalties get the network itself as ``outputs`` (a callable) and run its forward on their points,
+so every penalty ``method`` and ``subsample`` work.
+
+Adversarial terms :math:`(a_D, a_G)`:
+
+* ``wgan`` (Arjovsky et al. 2017): :math:`(D(\tilde x) - D(x),\; -D(\tilde x))`;
+* ``nonsaturating`` (Goodfellow et al. 2014, the usual partner of R1/R2):
+  :math:`(\mathrm{sp}(D(\tilde x)) + \mathrm{sp}(-D(x)),\; \mathrm{sp}(-D(\tilde x)))`,
+  :math:`\mathrm{sp}` = softplus.
+
+A penalty's weight, gain and lazy interval (``every``, StyleGAN2's lazy regularization) live on the
+penalty itself: a penalty enters the sum only on the steps where ``gp.due()`` is True, scaled by
+``every`` so its expected gradient is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradreg.penalties import GradientPenalty, as_points, interpolate, perturb_dragan
+
+ADVERSARIAL: dict[str, tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], Tensor]]] = {
+    "wgan": (lambda real, fake: fake - real, lambda fake: -fake),
+    "nonsaturating": (
+        lambda real, fake: F.softplus(fake) + F.softplus(-real),
+        lambda fake: F.softplus(-fake),
+    ),
+}
+
+# points -> how to make them from (real, fake) in the critic phase
+CRITIC_POINTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "real": lambda real, fake: as_points(real),
+    "fake": lambda real, fake: as_points(fake),
+    "interpolates": interpolate,
+    "perturbed": lambda real, fake: perturb_dragan(real),
+}
+GENERATOR_POINTS = ("latents",)
+
+
+class GANLoss:
+    """The terms of each phase as a dict ``name -> scalar`` (``"adversarial"`` and penalty names).
+
+    Random numbers are drawn in this order (global torch RNG): critic phase: ``z`` [B, latent_dim],
+    then each due penalty's points in dict order (interpolation: one ``u`` per sample; DRAGAN:
+    noise then ``alpha``); generator phase: ``z`` [B, latent_dim], then path length's projection.
+    """
+
+    def __init__(
+        self,
+        generator: nn.Module,
+        critic: nn.Module,
+        penalties: Mapping[str, GradientPenalty],
+        *,
+        adversarial: str = "wgan",
+        latent_dim: int = 2,
+    ) -> None:
+        if adversarial not in ADVERSARIAL:
+            raise ValueError(
+                f"loss={adversarial!r} is unknown; valid values: {sorted(ADVERSARIAL)}"
+            )
+        self.generator, self.critic, self.penalties = generator, critic, penalties
+        self.critic_term, self.generator_term = ADVERSARIAL[adversarial]
+        self.latent_dim = latent_dim
+
+    def latents(self, like: Tensor) -> Tensor:
+        """``z ~ N(0, I)``, one row per sample of ``like``."""
+        return torch.randn(like.shape[0], self.latent_dim, dtype=like.dtype, device=like.device)
+
+    def _due(self, points: Iterable[str]) -> dict[str, GradientPenalty]:
+        return {k: gp for k, gp in self.penalties.items() if gp.points in points and gp.due()}
+
+    def critic_terms(self, real: Tensor) -> dict[str, Tensor]:
+        fake = self.generator(self.latents(real)).detach()
+        terms = {"adversarial": self.critic_term(self.critic(real), self.critic(fake)).mean()}
+        for name, gp in self._due(CRITIC_POINTS).items():
+            terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake))
+        return terms
+
+    def generator_terms(self, real: Tensor) -> dict[str, Tensor]:
+        z = self.latents(real)
+        terms = {"adversarial": self.generator_term(self.critic(self.generator(z))).mean()}
+        for name, gp in self._due(GENERATOR_POINTS).items():
+            terms[name] = gp(self.generator, as_points(z))
+        return terms
