@@ -124,7 +124,7 @@ class AccumulationGuard(pl.Callback):
                 "or the penalty weight, or run Trainer(detect_anomaly=True) to find the operation."
             )
         if problems:
-            self._act(" Also, ".join(problems), params)
+            self._act(" Also ".join(problems), params)
 
     def _describe(self, params: list[Tensor]) -> str:
         names = [self._names.get(p, f"a parameter of shape {list(p.shape)}") for p in params]
@@ -132,7 +132,7 @@ class AccumulationGuard(pl.Callback):
         return ", ".join(names[:3]) + more
 
     def _act(self, message: str, params: list[Tensor]) -> None:
-        message = f"AccumulationGuard: {message[0].upper()}{message[1:]}"
+        message = f"AccumulationGuard: {message}"
         if self.action == "raise":
             raise GradientError(message)
         if self.action == "skip":
