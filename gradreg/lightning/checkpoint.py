@@ -1,0 +1,105 @@
+"""Checkpoints for exact resume: atomic writes, and the random state in the checkpoint.
+
+A run killed after a checkpoint and resumed from it with ``trainer.fit(..., ckpt_path=...)``
+continues exactly as the uninterrupted run (same parameters, buffers, metrics) when
+
+* the module's state is all in ``state_dict``: gradreg's penalties keep their lazy counter and
+  path-length mean as buffers and their weight as extra state; a schedule callback keeps its own;
+* the random state is restored too (:class:`RandomState`; Lightning restores no RNG by itself):
+  interpolation coefficients, DRAGAN and path-length noise, latents and the shuffling of the next
+  epoch all come from the global generators;
+* the checkpoint was taken at an epoch boundary, or the data loader is stateful: a plain
+  ``DataLoader`` restarts its epoch from the first batch on resume.
+
+:class:`AtomicCheckpointIO` makes sure a checkpoint on disk is always a complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+__all__ = ["AtomicCheckpointIO", "RandomState"]
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose save is all-or-nothing on a local file system.
+
+    The checkpoint is serialized into a temporary file in the destination's directory, flushed to
+    disk (``fsync``) and renamed over the destination with ``os.replace``, which POSIX makes
+    atomic within one file system. A process killed at any point of a save leaves the previous
+    checkpoint at ``path`` intact (at worst a stray ``.*.tmp`` file, which no checkpoint pattern
+    matches); a save that raises removes its temporary file. Use it as
+    ``Trainer(plugins=[AtomicCheckpointIO()])``. (Lightning's own save writes through an
+    ``fsspec`` transaction whose temporary file lives in the system temp dir; across file systems
+    its final move is a copy, and nothing is fsynced.)
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint takes no storage_options, got "
+                f"{storage_options!r}."
+            )
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                                 dir=path.parent)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable (POSIX: the directory entry lives in the directory)."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class RandomState(pl.Callback):
+    """Save the global random state (python, numpy, torch CPU and CUDA) in every checkpoint and
+    restore it on resume, so that the random draws after a resume are those of the uninterrupted
+    run.
+
+    Each process saves and restores its own state, but only rank 0 writes the checkpoint: under
+    DDP every rank resumes with rank 0's state. That is exact for gradreg's modules when all ranks
+    are seeded alike (``seed_everything(s)`` without ``workers``-rank offsets) and draw per-sample
+    noise for their own samples only; the state of other ranks is not kept.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        random.setstate(state_dict["python"])
+        np.random.set_state(state_dict["numpy"])
+        torch.set_rng_state(state_dict["torch"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state_dict["cuda"])
