@@ -1,0 +1,142 @@
+"""The classifier module: its step against the formulas, batch-split invariance under gradient
+accumulation, the evaluation metrics, and the construction errors."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradreg.lightning.classifier import Classifier
+from gradreg.models import MLP
+from gradreg.penalties import make_penalty
+
+IN, CLASSES, BATCH = 4, 3, 8
+
+
+def data(n: int = BATCH, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = torch.Generator().manual_seed(seed)
+    return torch.rand(n, IN, generator=rng, dtype=torch.float64), torch.arange(n) % CLASSES
+
+
+def classifier(penalties: dict, **kwargs) -> Classifier:
+    torch.manual_seed(0)
+    return Classifier(MLP(IN, CLASSES, hidden=(5,), activation="tanh").double(), penalties,
+                      **kwargs)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    options = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+               "enable_checkpointing": False, "inference_mode": False}
+    return L.Trainer(**{**options, **kwargs})
+
+
+def test_step_is_task_loss_plus_the_penalty_formulas() -> None:
+    model = classifier({
+        "db": make_penalty("double_backprop", weight=0.5),
+        "hidden": make_penalty("intermediate", weight=0.25, layers=["act1"]),
+        "pgn": make_penalty("param_grad_norm", weight=0.1),
+        "jac": make_penalty("jacobian", weight=2.0, num_projections=CLASSES),
+    })
+    x, y = data()
+    loss, penalties = model.losses(x, y)
+    values = {name: float(value.detach()) for name, value in penalties.items()}
+
+    net = model.backbone
+    xg = x.clone().requires_grad_()
+    hidden = net.act1(net.fc1(xg))
+    per_sample = F.cross_entropy(net.out(hidden), y, reduction="none")
+    dx, dh = torch.autograd.grad(per_sample.sum(), (xg, hidden), retain_graph=True)
+    dtheta = torch.autograd.grad(per_sample.mean(), list(net.parameters()))
+    jac = torch.func.vmap(torch.func.jacrev(net))(x.unsqueeze(1))  # [B, 1, C, 1, IN]
+    assert float(loss.detach()) == pytest.approx(float(per_sample.mean().detach()))
+    assert values["db"] == pytest.approx(0.5 * float(dx.square().sum(1).mean()))
+    assert values["hidden"] == pytest.approx(0.25 * float(dh.square().sum(1).mean()))
+    grad_norm = float(torch.cat([g.flatten() for g in dtheta]).norm())
+    assert values["pgn"] == pytest.approx(0.1 * grad_norm)
+    # all C orthonormal projections: the exact squared Frobenius norm of the Jacobian
+    frobenius = float(jac.detach().flatten(1).square().sum(1).mean())
+    assert values["jac"] == pytest.approx(2.0 * frobenius)
+
+
+@pytest.mark.parametrize("options", [{"method": "finite_difference"}, {"subsample": 0.5}])
+def test_methods_that_run_their_own_forward_give_the_same_value(options: dict) -> None:
+    x, y = data()
+    n = 4 if "subsample" in options else BATCH  # subsample: the first half of the batch
+    exact = classifier({"db": make_penalty("double_backprop")}).losses(x[:n], y[:n])[1]["db"]
+    value = classifier({"db": make_penalty("double_backprop", **options)}).losses(x, y)[1]["db"]
+    assert float(value.detach()) == pytest.approx(float(exact.detach()), rel=1e-6)
+
+
+def test_lazy_penalty_is_computed_one_step_in_every() -> None:
+    model = classifier({"db": make_penalty("double_backprop", every=3)})
+    x, y = data()
+    assert [list(model.losses(x, y)[1]) for _ in range(4)] == [["db"], [], [], ["db"]]
+
+
+def test_accumulating_k_batches_equals_one_k_times_larger_batch() -> None:
+    """SGD on 64 samples, two steps: 4 accumulated micro-batches of 8 == batches of 32."""
+    dataset = TensorDataset(*data(n=64))
+    models = {}
+    for batch_size, accumulate in [(8, 4), (32, 1)]:
+        models[batch_size] = model = classifier(
+            {"db": make_penalty("double_backprop", weight=0.5),
+             "hidden": make_penalty("intermediate", weight=0.3, layers=["act1"])},
+            optimizer=partial(torch.optim.SGD, lr=0.5),
+        )
+        trainer(max_steps=2, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+            model, DataLoader(dataset, batch_size=batch_size))
+    initial = classifier({}).backbone.state_dict()
+    small, large = (models[b].backbone.state_dict() for b in (8, 32))
+    for name in initial:
+        assert torch.allclose(small[name], large[name], atol=1e-10, rtol=0), name
+        assert not torch.allclose(small[name], initial[name], atol=1e-3)  # they did move
+    assert int(models[8].penalties["db"].step) == 8 and int(models[32].penalties["db"].step) == 2
+
+
+def test_evaluation_metrics() -> None:
+    x, y = data(n=16)
+    model = classifier({}, fgsm_eps=0.0, optimizer=partial(torch.optim.Adam, lr=0.05))
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    trainer(max_steps=100, limit_val_batches=0).fit(model, loader)  # memorize the 16 samples
+    metrics = trainer().validate(model, loader, verbose=False)[0]
+    xg = x.clone().requires_grad_()
+    per_sample = F.cross_entropy(model.backbone(xg), y, reduction="none")
+    (grad,) = torch.autograd.grad(per_sample.sum(), xg)
+    accuracy = float((model.backbone(x).argmax(1) == y).double().mean())
+    assert metrics["val/acc"] == pytest.approx(accuracy)
+    assert metrics["val/acc_fgsm"] == pytest.approx(accuracy)  # eps = 0: no attack
+    assert metrics["val/input_grad_norm"] == pytest.approx(float(grad.norm(dim=1).mean()))
+    assert metrics["val/loss"] == pytest.approx(float(per_sample.mean().detach()))
+
+    model.fgsm_eps = 0.3
+    attacked = trainer().validate(model, loader, verbose=False)[0]
+    adversarial = (x + 0.3 * grad.sign()).clamp(0, 1)
+    expected = float((model.backbone(adversarial).argmax(1) == y).double().mean())
+    assert attacked["val/acc_fgsm"] == pytest.approx(expected)
+    assert accuracy == 1.0 and expected < 0.5  # the attack changed predictions
+
+
+def test_evaluation_under_inference_mode_says_what_to_set() -> None:
+    loader = DataLoader(TensorDataset(*data()), batch_size=BATCH)
+    with pytest.raises(RuntimeError, match="inference_mode=False"):
+        trainer(inference_mode=True).validate(classifier({}), loader, verbose=False)
+
+
+@pytest.mark.parametrize("preset", ["wgan_gp", "r1", "dragan", "path_length"])
+def test_critic_and_generator_penalties_are_refused(preset: str) -> None:
+    with pytest.raises(ValueError, match=(
+            rf"penalty '{preset}' has points='\w+', which a Classifier cannot evaluate; a "
+            r"Classifier supports points \['inputs', 'activations', 'parameters'\], i.e. the "
+            r"presets \['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', "
+            r"'derivative'\]")):
+        classifier({preset: make_penalty(preset)})
+
+
+def test_unknown_layer_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"layers=\['act9'\].*valid layers: \['flatten', 'fc1'"):
+        classifier({"hidden": make_penalty("intermediate", layers=["act9"])})

@@ -1,0 +1,116 @@
+"""The GAN module against a straight-line WGAN-GP loop written here (same seeds, same parameters
+after a few steps), its step counting across epochs, and its construction errors."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradreg.lightning.gan import GAN
+from gradreg.models import MLP
+from gradreg.penalties import interpolate, make_penalty
+
+BATCH, BATCHES, EPOCHS, N_CRITIC, LATENT = 8, 3, 2, 2, 2
+ADAM = partial(torch.optim.Adam, lr=1e-2, betas=(0.5, 0.9))
+
+
+def networks() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    return (MLP(LATENT, 2, hidden=(16,), activation="tanh").double(),
+            MLP(2, 1, hidden=(16,), activation="tanh").double())
+
+
+def reals() -> torch.Tensor:
+    return torch.randn(BATCHES * BATCH, 2, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64)
+
+
+def test_steps_match_a_straight_line_reference_loop() -> None:
+    """WGAN loss + WGAN-GP on the critic, lazy path length (every 2) on the generator, n_critic=2,
+    two epochs of three batches: 6 critic steps and 3 generator steps (counted on critic steps:
+    counting on batch_idx per epoch would give 4)."""
+    generator, critic = networks()
+    G, D = copy.deepcopy(generator), copy.deepcopy(critic)
+    loader = DataLoader(TensorDataset(reals()), batch_size=BATCH)
+
+    module = GAN(generator, critic, {"gp": make_penalty("wgan_gp"),
+                                     "pl": make_penalty("path_length", every=2)},
+                 n_critic=N_CRITIC, latent_dim=LATENT, generator_optimizer=ADAM,
+                 critic_optimizer=ADAM)
+    trainer = L.Trainer(max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=0, inference_mode=False)
+    torch.manual_seed(123)
+    trainer.fit(module, loader)
+
+    # the reference: WGAN-GP's Algorithm 1 with StyleGAN2's lazy path length, written out
+    torch.manual_seed(123)
+    opt_g, opt_d = ADAM(G.parameters()), ADAM(D.parameters())
+    gp, pl = make_penalty("wgan_gp"), make_penalty("path_length", every=2)
+    critic_steps = generator_steps = 0
+    for _ in range(EPOCHS):
+        for (real,) in loader:
+            fake = G(torch.randn(BATCH, LATENT, dtype=torch.float64)).detach()
+            x_hat = interpolate(real, fake)
+            loss_d = D(fake).mean() - D(real).mean() + gp(D(x_hat), x_hat)
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            critic_steps += 1
+            if critic_steps % N_CRITIC == 0:
+                z = torch.randn(BATCH, LATENT, dtype=torch.float64)
+                loss_g = -D(G(z)).mean()
+                if generator_steps % 2 == 0:  # lazy: generator steps 0, 2
+                    w = z.detach().requires_grad_()
+                    loss_g = loss_g + pl(G(w), w)
+                opt_g.zero_grad()
+                loss_g.backward()
+                opt_g.step()
+                generator_steps += 1
+
+    assert (critic_steps, generator_steps) == (6, 3)
+    assert int(module.critic_steps) == 6
+    opt_generator, opt_critic = (opt.optimizer for opt in module.optimizers())
+    assert int(opt_critic.state[critic.out.weight]["step"]) == 6
+    assert int(opt_generator.state[generator.out.weight]["step"]) == 3
+    for mine, theirs in [(generator, G), (critic, D)]:
+        for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-10, rtol=0)
+    assert not torch.allclose(next(G.parameters()), next(networks()[0].parameters()))
+
+
+def test_validation_reports_modes_on_mixtures_only() -> None:
+    generator, critic = (net.float() for net in networks())
+    loader = DataLoader(TensorDataset(reals().float()), batch_size=BATCH)
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, inference_mode=False)
+    metrics = {
+        dataset: trainer.validate(GAN(generator, critic, dataset=dataset), loader, verbose=False)[0]
+        for dataset in ("8gaussians", "swissroll")
+    }
+    common = {"val/energy_distance", "val/wasserstein"}
+    assert set(metrics["8gaussians"]) == common | {"val/modes", "val/high_quality"}
+    assert set(metrics["swissroll"]) == common
+    # the same fakes and reals: the same energy distance, > 0 (they differ)
+    energy = metrics["8gaussians"]["val/energy_distance"]
+    assert energy == metrics["swissroll"]["val/energy_distance"] and energy > 0.1
+    # an untrained generator keeps N(0, I) latents near the origin, > 3 sigma from every mode
+    assert metrics["8gaussians"]["val/modes"] == metrics["8gaussians"]["val/high_quality"] == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n_critic": 0}, r"n_critic must be an integer >= 1, got 0"),
+    ({"loss": "hinge"}, r"loss='hinge' is unknown; valid values: \['nonsaturating', 'wgan'\]"),
+    ({"dataset": "mnist"}, r"dataset='mnist' is unknown; valid values: \['25gaussians'"),
+    ({"penalties": {"db": make_penalty("double_backprop")}},
+     r"penalty 'db' has points='inputs', which a GAN cannot evaluate; a GAN supports points "
+     r"\['real', 'fake', 'interpolates', 'perturbed', 'latents'\], i.e. the presets \['wgan_gp'"),
+])
+def test_construction_errors_name_the_option_and_the_valid_values(kwargs: dict,
+                                                                  message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GAN(*networks(), **kwargs)
