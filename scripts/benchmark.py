@@ -1,0 +1,412 @@
+"""Cost of a gradient-penalty training step, per computation method, against the plain step.
+
+For each case (model x penalty x batch size x width) and each method, in one process, with the
+steps interleaved round-robin so that machine noise hits all alike, this measures:
+
+* the median time of a full training step (zero_grad, forward, backward, SGD step) and its
+  ratio to the plain step (no penalty) of the same case; wall time, or process CPU time with
+  ``--clock cpu`` (robust on a shared machine when run with ``--threads 1``);
+* the peak memory growth of one forward + backward (gradients zeroed before): on CUDA
+  ``max_memory_allocated`` minus the allocation at the start; on CPU the peak of the running sum
+  of the allocator's events recorded by ``torch.profiler`` (bytes of tensors allocated minus
+  freed since the step began: tensor memory only, no allocator caching, no Python objects), and
+  its ratio to the plain step's;
+* for the approximate methods, the relative error ``|G - G_exact| / |G_exact|`` of the penalty's
+  parameter gradient on the same points (``subsample`` against the full-batch penalty).
+
+``hand`` is the straight hand-written double backward (written here, not imported) with the
+usual ``loss.backward()``; the gradreg methods use :func:`gradreg.regularized_backward`, which
+computes parameter gradients only, so ``exact / hand`` is the toolkit's overhead net of that
+saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 consecutive steps.
+Writes ``benchmark.json`` and ``benchmark.png`` (log-log cost against batch size and against
+parameter count) into ``--out``.
+
+    python scripts/benchmark.py            # full grid (minutes on 2 CPU cores; compiles)
+    python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradreg import regularized_backward
+from gradreg.penalties import GradientPenalty, as_points, interpolate, make_penalty
+
+METHODS = ("plain", "hand", "exact", "lazy16", "subsample", "finite_difference", "compiled")
+ACTIVATIONS = {"tanh": nn.Tanh, "softplus": nn.Softplus, "relu": nn.ReLU}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+def mlp(n_in: int, width: int, n_out: int, act: type[nn.Module]) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(n_in, width), act(), nn.Linear(width, width),
+                         act(), nn.Linear(width, n_out))
+
+
+def cnn(width: int, act: type[nn.Module]) -> nn.Module:
+    """A classifier of 1x8x8 images: two 3x3 convolutions, average pooling, a linear head."""
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), act(),
+                         nn.Conv2d(width, width, 3, padding=1), act(), nn.AvgPool2d(2),
+                         nn.Flatten(), nn.Linear(width * 16, 10))
+
+
+def conv_critic(width: int, act: type[nn.Module], size: int) -> nn.Module:
+    """A 3-layer DCGAN-style critic of 3 x size x size images (stride-2 convolutions)."""
+    return nn.Sequential(nn.Conv2d(3, width, 4, 2, 1), act(), nn.Conv2d(width, 2 * width, 4, 2, 1),
+                         act(), nn.Conv2d(2 * width, 4 * width, 4, 2, 1), act(), nn.Flatten(),
+                         nn.Linear(4 * width * (size // 8) ** 2, 1), nn.Flatten(0))
+
+
+class PerSampleLoss(nn.Module):
+    """Per-sample cross-entropy of a classifier on fixed labels: a module, as 'compiled' needs."""
+
+    def __init__(self, model: nn.Module, labels: Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("labels", labels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.cross_entropy(self.model(x), self.labels[: len(x)], reduction="none")
+
+
+@dataclass
+class Case:
+    """One benchmark configuration: the forward passes every method's step is built from."""
+
+    name: str
+    model: nn.Module
+    penalty: str  # a gradreg preset
+    batch: int
+    width: int
+    task: Callable[[], Tensor]  # the plain step's loss
+    points: Callable[[], Tensor]  # fresh evaluation points (leaves requiring grad)
+    fn: nn.Module  # per-sample outputs at given points
+    shared: bool  # whether the task loss's forward is at the points (R1, double backprop)
+    task_with: Callable[[Tensor], tuple[Tensor, Tensor]]  # (task loss, outputs at the points)
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def make_case(kind: str, batch: int, width: int, act: type[nn.Module], dtype: torch.dtype,
+              device: torch.device) -> Case:
+    torch.manual_seed(0)
+    if kind in ("mlp", "cnn"):
+        shape = (784,) if kind == "mlp" else (1, 8, 8)
+        model = mlp(784, width, 10, act) if kind == "mlp" else cnn(width, act)
+        model = model.to(device, dtype)
+        x = torch.randn(batch, *shape, device=device, dtype=dtype)
+        y = torch.randint(0, 10, (batch,), device=device)
+        fn = PerSampleLoss(model, y)
+
+        def task_with(p: Tensor) -> tuple[Tensor, Tensor]:
+            losses = fn(p)
+            return losses.mean(), losses
+
+        return Case(f"{kind}/double_backprop", model, "double_backprop", batch, width,
+                    lambda: fn(x).mean(), lambda: as_points(x), fn, True, task_with)
+    size = 32 if width >= 16 else 8  # the quick grid's tiny critics see 8x8 images
+    critic = conv_critic(width, act, size).to(device, dtype)
+    real = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+    fake = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+
+    def logistic(d_real: Tensor) -> Tensor:  # the non-saturating critic loss
+        return F.softplus(critic(fake)).mean() + F.softplus(-d_real).mean()
+
+    if kind == "critic_r1":
+        def task_with(p: Tensor) -> tuple[Tensor, Tensor]:
+            d_real = critic(p)
+            return logistic(d_real), d_real
+
+        return Case("critic/r1", critic, "r1", batch, width, lambda: logistic(critic(real)),
+                    lambda: as_points(real), critic, True, task_with)
+
+    def wasserstein() -> Tensor:
+        return critic(fake).mean() - critic(real).mean()
+
+    def task_and_scores(p: Tensor) -> tuple[Tensor, Tensor]:
+        return wasserstein(), critic(p)
+
+    return Case("critic/wgan_gp", critic, "wgan_gp", batch, width, wasserstein,
+                lambda: interpolate(real, fake), critic, False, task_and_scores)
+
+
+def hand_written(penalty: str, g: Tensor) -> Tensor:
+    """The usual reference code: ``lambda * mean(||g|| - 1)^2`` or ``gamma/2 * mean ||g||^2``."""
+    sq = g.flatten(1).square().sum(1)
+    if penalty == "wgan_gp":
+        return 10.0 * (g.flatten(1).norm(2, dim=1) - 1).square().mean()
+    if penalty == "r1":
+        return 5.0 * sq.mean()
+    return sq.mean()
+
+
+def steps(case: Case) -> tuple[dict[str, Callable[[], Tensor]], dict[str, GradientPenalty]]:
+    """The loss of one training step for each method (the caller runs backward and the update),
+    and the penalties they use."""
+    pens = {"exact": make_penalty(case.penalty), "lazy16": make_penalty(case.penalty, every=16),
+            "subsample": make_penalty(case.penalty, subsample=0.25),
+            "finite_difference": make_penalty(case.penalty, method="finite_difference"),
+            "compiled": make_penalty(case.penalty, method="compiled")}
+
+    def hand() -> Tensor:
+        p = case.points()
+        loss, out = case.task_with(p)
+        (g,) = torch.autograd.grad(out.sum(), p, create_graph=True)
+        return loss + hand_written(case.penalty, g)
+
+    def exact(pen: GradientPenalty) -> Tensor:
+        p = case.points()
+        loss, out = case.task_with(p)
+        return loss + pen(out, p)
+
+    def lazy() -> Tensor:
+        return exact(pens["lazy16"]) if pens["lazy16"].due() else case.task()
+
+    def own_forward(pen: GradientPenalty) -> Tensor:
+        return case.task() + pen(case.fn, case.points())
+
+    def finite_difference() -> Tensor:
+        if not case.shared:
+            return own_forward(pens["finite_difference"])
+        p = case.points()
+        loss, out = case.task_with(p)
+        # the forward at the points themselves is the task's: fn returns it instead of recomputing
+        return loss + pens["finite_difference"](lambda q: out if q is p else case.fn(q), p)
+
+    table = {"plain": case.task, "hand": hand, "exact": lambda: exact(pens["exact"]),
+             "lazy16": lazy, "subsample": lambda: own_forward(pens["subsample"]),
+             "finite_difference": finite_difference,
+             "compiled": lambda: own_forward(pens["compiled"])}
+    return table, pens
+
+
+def penalty_gradient(case: Case, penalty: GradientPenalty, points: Tensor,
+                     outputs: Tensor | nn.Module) -> Tensor:
+    params = [p for p in case.model.parameters() if p.requires_grad]
+    value = penalty(outputs, points)
+    grads = torch.autograd.grad(value, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
+                      for p, g in zip(params, grads, strict=True)])
+
+
+def relative_errors(case: Case, pens: dict[str, GradientPenalty],
+                    methods: list[str]) -> dict[str, float]:
+    """|G - G_exact| / |G_exact| of the penalty's parameter gradient on the same points."""
+    points = case.points()
+    exact = penalty_gradient(case, make_penalty(case.penalty), points, case.fn(points))
+    return {m: float((penalty_gradient(case, pens[m], points, case.fn) - exact).norm()
+                     / exact.norm())
+            for m in methods if m in ("subsample", "finite_difference", "compiled")}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(run: Callable[[], None], device: torch.device) -> int:
+    """Peak bytes of tensors allocated during ``run`` above those alive when it starts."""
+    if device.type == "cuda":
+        synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.device,
+            clock: Callable[[], float]) -> list[dict]:
+    params = list(case.model.parameters())
+    optimizer = torch.optim.SGD(params, lr=1e-6)
+    losses, pens = steps(case)
+    errors: dict[str, str] = {}
+
+    def forward_backward(method: str) -> None:
+        if method in ("plain", "hand"):  # the usual hand-written loop
+            losses[method]().backward()
+        else:  # gradreg's: parameter gradients only
+            regularized_backward(losses[method](), [], params)
+
+    def step(method: str) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward(method)
+        optimizer.step()
+
+    def timed(method: str) -> float:
+        calls = 16 if method == "lazy16" else 1
+        synchronize(device)
+        start = clock()
+        for _ in range(calls):
+            step(method)
+        synchronize(device)
+        return (clock() - start) / calls
+
+    active = []
+    for method in methods:  # warm up (compiles), and drop methods that refuse this case
+        try:
+            for _ in range(2):
+                step(method)
+            active.append(method)
+        except (ValueError, RuntimeError) as err:
+            errors[method] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    times: dict[str, list[float]] = {m: [] for m in active}
+    for _ in range(reps):
+        for method in active:
+            times[method].append(timed(method))
+    memory = {}
+    for method in active:
+        if method != "lazy16":
+            optimizer.zero_grad(set_to_none=True)
+            memory[method] = peak_memory(lambda m=method: forward_backward(m), device)
+    rel = relative_errors(case, pens, active)
+    plain_ms, plain_mem = statistics.median(times["plain"]) * 1e3, memory["plain"]
+    rows = []
+    for method in methods:
+        row = {"case": case.name, "penalty": case.penalty, "batch": case.batch,
+               "width": case.width, "parameters": case.parameters, "method": method}
+        if method in errors:
+            rows.append({**row, "refused": errors[method]})
+            continue
+        ms = statistics.median(times[method]) * 1e3
+        row.update(median_ms=ms, ratio=ms / plain_ms,
+                   peak_bytes=memory.get(method), error=rel.get(method))
+        row["memory_ratio"] = None if method == "lazy16" else memory[method] / plain_mem
+        rows.append(row)
+    return rows
+
+
+def grid(quick: bool) -> list[tuple[str, int, int]]:
+    if quick:
+        return [("mlp", 32, 32), ("cnn", 8, 4), ("critic_wgan_gp", 4, 4), ("critic_r1", 4, 4)]
+    return [("mlp", 64, 256), ("mlp", 256, 256), ("mlp", 1024, 256), ("mlp", 4096, 256),
+            ("mlp", 256, 64), ("mlp", 256, 1024),
+            ("cnn", 32, 16), ("cnn", 128, 16), ("cnn", 128, 32),
+            ("critic_wgan_gp", 16, 32), ("critic_wgan_gp", 64, 32),
+            ("critic_r1", 16, 32), ("critic_r1", 64, 32)]
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "cpus": os.cpu_count()}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'case':16} {'batch':>5} {'width':>5} {'params':>8} {'method':18} {'ms':>8} "
+             f"{'x plain':>7} {'mem x':>6} {'rel err':>8}"]
+    for r in rows:
+        head = (f"{r['case']:16} {r['batch']:5d} {r['width']:5d} {r['parameters']:8d} "
+                f"{r['method']:18}")
+        if "refused" in r:
+            lines.append(f"{head} refused: {r['refused'][:60]}")
+            continue
+        mem = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
+        err = "-" if r["error"] is None else f"{r['error']:.1e}"
+        lines.append(f"{head} {r['median_ms']:8.2f} {r['ratio']:7.2f} {mem:>6} {err:>8}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_batch, by_params) = plt.subplots(1, 2, figsize=(11, 4.5))
+    timed = [r for r in rows if "median_ms" in r]
+    for case in sorted({r["case"] for r in timed}):
+        widths = [r["width"] for r in timed if r["case"] == case]
+        width = max(set(widths), key=widths.count)  # the width most cases ran at
+        for method in ("plain", "hand", "exact", "finite_difference"):
+            pts = sorted((r["batch"], r["median_ms"]) for r in timed if r["case"] == case
+                         and r["method"] == method and r["width"] == width)
+            if len(pts) > 1:
+                by_batch.plot(*zip(*pts, strict=True), marker="o", label=f"{case} {method}")
+            batches = [r["batch"] for r in timed if r["case"] == case]
+            batch = max(set(batches), key=batches.count)
+            pts = sorted((r["parameters"], r["median_ms"]) for r in timed if r["case"] == case
+                         and r["method"] == method and r["batch"] == batch)
+            if len(pts) > 1:
+                by_params.plot(*zip(*pts, strict=True), marker="o", label=f"{case} {method}")
+    for ax, xlabel in ((by_batch, "batch size"), (by_params, "parameters")):
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="step time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny grid, 3 repetitions, seconds")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh",
+                        help="relu makes finite_difference refuse (piecewise linear)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="include method 'compiled' (default: on, off with --quick)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per method")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's; 1 with --quick)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, robust on a shared machine (use --threads 1)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    threads = args.threads or (1 if args.quick else None)
+    if threads:
+        torch.set_num_threads(threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    use_compile = (not args.quick) if args.compile is None else args.compile
+    methods = tuple(m for m in METHODS if use_compile or m != "compiled")
+    reps = args.reps or (3 if args.quick else 25)
+    rows: list[dict] = []
+    for kind, batch, width in grid(args.quick):
+        case = make_case(kind, batch, width, ACTIVATIONS[args.activation], dtype, device)
+        rows += measure(case, methods, reps, device, clock)
+        print(table([r for r in rows if r["case"] == case.name and r["batch"] == batch
+                     and r["width"] == width]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {"machine": machine(), "device": str(device), "dtype": args.dtype,
+            "activation": args.activation, "reps": reps, "clock": args.clock, "rows": rows}
+    (args.out / "benchmark.json").write_text(json.dumps(info, indent=1))
+    plot(rows, args.out / "benchmark.png")
+    print(f"\n{json.dumps(info['machine'])}\nwrote {args.out / 'benchmark.json'} and "
+          f"{args.out / 'benchmark.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
