@@ -1,0 +1,102 @@
+"""Every option of every config group composes (Hydra's compose API) and builds with the app's
+own ``build`` (hydra.utils.instantiate), into the objects and values the configs promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from gradreg.data import DigitsDataModule, ToyDataModule
+from gradreg.lightning.classifier import CLASSIFIER_POINTS, Classifier
+from gradreg.lightning.gan import GAN
+from gradreg.penalties import PRESETS
+
+from .conftest import compose_config, options, train_script
+
+BUILD = train_script()["build"]
+GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
+MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",
+               "model.backbone.out_features=2"]
+
+
+def setup_for(group: str, option: str) -> list[str]:
+    """Overrides that make ``group=option`` a complete, consistent configuration."""
+    if group == "data" and option in ("8gaussians", "25gaussians", "swissroll"):
+        return GAN_SETUP
+    if group == "data" and option == "moons":
+        return MOONS_SETUP
+    if group == "model" and option == "gan":
+        return GAN_SETUP
+    if group == "penalty" and option in PRESETS and PRESETS[option]["points"] not in (
+            CLASSIFIER_POINTS):
+        return ["model=gan", "data=8gaussians"]
+    return []
+
+
+CASES = [(group, option) for group in ("data", "model", "penalty", "trainer", "logger",
+                                       "callbacks", "debug", "experiment")
+         for option in options(group)]
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_every_group_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> None:
+    cfg = compose_config([*setup_for(group, option), f"{group}={option}"], tmp_path)
+    if group == "trainer" and option == "gpu":
+        assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("gpu", 1)
+        if not torch.cuda.is_available():
+            cfg.trainer.accelerator = "cpu"  # build everything else on this machine
+    datamodule, model, trainer = BUILD(cfg)
+    assert isinstance(trainer, L.Trainer)
+    assert isinstance(model, GAN if cfg.model._target_.endswith("GAN") else Classifier)
+    assert isinstance(datamodule, DigitsDataModule if "digits" in cfg.data._target_.lower()
+                      else ToyDataModule)
+    expected = {} if cfg.penalty.name == "none" else {cfg.penalty.name: cfg.penalty.weight}
+    expected |= {name: node.weight for name, node in cfg.penalties.items()}
+    assert {name: gp.weight for name, gp in model.penalties.items()} == expected
+    if group == "penalty" and option in PRESETS:
+        assert model.penalties[option].points == PRESETS[option]["points"]
+
+
+def test_defaults_are_the_digits_mlp_with_double_backprop(tmp_path: Path) -> None:
+    cfg = compose_config([], tmp_path)
+    datamodule, model, trainer = BUILD(cfg)
+    assert isinstance(model, Classifier) and list(model.penalties) == ["double_backprop"]
+    assert model.penalties["double_backprop"].weight == 0.1
+    assert datamodule.splits["train"].tensors[0].shape == (1257, 64)  # flat, for the MLP
+    assert trainer.max_epochs == 10
+    assert not cfg.trainer.inference_mode  # evaluation takes gradients
+    assert isinstance(trainer.logger, TensorBoardLogger)
+    assert Path(trainer.logger.log_dir) == tmp_path / "tensorboard"
+    assert Path(trainer.checkpoint_callback.dirpath) == tmp_path / "checkpoints"
+    assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)
+
+
+def test_the_cnn_gets_images(tmp_path: Path) -> None:
+    datamodule, model, _ = BUILD(compose_config(["model=cnn"], tmp_path))
+    assert datamodule.splits["train"].tensors[0].shape == (1257, 1, 8, 8)
+    assert model(datamodule.splits["train"].tensors[0][:5]).shape == (5, 10)
+
+
+@pytest.mark.parametrize("penalty", ["double_backprop", "none",
+                                     "combo_double_backprop_intermediate"])
+def test_penalty_weight_on_the_command_line(penalty: str, tmp_path: Path) -> None:
+    """``penalty.weight=...`` sets the selected penalty (and composes with penalty=none)."""
+    _, model, _ = BUILD(compose_config([f"penalty={penalty}", "penalty.weight=0.7"], tmp_path))
+    weights = {name: gp.weight for name, gp in model.penalties.items()}
+    assert weights == {"none": {}, "double_backprop": {"double_backprop": 0.7},
+                       "combo_double_backprop_intermediate": {"double_backprop": 0.7,
+                                                              "hidden": 0.01}}[penalty]
+
+
+def test_the_gan_experiment_values(tmp_path: Path) -> None:
+    cfg = compose_config(["experiment=gan_25gaussians_r1"], tmp_path)
+    datamodule, model, _ = BUILD(cfg)
+    assert (model.n_critic, model.hparams.loss, datamodule.name) == (1, "nonsaturating",
+                                                                       "25gaussians")
+    assert (model.penalties["r1"].weight, model.penalties["r1"].every) == (1.0, 16)
+    assert model.mixture is not None and len(model.mixture[0]) == 25

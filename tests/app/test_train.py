@@ -1,0 +1,123 @@
+"""scripts/train.py as users run it: a real training run, every experiment in one multirun
+(subprocesses), and the configuration errors (in-process runs of the same ``__main__``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import QUIET, ROOT, SCRIPT, options
+
+CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
+                      for name in ("loss", "acc", "acc_fgsm", "input_grad_norm")}
+GAN_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
+               for name in ("energy_distance", "wasserstein")}
+MODE_METRICS = {f"{stage}/{name}" for stage in ("val", "test") for name in ("modes",
+                                                                             "high_quality")}
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+
+
+def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Path) -> None:
+    """The no-argument run, cut to 3 training batches: it prints the final metrics and the paths
+    of its TensorBoard logs, checkpoint and metrics.json, and they exist."""
+    result = run_script("trainer.max_epochs=1", "+trainer.limit_train_batches=3",
+                        "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1",
+                        "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines()[-3:])
+    assert Path(lines["tensorboard logs"].strip()) == tmp_path / "tensorboard"
+    assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert Path(lines["checkpoint"].strip()) == tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
+    assert (tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics) == CLASSIFIER_METRICS | {"train/loss", "train/total",
+                                                 "train/penalty/double_backprop"}
+    assert all(0 <= metrics[f"test/{name}"] <= 1 for name in ("acc", "acc_fgsm"))
+    assert metrics["test/acc_fgsm"] <= metrics["test/acc"]
+    for name, value in metrics.items():
+        assert f"  {name}" in result.stdout and f"{value:.4f}" in result.stdout
+
+
+def test_every_experiment_runs_in_one_multirun(tmp_path: Path) -> None:
+    """``-m experiment=glob(*) debug=fast_dev_run``: one job per experiment config, each ends
+    with the metrics of its kind (classifier, GAN, GAN on a mixture)."""
+    result = run_script("-m", "experiment=glob(*)", "debug=fast_dev_run",
+                        "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    experiments = options("experiment")
+    assert len(experiments) >= 6
+    for job, experiment in enumerate(experiments):  # Hydra sorts glob matches
+        job_dir = tmp_path / str(job)
+        assert (job_dir / ".hydra" / "overrides.yaml").read_text().count(experiment) == 1
+        metrics = set(json.loads((job_dir / "metrics.json").read_text()))
+        if experiment.startswith("gan_"):
+            expected = GAN_METRICS | (MODE_METRICS if "gaussians" in experiment else set())
+        else:
+            expected = CLASSIFIER_METRICS
+        assert expected <= metrics, (experiment, expected - metrics)
+
+
+def run_in_process(*args: str, tmp_path: Path) -> None:
+    """``python scripts/train.py *args`` in this process (the same ``__main__``, no new Python)."""
+    argv = sys.argv
+    sys.argv = [str(SCRIPT), *args, f"hydra.run.dir={tmp_path}", *QUIET]
+    try:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
+BAD_CONFIGS = {
+    "unknown penalty": (["penalty=foo"], 1, [
+        "Could not find 'penalty/foo'", "Available options in 'penalty'", "\tdouble_backprop\n",
+        "\twgan_gp\n", "\tnone\n"]),
+    "unknown model": (["model=resnet"], 1, [
+        "Could not find 'model/resnet'", "Available options in 'model':\n\tcnn\n\tgan\n\tmlp\n"]),
+    "unknown preset name": (["penalty.name=foo"], 2, [
+        "error: penalty: unknown penalty preset 'foo'; known presets: wgan_gp, wgan_lp, r1"]),
+    "critic penalty for a classifier": (["penalty=wgan_gp"], 2, [
+        "error: model: penalty 'wgan_gp' has points='interpolates', which a Classifier cannot",
+        "supports points ['inputs', 'activations', 'parameters'], i.e. the presets "
+        "['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', 'derivative']"]),
+    "negative weight": (["penalty.weight=-1"], 2, [
+        "error: penalty: weight must be a finite number >= 0, got -1"]),
+    "n_critic below 1": (["experiment=gan_8gaussians_wgan_gp", "model.n_critic=0"], 2, [
+        "error: model: n_critic must be an integer >= 1, got 0"]),
+    "unknown activation": (["model.backbone.activation=gelu"], 2, [
+        "error: model: activation='gelu' is unknown; valid values: ['elu', 'leaky_relu'"]),
+}
+
+
+@pytest.mark.parametrize(("args", "status", "messages"), BAD_CONFIGS.values(), ids=BAD_CONFIGS)
+def test_bad_configuration_exits_nonzero_naming_key_and_valid_values(
+    args: list[str], status: int, messages: list[str], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*args, tmp_path=tmp_path)
+    assert exit_info.value.code == status
+    err = capsys.readouterr().err
+    for message in messages:
+        assert message in err
+    if status == 2:  # our own errors: one line, no traceback
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_hydra_full_error_shows_the_exception(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(Exception, match="penalty: weight must be") as error_info:
+        run_in_process("penalty.weight=-1", tmp_path=tmp_path)
+    assert isinstance(error_info.value.__cause__, ValueError)
