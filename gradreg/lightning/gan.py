@@ -79,6 +79,7 @@ class GAN(L.LightningModule):
         self.gan_loss = GANLoss(generator, critic, self.penalties, adversarial=loss,
                                 latent_dim=latent_dim)
         self.n_critic = n_critic
+        self.latent_dim = latent_dim
         self.optimizer_factories = (generator_optimizer, critic_optimizer)
         self.mixture = MIXTURES.get(dataset) if dataset else None
         self.eval_seed = eval_seed
@@ -113,7 +114,7 @@ class GAN(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         real = batch[0]
         rng = torch.Generator().manual_seed(self.eval_seed + batch_idx)
-        z = torch.randn(real.shape[0], self.gan_loss.latent_dim, generator=rng).to(real)
+        z = torch.randn(real.shape[0], self.latent_dim, generator=rng).to(real)
         self._eval["real"].append(real)
         self._eval["fake"].append(self.generator(z))
 
