@@ -17,12 +17,15 @@ zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter gradi
 estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter gradients are
 estimated; the gradient the surrogate sends to the points themselves is not meaningful.
 
-| method            | cost (MLP, measured)  | error of the parameter gradient               |
-|-------------------|-----------------------|-----------------------------------------------|
-| double_backward   | exact reference       | exact                                         |
-| finite_difference | one extra fwd + bwd   | O(eps) + O(u/eps) on smooth models; O(1) on   |
-|                   |                       | piecewise-linear ones (refused)               |
-| compiled          | torch.compile'd func  | exact (float rounding)                        |
+| method            | work on top of the task step           | error of the parameter gradient   |
+|-------------------|----------------------------------------|-----------------------------------|
+| double_backward   | input backward with graph + its        | exact                             |
+|                   | backward (about 2x a plain step)       |                                   |
+| finite_difference | input backward, forward + backward at  | O(eps) + O(u/eps) when smooth;    |
+|                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
+| compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
+
+Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ def finite_difference(
     Any target, power, norm order, sidedness and reduction enter only through :math:`v`, which is
     the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
     forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
-    points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph.
+    points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph. To share
+    the forward at :math:`x` with the task loss too, let ``fn`` return the task's outputs when
+    called on the points themselves: ``lambda q: losses if q is x else loss_fn(model(q), y)``.
 
     Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
     (rounding); with :func:`default_step`, measured 1e-4 to 1e-3 in float32 and 2e-8 to 6e-8 in
