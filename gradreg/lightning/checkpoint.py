@@ -88,9 +88,11 @@ class RandomState(pl.Callback):
     """
 
     def state_dict(self) -> dict[str, Any]:
+        # numpy's state as plain values: checkpoints stay loadable with torch.load(weights_only)
+        name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
         state = {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": (name, keys.tolist(), position, has_gauss, cached_gaussian),
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -99,7 +101,9 @@ class RandomState(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         random.setstate(state_dict["python"])
-        np.random.set_state(state_dict["numpy"])
+        name, keys, position, has_gauss, cached_gaussian = state_dict["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss,
+                             cached_gaussian))
         torch.set_rng_state(state_dict["torch"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state_dict["cuda"])
