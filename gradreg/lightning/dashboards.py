@@ -23,6 +23,7 @@ render headless and in threads; :func:`snapshot` renders a logged run as one sta
 from __future__ import annotations
 
 import io
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -84,27 +85,28 @@ def saliency_figure(
     r"""Inputs (top row) over :math:`\lvert\nabla_{x_i}\ell_i\rvert` (bottom row), one column each.
 
     ``images``: ``[N, H, W]`` (gray) or ``[N, H, W, 3]`` in [0, 1]; ``saliency``: ``[N, H, W]``,
-    >= 0. The saliency row shares one colour scale, and under each map is the sample's
-    :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`, so runs with and without a penalty compare by
-    number as well as by picture.
+    >= 0. Each map is scaled to its own maximum, to show *where* the loss is sensitive; under it
+    is the sample's :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`, the *how much* that runs with and
+    without a penalty compare by.
     """
     n, _, width = saliency.shape
     fig = Figure(figsize=(0.75 * n + 1.2, 2.7), dpi=80)
-    fig.subplots_adjust(left=0.04, right=0.9, top=0.9, bottom=0.1, hspace=0.5)
+    fig.subplots_adjust(left=0.04, right=0.96, top=0.9, bottom=0.1, hspace=0.5)
     top, bottom = fig.subplots(2, 1)
     top.imshow(_mosaic(images), cmap="gray_r" if images.ndim == 3 else None)
-    shown = bottom.imshow(_mosaic(saliency), cmap="magma", vmin=0.0, vmax=float(saliency.max()))
+    peaks = saliency.reshape(n, -1).max(1).reshape(n, 1, 1)
+    bottom.imshow(_mosaic(saliency / np.where(peaks > 0, peaks, 1.0)), cmap="magma", vmin=0, vmax=1)
     centers = (width + 1) * np.arange(n) + (width - 1) / 2
     norms = np.sqrt((saliency.reshape(n, -1) ** 2).sum(1))
     for ax, title, ticks in (
         (top, "input", [f"y={y}" for y in labels] if labels is not None else [""] * n),
-        (bottom, r"$|\nabla_x \ell|$ and its norm", [f"{v:.2g}" for v in norms]),
+        (bottom, r"$|\nabla_x \ell|$ / its max; below: $\|\nabla_x \ell\|$",
+         [f"{v:.2g}" for v in norms]),
     ):
         ax.set_title(title, fontsize=9)
         ax.set_xticks(centers, ticks, fontsize=7)
         ax.set_yticks([])
         ax.tick_params(length=0)
-    fig.colorbar(shown, ax=bottom, fraction=0.05, pad=0.02)
     return fig
 
 
@@ -126,8 +128,8 @@ def critic_landscape_figure(
 
     Two panels, the real and fake samples on both. ``xs``, ``ys``: the grid axes (``[W]``,
     ``[H]``); ``scores`` and ``grad_norms``: ``[H, W]`` on that grid; ``real``, ``fake``: ``[N, 2]``
-    samples (dots and crosses). The right panel draws the level :math:`\lVert\nabla D\rVert = 1`,
-    WGAN-GP's target, where the field crosses it.
+    samples (dots and crosses; those outside the grid are cut off). The right panel draws the level
+    :math:`\lVert\nabla D\rVert = 1`, WGAN-GP's target, where the field crosses it.
     """
     fig = Figure(figsize=(9.0, 4.0), dpi=80)
     fig.subplots_adjust(left=0.05, right=0.94, top=0.9, bottom=0.08, wspace=0.2)
@@ -142,6 +144,8 @@ def critic_landscape_figure(
         ax.scatter(real[:, 0], real[:, 1], s=6, c="black", label="real")
         ax.scatter(fake[:, 0], fake[:, 1], s=10, c="tab:orange", marker="x", label="fake")
         ax.set_title(label, fontsize=10)
+        ax.set_xlim(extent[:2])
+        ax.set_ylim(extent[2:])
     if grad_norms.min() < 1.0 < grad_norms.max():
         right.contour(xs, ys, grad_norms, levels=[1.0], colors="white", linestyles="dashed")
     left.legend(loc="upper right", fontsize=8)
@@ -197,12 +201,13 @@ def _load(path: str | Path) -> EventAccumulator:
 
 
 def _draw_chart(ax, title: str, regexes: Sequence[str], runs: Mapping[str, EventAccumulator]):
-    for name, acc in runs.items():
-        for tag in acc.Tags()["scalars"]:
-            if any(re.match(regex, tag) for regex in regexes):
-                events = acc.Scalars(tag)
-                ax.plot([e.step for e in events], [e.value for e in events],
-                        label=f"{name}: {tag}" if len(runs) > 1 else tag)
+    """One colour per run (as TensorBoard), one line style per matching tag."""
+    for colour, (name, acc) in enumerate(runs.items()):
+        tags = [tag for tag in acc.Tags()["scalars"] if any(re.match(r, tag) for r in regexes)]
+        for tag, style in zip(tags, itertools.cycle(["-", "--", ":", "-."])):
+            events = acc.Scalars(tag)
+            ax.plot([e.step for e in events], [e.value for e in events], color=f"C{colour}",
+                    linestyle=style, label=f"{name}: {tag}" if len(runs) > 1 else tag)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
