@@ -167,6 +167,11 @@ def test_saliency_maps_ask_for_the_image_shape_of_flat_inputs(tmp_path: Path) ->
         fit(tmp_path, PlainClassifier(), [SaliencyMaps()], limit_val_batches=1)
 
 
+def test_saliency_maps_check_the_image_shape(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"image_shape=\(3, 3\) has 9 values, but one input has 4"):
+        fit(tmp_path, PlainClassifier(), [SaliencyMaps(image_shape=(3, 3))], limit_val_batches=1)
+
+
 def test_saliency_maps_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="num_images must be an int >= 1"):
         SaliencyMaps(0)

@@ -8,6 +8,7 @@ side there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +76,11 @@ class _FigureLogger(pl.Callback):
 def _as_images(x: Tensor, image_shape: Sequence[int] | None) -> Tensor:
     """``[N, H, W]`` or ``[N, H, W, C]`` from ``[N, ...]`` inputs (reshaped to ``image_shape``)."""
     if image_shape is not None:
+        if math.prod(image_shape) != x[0].numel():
+            raise ValueError(
+                f"image_shape={tuple(image_shape)} has {math.prod(image_shape)} values, but one "
+                f"input has {x[0].numel()} (shape {list(x.shape[1:])}); give the input's shape."
+            )
         x = x.reshape(len(x), *image_shape)
     if x.ndim == 4:
         x = x.permute(0, 2, 3, 1)

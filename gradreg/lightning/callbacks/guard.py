@@ -31,7 +31,7 @@ changes no parameter).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -92,7 +92,7 @@ class AccumulationGuard(pl.Callback):
             else:
                 self._applied[param] = weakref.ref(param.grad)
 
-    def _reset_observer(self, param: Tensor):
+    def _reset_observer(self, param: Tensor) -> Callable[[Tensor], None]:
         def observe(grad: Tensor) -> None:
             if param in self._applied and (param.grad is None or not param.grad.any()):
                 del self._applied[param]

@@ -89,20 +89,20 @@ class GradientNormMonitor(pl.Callback):
         self.norm_type = p
         self.loss_fn = loss_fn
         self.every_n_steps = every_n_steps
-        self._parameters: dict[int, _Parameters] = {}
+        self._optimizers: dict[int, tuple[int, _Parameters]] = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.loss_fn is not None:
             warn_without_tensorboard(trainer, "GradientNormMonitor", "the input_grad histogram")
         names = {param: name for name, param in pl_module.named_parameters()}
-        self._parameters = {
-            id(optimizer): _Parameters([
+        self._optimizers = {
+            id(optimizer): (index, _Parameters([
                 (names[param], param)
                 for group in optimizer.param_groups
                 for param in group["params"]
                 if param in names
-            ])
-            for optimizer in trainer.optimizers
+            ]))
+            for index, optimizer in enumerate(trainer.optimizers)
         }
 
     def on_before_optimizer_step(
@@ -110,12 +110,11 @@ class GradientNormMonitor(pl.Callback):
     ) -> None:
         if not logging_due(trainer, self.every_n_steps):
             return
-        norms = grad_norm(self._parameters[id(optimizer)], self.norm_type)
-        if len(trainer.optimizers) > 1:
-            total = f"grad_{self.norm_type}_norm_total"
-            index = [id(o) for o in trainer.optimizers].index(id(optimizer))
-            if total in norms:
-                norms[f"{total}/optimizer_{index}"] = norms.pop(total)
+        index, parameters = self._optimizers[id(optimizer)]
+        norms = grad_norm(parameters, self.norm_type)
+        total = f"grad_{self.norm_type}_norm_total"
+        if len(self._optimizers) > 1 and total in norms:
+            norms[f"{total}/optimizer_{index}"] = norms.pop(total)
         log_scalars(trainer, norms)
 
     def on_train_batch_end(
