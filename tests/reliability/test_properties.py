@@ -92,8 +92,6 @@ def test_zero_gradients_give_finite_parameter_gradients(shape, config, seed) -> 
        bad=st.sampled_from([math.nan, math.inf, -math.inf]))
 @example(shape=(2, [2]), seed=1, bad=math.nan,  # WGAN-GP's case: the one a NaN could hide in
          config={"target": 1.0, "one_sided": False, "power": 2.0, "p": 2.0, "reduction": "mean"})
-@pytest.mark.xfail(strict=True, reason="REQUESTS.md R1: _safe_sqrt maps a NaN norm to 0, so a "
-                   "non-zero target hides it; remove this marker with the fix")
 def test_non_finite_inputs_raise(shape, config, seed, bad) -> None:
     """One NaN/Inf anywhere in the batch: GradientError (check_finite, on by default)."""
     x, a = sample(shape, torch.float64, seed)
@@ -109,8 +107,6 @@ def test_empty_batch_is_a_clear_error() -> None:
         GradientPenalty()(x.square().sum(1), x)
 
 
-@pytest.mark.xfail(strict=True, reason="REQUESTS.md R2: the functional form returns NaN for an "
-                   "empty batch; remove this marker with the fix")
 def test_empty_batch_is_a_clear_error_in_the_functional_form() -> None:
     x = torch.zeros(0, 3, requires_grad=True)
     with pytest.raises(GradientError, match="empty batch"):
