@@ -177,7 +177,9 @@ class CompiledPenalty:
     The forward at the points runs inside (it is not shared with a task loss). The first call
     compiles (tens of seconds on CPU; a C++ compiler is needed there); where compiling fails the
     call warns once and returns ``None`` from then on, and the caller falls back to
-    ``double_backward``.
+    ``double_backward``. Each new input shape recompiles (the smaller last batch: use
+    ``drop_last``); all instances share one compiled code object, so past dynamo's
+    ``recompile_limit`` (8) compilations in a process the calls run uncompiled (still exact).
     """
 
     def __init__(self, module: nn.Module, penalty_of_grads: PenaltyOfGradients) -> None:
