@@ -103,11 +103,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             raise
         print(f"error: {error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     trainer.test(model, datamodule=datamodule, verbose=False)
     metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
-    report(trainer, metrics, Path(cfg.paths.output_dir))
+    if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
+        report(trainer, metrics, Path(cfg.paths.output_dir))
     return metrics
 
 
