@@ -168,10 +168,11 @@ class Classifier(L.LightningModule):
             per_sample = F.cross_entropy(logits, y, reduction="none")
             grad = gradient(per_sample.sum(), x, create_graph=False)
         adversarial_logits = self.backbone(fgsm(x, grad, self.fgsm_eps, self.input_range))
-        self.log(f"{stage}/loss", per_sample.mean())
-        self.log(f"{stage}/acc", accuracy(logits, y), prog_bar=True)
-        self.log(f"{stage}/acc_fgsm", accuracy(adversarial_logits, y), prog_bar=True)
-        self.log(f"{stage}/input_grad_norm", grad.flatten(1).norm(dim=1).mean())
+        log = partial(self.log, sync_dist=True)  # averaged over DDP ranks
+        log(f"{stage}/loss", per_sample.mean())
+        log(f"{stage}/acc", accuracy(logits, y), prog_bar=True)
+        log(f"{stage}/acc_fgsm", accuracy(adversarial_logits, y), prog_bar=True)
+        log(f"{stage}/input_grad_norm", grad.flatten(1).norm(dim=1).mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer(self.parameters())

@@ -138,7 +138,7 @@ class GAN(L.LightningModule):
             modes, high_quality = mode_metrics(fake, *self.mixture)
             metrics[f"{stage}/modes"] = float(modes)
             metrics[f"{stage}/high_quality"] = high_quality
-        self.log_dict(metrics, prog_bar=stage == "val")
+        self.log_dict(metrics, prog_bar=stage == "val", sync_dist=True)  # mean over DDP ranks
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         make_generator_opt, make_critic_opt = self.optimizer_factories
