@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from gradreg import capture, gradient
 from gradreg.lightning.metrics import accuracy, fgsm
+from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import PRESETS, GradientPenalty, as_points
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -119,14 +120,17 @@ class Classifier(L.LightningModule):
         per_sample = F.cross_entropy(logits, y, reduction="none")
         loss = per_sample.mean()
         penalties = {}
+        scale = loss_scale(self._trainer)  # fp16 GradScaler: PyTorch's penalty recipe
         for name, gp in due.items():
             if gp.points == "inputs":
-                penalties[name] = gp(self._outputs(gp, logits, per_sample, y), x)
+                penalties[name] = gp(self._outputs(gp, logits, per_sample, y), x,
+                                     loss_scale=scale)
             elif gp.points == "activations":
-                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers])
+                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers],
+                                     loss_scale=scale)
             else:  # "parameters"
                 params = [p for p in self.backbone.parameters() if p.requires_grad]
-                penalties[name] = gp(loss, params)
+                penalties[name] = gp(loss, params, loss_scale=scale)
         return loss, penalties
 
     def _outputs(

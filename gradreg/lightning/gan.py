@@ -26,6 +26,7 @@ from gradreg.data.toy import MIXTURES, TOY_SETS
 from gradreg.lightning.classifier import check_penalties
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.metrics import energy_distance, mode_metrics
+from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -101,11 +102,11 @@ class GAN(L.LightningModule):
         self,
         phase: str,
         optimizer: torch.optim.Optimizer,
-        terms_of: Callable[[Tensor], dict[str, Tensor]],
+        terms_of: Callable[[Tensor, float | None], dict[str, Tensor]],
         real: Tensor,
     ) -> None:
         with self.toggled_optimizer(optimizer):
-            terms = terms_of(real)
+            terms = terms_of(real, loss_scale(self._trainer))  # None unless fp16
             optimizer.zero_grad(set_to_none=True)
             self.manual_backward(sum(terms.values()))
             optimizer.step()

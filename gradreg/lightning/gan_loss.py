@@ -84,16 +84,19 @@ class GANLoss:
     def _due(self, points: Iterable[str]) -> dict[str, GradientPenalty]:
         return {k: gp for k, gp in self.penalties.items() if gp.points in points and gp.due()}
 
-    def critic_terms(self, real: Tensor) -> dict[str, Tensor]:
+    def critic_terms(self, real: Tensor, loss_scale: float | None = None
+                     ) -> dict[str, Tensor]:
         fake = self.generator(self.latents(real)).detach()
         terms = {"adversarial": self.critic_term(self.critic(real), self.critic(fake)).mean()}
         for name, gp in self._due(CRITIC_POINTS).items():
-            terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake))
+            terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
+                             loss_scale=loss_scale)
         return terms
 
-    def generator_terms(self, real: Tensor) -> dict[str, Tensor]:
+    def generator_terms(self, real: Tensor, loss_scale: float | None = None
+                        ) -> dict[str, Tensor]:
         z = self.latents(real)
         terms = {"adversarial": self.generator_term(self.critic(self.generator(z))).mean()}
         for name, gp in self._due(GENERATOR_POINTS).items():
-            terms[name] = gp(self.generator, as_points(z))
+            terms[name] = gp(self.generator, as_points(z), loss_scale=loss_scale)
         return terms
