@@ -345,20 +345,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, (by_batch, by_params) = plt.subplots(1, 2, figsize=(11, 4.5))
     timed = [r for r in rows if "median_ms" in r]
-    for case in sorted({r["case"] for r in timed}):
+    colors = {"plain": "black", "hand": "tab:orange", "exact": "tab:blue",
+              "finite_difference": "tab:green"}  # color: method; line style and marker: case
+    for (case, style) in zip(sorted({r["case"] for r in timed}), ("-o", "--s", ":^", "-.v"),
+                             strict=False):
         widths = [r["width"] for r in timed if r["case"] == case]
         width = max(set(widths), key=widths.count)  # the width most cases ran at
-        for method in ("plain", "hand", "exact", "finite_difference"):
-            pts = sorted((r["batch"], r["median_ms"]) for r in timed if r["case"] == case
-                         and r["method"] == method and r["width"] == width)
-            if len(pts) > 1:
-                by_batch.plot(*zip(*pts, strict=True), marker="o", label=f"{case} {method}")
-            batches = [r["batch"] for r in timed if r["case"] == case]
-            batch = max(set(batches), key=batches.count)
-            pts = sorted((r["parameters"], r["median_ms"]) for r in timed if r["case"] == case
-                         and r["method"] == method and r["batch"] == batch)
-            if len(pts) > 1:
-                by_params.plot(*zip(*pts, strict=True), marker="o", label=f"{case} {method}")
+        batches = [r["batch"] for r in timed if r["case"] == case]
+        batch = max(set(batches), key=batches.count)
+        for method, color in colors.items():
+            mine = [r for r in timed if r["case"] == case and r["method"] == method]
+            for ax, x, fixed, value in ((by_batch, "batch", "width", width),
+                                        (by_params, "parameters", "batch", batch)):
+                pts = sorted((r[x], r["median_ms"]) for r in mine if r[fixed] == value)
+                if len(pts) > 1:
+                    ax.plot(*zip(*pts, strict=True), style, color=color,
+                            label=f"{case} {method}")
     for ax, xlabel in ((by_batch, "batch size"), (by_params, "parameters")):
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="step time (ms)")
         ax.grid(True, which="both", alpha=0.3)
