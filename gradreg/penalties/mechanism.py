@@ -212,7 +212,9 @@ class GradientPenalty(nn.Module):
         num_projections: random directions for ``"orthonormal"``.
         ema_decay: the running mean's decay for ``target="ema"``.
         check_finite: raise :class:`~gradreg.GradientError` when the penalty is NaN or Inf
-            (one host sync per call) instead of letting it poison the parameters.
+            (one host sync per call) instead of letting it poison the parameters. Not under a
+            ``loss_scale``: there a non-finite value is the GradScaler's overflow signal, and the
+            scaler skips the step and lowers its scale.
         method: how the parameter gradient is computed, one of :data:`methods.METHODS`:
             ``"double_backward"`` (exact), ``"finite_difference"`` (no double backward, error
             O(fd_eps); refused on piecewise-linear models) or ``"compiled"`` (exact, through
@@ -384,7 +386,8 @@ class GradientPenalty(nn.Module):
         if self.reduction == "sum" and inputs[0].ndim > 0 and inputs[0].shape[0] < batch:
             value = value * (batch / inputs[0].shape[0])
         self.last_value = value.detach()
-        if self.check_finite and not bool(torch.isfinite(self.last_value)):
+        if (self.check_finite and loss_scale is None
+                and not bool(torch.isfinite(self.last_value))):
             raise GradientError(
                 f"the penalty is {self.last_value.item()} (not finite): the outputs or the points "
                 "contain NaN/Inf, or the model diverged. Check the batch with "

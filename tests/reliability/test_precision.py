@@ -107,12 +107,8 @@ def test_loss_scale_prevents_fp16_underflow() -> None:
     assert r1(torch.float16, 2.0**14) == pytest.approx(fp32, rel=2e-2)
 
 
-@pytest.mark.parametrize("check_finite", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "REQUESTS.md R3: under a loss scale, the overflow GradScaler absorbs raises "
-        "GradientError; remove this marker with the fix"))),
-], ids=["check_finite=False", "check_finite=True"])
+@pytest.mark.parametrize("check_finite", [False, True],
+                         ids=["check_finite=False", "check_finite=True"])
 def test_grad_scaler_absorbs_fp16_overflow(check_finite: bool) -> None:
     """WGAN-GP with ``torch.amp.GradScaler`` (init scale 2**16 > fp16's max 65504): the first
     steps overflow, the scaler skips them and halves its scale, then training proceeds with
