@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -143,6 +144,15 @@ def test_non_finite_gradients_are_caught(tmp_path: Path) -> None:
     with pytest.raises(GradientError, match=r"non-finite gradients \(NaN or Inf\) in w after "
                                             r"backward"):
         train(tmp_path, OneWeight(value=float("inf")), AccumulationGuard())
+
+
+def test_non_finite_gradients_are_left_to_a_grad_scaler(tmp_path: Path) -> None:
+    # fp16 mixed precision: an Inf gradient is the GradScaler's overflow signal; it skips the step.
+    scaler = torch.amp.GradScaler("cpu")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    module = OneWeight(value=float("inf"))
+    assert train(tmp_path, module, AccumulationGuard(), plugins=[plugin]) == 0.0
+    assert scaler.get_scale() == 2.0**16 * 0.5**STEPS  # halved at each skipped step
 
 
 def test_warn_reports_and_goes_on(tmp_path: Path) -> None:

@@ -23,7 +23,9 @@ calls ``zero_grad()`` (with or without ``set_to_none``), and gradients assigned 
 are never flagged; a manual loop that forgets ``zero_grad()`` is flagged on its second step.
 
 Non-finite gradients (NaN, Inf) are checked at the same point, after backward and before the
-optimizer step. Both checks act as ``action`` says: ``"raise"`` a :class:`gradreg.GradientError`,
+optimizer step, unless the precision plugin has a ``GradScaler`` (fp16 mixed precision on GPU):
+there an Inf is the scaler's overflow signal, and the scaler itself skips that step and lowers
+its scale. Both checks act as ``action`` says: ``"raise"`` a :class:`gradreg.GradientError`,
 ``"warn"``, or ``"skip"`` the step (warn, and drop the optimizer's gradients so that the step
 changes no parameter).
 """
@@ -107,7 +109,10 @@ class AccumulationGuard(pl.Callback):
             p for p in params
             if (ref := self._applied.get(p)) is not None and ref() is p.grad and bool(p.grad.any())
         ]
-        nonfinite = [p for p in params if not bool(torch.isfinite(p.grad).all())]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        nonfinite = [] if scaler is not None else [
+            p for p in params if not bool(torch.isfinite(p.grad).all())
+        ]
         problems = []
         if carried:
             problems.append(
