@@ -1,15 +1,15 @@
 """Callbacks that show what a gradient penalty does, for any LightningModule.
 
-==========================  ===========================================================
-:class:`GradientNormMonitor`  parameter / input gradient norms and penalty values
-:class:`PenaltyWeightSchedule` warm-up and anneal of penalty weights (checkpointed)
-:class:`AccumulationGuard`     gradients not reset between optimizer steps, NaN/Inf
-:class:`AutogradGraphLogger`   the backward graph of the penalized loss, as text and DOT
-:class:`CustomScalarsLayout`   TensorBoard layout: loss, penalties and norms side by side
-:class:`HParamsLogger`         hyperparameters with final metrics (HParams tab)
-:class:`SaliencyMaps`          figure: inputs over their loss gradient
-:class:`CriticLandscape`       figure: a 2D critic's scores and gradient norms, with samples
-==========================  ===========================================================
+* :class:`GradientNormMonitor`: parameter and input gradient norms, penalty values;
+* :class:`PenaltyWeightSchedule`: warm-up and anneal of penalty weights (checkpointed);
+* :class:`AccumulationGuard`: gradients not reset between optimizer steps, NaN/Inf gradients;
+* :class:`AutogradGraphLogger`: the backward graph of the penalized loss, as text and DOT;
+* :class:`CustomScalarsLayout`: TensorBoard layout with loss, penalties and norms side by side;
+* :class:`HParamsLogger`: hyperparameters with final metrics (HParams tab);
+* :class:`SaliencyMaps`: figure of inputs over their loss gradient;
+* :class:`CriticLandscape`: figure of a 2D critic's scores and gradient norms, with samples.
+
+The tags they write are listed in :mod:`gradreg.lightning.dashboards`.
 """
 
 from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps
