@@ -98,5 +98,5 @@ def test_the_gan_experiment_values(tmp_path: Path) -> None:
     datamodule, model, _ = BUILD(cfg)
     assert (model.n_critic, model.hparams.loss, datamodule.name) == (1, "nonsaturating",
                                                                        "25gaussians")
-    assert (model.penalties["r1"].weight, model.penalties["r1"].every) == (1.0, 16)
+    assert (model.penalties["r1"].weight, model.penalties["r1"].every) == (0.1, 16)
     assert model.mixture is not None and len(model.mixture[0]) == 25
