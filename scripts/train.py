@@ -34,8 +34,13 @@ from typing import Any
 
 import hydra
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
+
+# Lightning exports no public name for the launcher that re-runs the script once per extra rank.
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from omegaconf import DictConfig
 
 # Run from a checkout without installing the package (with `pip install -e .` this changes nothing).
@@ -75,7 +80,24 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, L.
         callbacks = [instantiate(node) for node in cfg.callbacks.values()]
     with building("trainer"):
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        check_launcher(trainer)
     return datamodule, model, trainer
+
+
+def check_launcher(trainer: L.Trainer) -> None:
+    """Refuse a strategy that re-launches this script per rank inside a Hydra multirun.
+
+    Such a child re-runs the whole sweep (``-m`` is in its command line) with its own timestamped
+    output directories; ``ddp_spawn`` starts the ranks as processes of the current job instead.
+    """
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun and isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher):
+        raise ValueError(
+            f"strategy {type(trainer.strategy).__name__} re-launches scripts/train.py for each "
+            "extra rank, which inside a multirun (-m) re-runs the whole sweep with its own output "
+            "directories; use trainer=ddp_spawn_cpu (the ranks are processes of each job), or run "
+            "each job without -m"
+        )
 
 
 def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path) -> None:

@@ -121,3 +121,24 @@ def test_hydra_full_error_shows_the_exception(tmp_path: Path,
     with pytest.raises(Exception, match="penalty: weight must be") as error_info:
         run_in_process("penalty.weight=-1", tmp_path=tmp_path)
     assert isinstance(error_info.value.__cause__, ValueError)
+
+
+def test_multirun_refuses_a_launcher_that_reruns_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under -m, trainer=ddp_cpu (subprocess re-launch per rank) stops before any rank starts and
+    names the launcher to use instead."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    argv = sys.argv
+    sys.argv = [str(SCRIPT), "-m", "trainer=ddp_cpu", "seed=0,1", f"hydra.sweep.dir={tmp_path}",
+                *QUIET]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer: strategy DDPStrategy re-launches scripts/train.py")
+    assert "use trainer=ddp_spawn_cpu" in err
+    assert not (tmp_path / "0" / "metrics.json").exists()
