@@ -305,7 +305,7 @@ class GradientPenalty(nn.Module):
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
-        self._double_backward_checked = False
+        self._first_call_checked = False
 
     @property
     def weight(self) -> float:
@@ -376,9 +376,9 @@ class GradientPenalty(nn.Module):
                 sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
                                         loss_scale)
                 norms = sq if squared else _safe_sqrt(sq)
-            if not self._double_backward_checked:
+            if not self._first_call_checked:
                 check_double_backward(norms)
-                self._double_backward_checked = True
+                self._first_call_checked = True
             target = self._ema_target(norms) if self.target == "ema" else self.target
             value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
                                         power=self.power, reduction=self.reduction,
@@ -406,9 +406,9 @@ class GradientPenalty(nn.Module):
     def _approximate(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> Tensor | None:
         """The penalty by ``self.method`` (not double backward); None where compile fell back."""
         if self.method == "finite_difference":
-            if not self._double_backward_checked:
+            if not self._first_call_checked:
                 methods.check_smooth(fn)
-                self._double_backward_checked = True
+                self._first_call_checked = True
             return methods.finite_difference(fn, inputs, self._penalty_of_grads, eps=self.fd_eps)
         if self._compiled is None or self._compiled.module is not fn:
             self._compiled = methods.CompiledPenalty(fn, self._penalty_of_grads)
