@@ -38,8 +38,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradreg.autograd import GradientError, check_double_backward, gradient, nth_derivative
+from gradreg.autograd import (
+    GradientError,
+    _as_tuple,
+    check_double_backward,
+    gradient,
+    nth_derivative,
+)
 from gradreg.penalties import methods
+from gradreg.penalties.norms import per_sample_norm, safe_sqrt
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
@@ -47,46 +54,6 @@ POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", 
           "parameters")
 PROJECTIONS = ("sum", "orthonormal", "gaussian")
 REDUCTIONS = ("mean", "sum")
-
-
-def _as_tuple(tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
-    return (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
-
-
-def per_sample_norm(
-    grads: Tensor | Sequence[Tensor],
-    p: float = 2.0,
-    *,
-    squared: bool = False,
-    per_sample: bool = True,
-) -> Tensor:
-    r""":math:`\lVert g_i \rVert_p` over all non-batch dims of every tensor in ``grads``, shape [B].
-
-    With ``squared=True`` (only for ``p=2``) returns :math:`\sum g_i^2` without a square root.
-    The root has a finite gradient (zero) where the gradient vanishes, so a penalty stays finite
-    for a model that is constant in its input. ``per_sample=False`` gives one norm over
-    everything (shape []).
-    """
-    grads = _as_tuple(grads)
-    flat = [g.flatten(1) if per_sample else g.reshape(1, -1) for g in grads]
-    if p == 2:
-        sq = sum(f.square().sum(1) for f in flat)
-        if squared:
-            return sq if per_sample else sq[0]
-        norm = _safe_sqrt(sq)
-    else:
-        if squared:
-            raise ValueError("squared=True is only defined for p=2.")
-        parts = [torch.linalg.vector_norm(f, ord=p, dim=1) for f in flat]
-        norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
-            torch.stack(parts), ord=p, dim=0)
-    return norm if per_sample else norm[0]
-
-
-def _safe_sqrt(sq: Tensor) -> Tensor:
-    """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
-    positive = sq != 0  # sq >= 0 or NaN: a NaN stays NaN (check_finite sees it), 0 -> 0
-    return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
 
 
 def _unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
@@ -375,7 +342,7 @@ class GradientPenalty(nn.Module):
             else:
                 sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
                                         loss_scale)
-                norms = sq if squared else _safe_sqrt(sq)
+                norms = sq if squared else safe_sqrt(sq)
             if not self._first_call_checked:
                 check_double_backward(norms)
                 self._first_call_checked = True

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
 from gradreg.autograd import GradientError, gradient
+from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [
     "METHODS",
@@ -63,10 +64,6 @@ PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
 PerSampleFunction = Callable[..., Tensor]
-
-
-def _per_sample_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return sum(t.flatten(1).square().sum(1) for t in tensors).sqrt()
 
 
 def _broadcast(per_sample: Tensor, like: Tensor) -> Tensor:
@@ -131,7 +128,7 @@ def finite_difference(
         value = penalty_of_grads(leaves)
         directions = torch.autograd.grad(value, leaves)
     step = default_step(outputs.dtype) if eps is None else eps
-    norms = _per_sample_norm(directions)
+    norms = per_sample_norm(directions)
     moving = norms > 0
     h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)
     shifted = tuple(x.detach() + _broadcast(h, v) * v
