@@ -19,6 +19,7 @@ __all__ = [
     "capture",
     "check_double_backward",
     "gradient",
+    "graph_leaves",
     "nth_derivative",
     "regularized_backward",
 ]
@@ -217,6 +218,12 @@ def _graph_node_names_and_leaves(roots: Iterable[Tensor]) -> tuple[set[str], lis
             leaves.append(node.variable)
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return names, leaves
+
+
+def graph_leaves(roots: Iterable[Tensor]) -> list[Tensor]:
+    """The leaves requiring grad that ``roots`` depend on (the ``AccumulateGrad`` nodes' tensors),
+    found by walking their backward graph, in discovery order, each once."""
+    return _graph_node_names_and_leaves(roots)[1]
 
 
 def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:

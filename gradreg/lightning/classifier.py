@@ -123,8 +123,8 @@ class Classifier(L.LightningModule):
         scale = loss_scale(self._trainer)  # fp16 GradScaler: PyTorch's penalty recipe
         for name, gp in due.items():
             if gp.points == "inputs":
-                penalties[name] = gp(self._outputs(gp, logits, per_sample, y), x,
-                                     loss_scale=scale)
+                outputs, fn_args = self._outputs(gp, logits, per_sample, y)
+                penalties[name] = gp(outputs, x, loss_scale=scale, fn_args=fn_args)
             elif gp.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers],
                                      loss_scale=scale)
@@ -135,17 +135,21 @@ class Classifier(L.LightningModule):
 
     def _outputs(
         self, gp: GradientPenalty, logits: Tensor, per_sample: Tensor, y: Tensor
-    ) -> Tensor | Callable[[Tensor], Tensor]:
-        """What an ``"inputs"`` penalty differentiates (``gp.of``): logits or per-sample losses.
+    ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
+        """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
+        and the callable's per-sample arguments besides the inputs (the labels).
 
-        Double backward shares the task's forward pass; the other methods and ``subsample`` need
-        a callable ``x -> outputs`` and run their own (on the first samples of the batch).
+        Double backward shares the task's forward pass; the other methods, ``subsample`` and
+        ``chunks`` need a callable and run their own forward (``gp.needs_callable``).
         """
-        if gp.method == "double_backward" and gp.subsample == 1:
-            return logits if gp.of == "outputs" else per_sample
+        if not gp.needs_callable:
+            return (logits if gp.of == "outputs" else per_sample), ()
         if gp.of == "outputs":
-            return self.backbone
-        return lambda x: F.cross_entropy(self.backbone(x), y[: x.shape[0]], reduction="none")
+            return self.backbone, ()
+        return self._per_sample_loss, (y,)
+
+    def _per_sample_loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self.backbone(x), y, reduction="none")
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, penalties = self.losses(*batch)

@@ -189,6 +189,10 @@ class GradientPenalty(nn.Module):
             latter need ``outputs`` as a callable; see :mod:`gradreg.penalties.methods`.
         subsample: evaluate on the first ``ceil(subsample * B)`` samples only (StyleGAN2's batch
             shrink; needs ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
+        chunks: build and differentiate the penalty ``chunks`` micro-batches at a time
+            (:func:`methods.in_chunks`): the same gradient, about ``1/chunks`` of the penalty
+            graph's peak memory; needs ``outputs`` as a callable, double backward, per-sample
+            points and a numeric target.
         fd_eps: the finite-difference step (input-space length of each sample's shift);
             ``None`` picks :func:`methods.default_step` for the dtype.
 
@@ -218,6 +222,7 @@ class GradientPenalty(nn.Module):
         method: str = "double_backward",
         subsample: float = 1.0,
         fd_eps: float | None = None,
+        chunks: int = 1,
     ) -> None:
         super().__init__()
         _require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
@@ -249,6 +254,12 @@ class GradientPenalty(nn.Module):
             "per-sample points other than 'activations'; use method='double_backward'")
         _require(0 < subsample <= 1, f"subsample must be in (0, 1], got {subsample!r}")
         _require(fd_eps is None or fd_eps > 0, f"fd_eps must be > 0 or None, got {fd_eps!r}")
+        _require(isinstance(chunks, int) and chunks >= 1,
+                 f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
+        _require(chunks == 1 or (method == "double_backward" and target != "ema"
+                                 and points != "parameters"),
+                 f"chunks={chunks} needs method='double_backward', a numeric target (an 'ema' "
+                 "target couples the samples) and per-sample points; use chunks=1")
         self.weight = weight
         self.target = target
         self.one_sided = one_sided
@@ -268,6 +279,7 @@ class GradientPenalty(nn.Module):
         self.method = method
         self.subsample = subsample
         self.fd_eps = fd_eps
+        self.chunks = chunks
         self._compiled: methods.CompiledPenalty | None = None
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self.register_buffer("ema", torch.zeros(()))
@@ -294,6 +306,12 @@ class GradientPenalty(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         self.weight = state["weight"]
 
+    @property
+    def needs_callable(self) -> bool:
+        """Whether :meth:`forward` must be given ``outputs`` as a callable ``fn(*points)``: the
+        methods other than double backward, ``subsample`` and ``chunks`` run their own forward."""
+        return self.method != "double_backward" or self.subsample < 1 or self.chunks > 1
+
     def due(self) -> bool:
         """Advance the lazy counter one step; True on the steps where the penalty is computed.
 
@@ -310,6 +328,7 @@ class GradientPenalty(nn.Module):
         inputs: Tensor | Sequence[Tensor],
         *,
         loss_scale: float | Tensor | None = None,
+        fn_args: Sequence[Tensor] = (),
     ) -> Tensor:
         """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``.
 
@@ -319,37 +338,33 @@ class GradientPenalty(nn.Module):
 
         ``outputs`` may instead be a callable ``fn(*inputs) -> outputs`` (a module, or a closure
         over the labels for a per-sample loss): the penalty then runs the forward itself, which
-        ``subsample`` and the methods other than ``"double_backward"`` need.
+        ``subsample``, ``chunks`` and the methods other than ``"double_backward"`` need
+        (:attr:`needs_callable`). ``fn_args``: further per-sample arguments of the callable,
+        batch first and not differentiated (the labels of a per-sample loss), called as
+        ``fn(*points, *fn_args)`` and subsampled or split into ``chunks`` with the points.
         """
-        inputs = _as_tuple(inputs)
+        inputs, fn_args = _as_tuple(inputs), tuple(fn_args)
         fn = None if isinstance(outputs, Tensor) else outputs
-        _require(fn is not None or (self.method == "double_backward" and self.subsample == 1),
-                 f"method={self.method!r} and subsample={self.subsample} need outputs as a "
-                 "callable fn(*inputs) -> outputs (e.g. the critic itself), not a tensor")
+        _require(fn is not None or not fn_args, "fn_args need outputs as a callable")
+        _require(fn is not None or not self.needs_callable,
+                 f"method={self.method!r}, subsample={self.subsample} and chunks={self.chunks} "
+                 "need outputs as a callable fn(*inputs) -> outputs (e.g. the critic itself), "
+                 "not a tensor")
         _require(loss_scale is None or self.method == "double_backward",
                  "loss_scale is only supported by method='double_backward'")
         batch = inputs[0].shape[0] if inputs[0].ndim > 0 else 1
         if fn is not None:
-            inputs = methods.subsample(inputs, self.subsample)
-        per_sample = self.points != "parameters"
-        squared = _squared(self.target, self.power, self.p) and self.target != "ema"
-        value = None if self.method == "double_backward" else self._approximate(fn, inputs)
-        if value is None:
-            outputs = outputs if fn is None else fn(*inputs)
-            if self.projection == "sum":
-                norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
-                               per_sample=per_sample, loss_scale=loss_scale)
-            else:
-                sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
-                                        loss_scale)
-                norms = sq if squared else safe_sqrt(sq)
-            if not self._first_call_checked:
-                check_double_backward(norms)
-                self._first_call_checked = True
-            target = self._ema_target(norms) if self.target == "ema" else self.target
-            value = _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
-                                        power=self.power, reduction=self.reduction,
-                                        squared=squared)
+            both = methods.subsample(inputs + fn_args, self.subsample)
+            inputs, fn_args = both[:len(inputs)], both[len(inputs):]
+        value = (None if self.method == "double_backward"
+                 else self._approximate(fn, inputs, fn_args))
+        if value is None and self.chunks > 1:
+            value = methods.in_chunks(
+                lambda xs, args: self._exact(fn(*xs, *args), xs, loss_scale), inputs,
+                self.chunks, args=fn_args, mean=self.reduction == "mean", loss_scale=loss_scale)
+        elif value is None:
+            value = self._exact(outputs if fn is None else fn(*inputs, *fn_args), inputs,
+                                loss_scale)
         if self.reduction == "sum" and inputs[0].ndim > 0 and inputs[0].shape[0] < batch:
             value = value * (batch / inputs[0].shape[0])
         self.last_value = value.detach()
@@ -363,6 +378,24 @@ class GradientPenalty(nn.Module):
             )
         return value * (self.weight * self.every * self.gain)
 
+    def _exact(self, outputs: Tensor, inputs: tuple[Tensor, ...],
+               loss_scale: float | Tensor | None) -> Tensor:
+        """The unweighted penalty, differentiable by double backward (``create_graph=True``)."""
+        squared = _squared(self.target, self.power, self.p) and self.target != "ema"
+        if self.projection == "sum":
+            norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,
+                           per_sample=self.points != "parameters", loss_scale=loss_scale)
+        else:
+            sq = _projected_sq_norm(outputs, inputs, self.projection, self.num_projections,
+                                    loss_scale)
+            norms = sq if squared else safe_sqrt(sq)
+        if not self._first_call_checked:
+            check_double_backward(norms)
+            self._first_call_checked = True
+        target = self._ema_target(norms) if self.target == "ema" else self.target
+        return _penalty_from_norms(norms, target=target, one_sided=self.one_sided,
+                                   power=self.power, reduction=self.reduction, squared=squared)
+
     def _penalty_of_grads(self, grads: tuple[Tensor, ...]) -> Tensor:
         """The unweighted penalty as a function of the per-sample input gradients alone."""
         squared = _squared(self.target, self.power, self.p)
@@ -370,16 +403,18 @@ class GradientPenalty(nn.Module):
                                    target=self.target, one_sided=self.one_sided, power=self.power,
                                    reduction=self.reduction, squared=squared)
 
-    def _approximate(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> Tensor | None:
+    def _approximate(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...],
+                     fn_args: tuple[Tensor, ...]) -> Tensor | None:
         """The penalty by ``self.method`` (not double backward); None where compile fell back."""
         if self.method == "finite_difference":
             if not self._first_call_checked:
                 methods.check_smooth(fn)
                 self._first_call_checked = True
-            return methods.finite_difference(fn, inputs, self._penalty_of_grads, eps=self.fd_eps)
+            return methods.finite_difference(lambda *xs: fn(*xs, *fn_args), inputs,
+                                             self._penalty_of_grads, eps=self.fd_eps)
         if self._compiled is None or self._compiled.module is not fn:
             self._compiled = methods.CompiledPenalty(fn, self._penalty_of_grads)
-        return self._compiled(inputs)
+        return self._compiled(inputs, fn_args)
 
     def _ema_target(self, norms: Tensor) -> Tensor:
         """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose

@@ -25,6 +25,9 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
 
+``chunks`` keeps double backward and trades nothing but kernel size for memory: the penalty is
+built and differentiated one micro-batch at a time (:func:`in_chunks`).
+
 Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 """
 
@@ -38,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
-from gradreg.autograd import GradientError, gradient
+from gradreg.autograd import GradientError, gradient, graph_leaves
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [
@@ -48,8 +51,10 @@ __all__ = [
     "check_smooth",
     "default_step",
     "finite_difference",
+    "in_chunks",
     "lazy_optimizer_kwargs",
     "subsample",
+    "with_gradients",
 ]
 
 METHODS = ("double_backward", "finite_difference", "compiled")
@@ -63,6 +68,7 @@ PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
 )
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
+PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
 PerSampleFunction = Callable[..., Tensor]
 
 
@@ -190,22 +196,26 @@ class CompiledPenalty:
         self.available = True
 
         def penalty(params: dict[str, Tensor], buffers: dict[str, Tensor],
-                    *points: Tensor) -> Tensor:
+                    args: tuple[Tensor, ...], *points: Tensor) -> Tensor:
             def total(*xs: Tensor) -> Tensor:
-                return functional_call(module, (params, buffers), xs).sum()
+                return functional_call(module, (params, buffers), xs + args).sum()
 
             return penalty_of_grads(grad(total, argnums=tuple(range(len(points))))(*points))
 
         self._compiled = torch.compile(grad_and_value(penalty))
 
-    def __call__(self, inputs: tuple[Tensor, ...]) -> Tensor | None:
+    def __call__(self, inputs: tuple[Tensor, ...],
+                 args: tuple[Tensor, ...] = ()) -> Tensor | None:
+        """The penalty at the points ``inputs``; ``args``: the module's further per-sample
+        arguments (not differentiated). None where compiling failed."""
         if not self.available:
             return None
         params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         buffers = dict(self.module.named_buffers())
         detached = {n: p.detach() for n, p in params.items()}
         try:
-            grads, value = self._compiled(detached, buffers, *(x.detach() for x in inputs))
+            grads, value = self._compiled(detached, buffers, args,
+                                          *(x.detach() for x in inputs))
         except Exception as err:  # compiler missing or backend failure: fall back, say why
             self.available = False
             warnings.warn(
@@ -216,8 +226,84 @@ class CompiledPenalty:
                 stacklevel=3,
             )
             return None
-        surrogate = sum((p * grads[n].detach()).sum() for n, p in params.items())
-        return value.detach() + (surrogate - surrogate.detach())
+        return with_gradients(value, list(params.values()), [grads[n] for n in params])
+
+
+def with_gradients(value: Tensor, tensors: list[Tensor], gradients: list[Tensor]) -> Tensor:
+    r"""``value`` (detached) plus a zero whose gradient w.r.t. each ``tensors[j]`` is
+    ``gradients[j]``: :math:`v + S - \operatorname{detach}(S)`,
+    :math:`S = \sum_j \langle t_j, \operatorname{detach}(G_j) \rangle`.
+
+    Hands gradients computed ahead of time to the caller's one ``backward`` (scaled by whatever
+    multiplies the value there). First order only: its own gradient is constant.
+    """
+    surrogate = sum((t * g.detach()).sum() for t, g in zip(tensors, gradients, strict=True))
+    if not isinstance(surrogate, Tensor):  # nothing to carry
+        return value.detach()
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+def in_chunks(
+    penalty_of_points: PenaltyOfPoints,
+    inputs: tuple[Tensor, ...],
+    chunks: int,
+    *,
+    args: tuple[Tensor, ...] = (),
+    mean: bool,
+    loss_scale: float | Tensor | None = None,
+) -> Tensor:
+    r"""A per-sample penalty evaluated ``chunks`` micro-batches at a time; exact, less memory.
+
+    For a penalty that is a mean (``mean=True``) or a sum of per-sample terms, split the batch of
+    :math:`B` samples into micro-batches :math:`c` of :math:`B_c` samples:
+
+    .. math::
+
+        P = \sum_c w_c P_c, \quad w_c = B_c / B \text{ (mean) or } 1 \text{ (sum)}, \qquad
+        \nabla_\theta P = \sum_c w_c \nabla_\theta P_c .
+
+    Each :math:`P_c` = ``penalty_of_points(points_c, args_c)`` (its own forward at fresh leaves
+    that are the micro-batch's points, with the micro-batch's rows of the per-sample ``args``
+    such as labels, and its double-backward graph) is differentiated at once by
+    ``torch.autograd.grad`` w.r.t. every leaf it depends on (the parameters) and, where the points
+    come from upstream computation (a generator), w.r.t. the points; then its graph is freed. The
+    sums of these exact gradients reach the caller's single ``backward`` through
+    :func:`with_gradients`. So ``.grad`` is that of the unchunked penalty, to float rounding,
+    while at most one micro-batch's double-backward graph is alive: the penalty's peak memory
+    falls by about ``chunks``. Work is unchanged apart from smaller kernels. Samples must not
+    interact (no BatchNorm in training mode); leaf points receive no gradient (as with
+    :func:`gradreg.regularized_backward`). Under a ``loss_scale`` (fp16) each micro-batch is
+    differentiated scaled and unscaled after, like the penalty itself.
+    """
+    batch = inputs[0].shape[0]
+    upstream = [x.grad_fn is not None for x in inputs]
+    values: list[Tensor] = []
+    leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
+    point_grads: list[list[Tensor]] = [[] for _ in inputs]
+    pieces = min(chunks, batch)
+    for part in zip(*(x.tensor_split(pieces) for x in inputs + args), strict=True):
+        points = tuple(x.detach().requires_grad_() for x in part[:len(inputs)])
+        value = penalty_of_points(points, part[len(inputs):]) * (
+            len(points[0]) / batch if mean else 1.0)
+        mine = {id(x) for x in points}
+        leaves = [t for t in graph_leaves([value]) if id(t) not in mine]
+        wanted = leaves + [x for x, up in zip(points, upstream, strict=True) if up]
+        scale = 1.0 if loss_scale is None else loss_scale
+        grads = torch.autograd.grad(value * scale, wanted, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g * (1.0 / scale)
+                 for t, g in zip(wanted, grads, strict=True)]
+        for leaf, g in zip(leaves, grads[:len(leaves)], strict=True):
+            seen = leaf_grads.get(id(leaf))
+            leaf_grads[id(leaf)] = (leaf, g if seen is None else seen[1] + g)
+        rest = iter(grads[len(leaves):])
+        for collected, up in zip(point_grads, upstream, strict=True):
+            if up:
+                collected.append(next(rest))
+        values.append(value.detach())
+    tensors = [t for t, _ in leaf_grads.values()] + [x for x, up in zip(inputs, upstream,
+                                                                        strict=True) if up]
+    gradients = [g for _, g in leaf_grads.values()] + [torch.cat(c) for c in point_grads if c]
+    return with_gradients(sum(values), tensors, gradients)
 
 
 def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]:

@@ -63,7 +63,8 @@ def test_step_is_task_loss_plus_the_penalty_formulas() -> None:
     assert values["jac"] == pytest.approx(2.0 * frobenius)
 
 
-@pytest.mark.parametrize("options", [{"method": "finite_difference"}, {"subsample": 0.5}])
+@pytest.mark.parametrize("options", [{"method": "finite_difference"}, {"subsample": 0.5},
+                                     {"chunks": 3}])
 def test_methods_that_run_their_own_forward_give_the_same_value(options: dict) -> None:
     x, y = data()
     n = 4 if "subsample" in options else BATCH  # subsample: the first half of the batch
