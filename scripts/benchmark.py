@@ -11,13 +11,20 @@ steps interleaved round-robin so that machine noise hits all alike, this measure
   of the allocator's events recorded by ``torch.profiler`` (bytes of tensors allocated minus
   freed since the step began: tensor memory only, no allocator caching, no Python objects), and
   its ratio to the plain step's;
+* the floating-point operations of one step (``torch.utils.flop_counter``: matrix products and
+  convolutions, forward and every backward, double backward included) and their ratio to the
+  plain step's: the cost floor that no implementation of the same method goes below, free of
+  timing noise;
 * for the approximate methods, the relative error ``|G - G_exact| / |G_exact|`` of the penalty's
   parameter gradient on the same points (``subsample`` against the full-batch penalty).
 
 ``hand`` is the straight hand-written double backward (written here, not imported) with the
 usual ``loss.backward()``; the gradreg methods use :func:`gradreg.regularized_backward`, which
 computes parameter gradients only, so ``exact / hand`` is the toolkit's overhead net of that
-saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 consecutive steps.
+saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 consecutive steps,
+and its ratio is to the plain step timed the same way (blocks of 16 steps: a block's mean carries
+noise that a median of single steps drops). ``chunks`` is ``chunks=4`` (its own forward at the
+points, like ``subsample``).
 Writes ``benchmark.json`` and ``benchmark.png`` (log-log cost against batch size and against
 parameter count) into ``--out``.
 
@@ -40,11 +47,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from gradreg import regularized_backward
 from gradreg.penalties import GradientPenalty, as_points, interpolate, make_penalty
 
-METHODS = ("plain", "hand", "exact", "lazy16", "subsample", "finite_difference", "compiled")
+METHODS = ("plain", "hand", "exact", "lazy16", "subsample", "chunks", "finite_difference",
+           "compiled")
 ACTIVATIONS = {"tanh": nn.Tanh, "softplus": nn.Softplus, "relu": nn.ReLU}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -69,15 +79,15 @@ def conv_critic(width: int, act: type[nn.Module], size: int) -> nn.Module:
 
 
 class PerSampleLoss(nn.Module):
-    """Per-sample cross-entropy of a classifier on fixed labels: a module, as 'compiled' needs."""
+    """Per-sample cross-entropy of a classifier: a module, as 'compiled' needs; the labels are
+    the penalty's ``fn_args`` (split with the points by ``subsample`` and ``chunks``)."""
 
-    def __init__(self, model: nn.Module, labels: Tensor) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.register_buffer("labels", labels)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.cross_entropy(self.model(x), self.labels[: len(x)], reduction="none")
+    def forward(self, x: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self.model(x), labels, reduction="none")
 
 
 @dataclass
@@ -91,7 +101,8 @@ class Case:
     width: int
     task: Callable[[], Tensor]  # the plain step's loss
     points: Callable[[], Tensor]  # fresh evaluation points (leaves requiring grad)
-    fn: nn.Module  # per-sample outputs at given points
+    fn: nn.Module  # per-sample outputs at given points: fn(points, *fn_args)
+    fn_args: tuple[Tensor, ...]  # the per-sample labels of a classifier's loss
     shared: bool  # whether the task loss's forward is at the points (R1, double backprop)
     task_with: Callable[[Tensor], tuple[Tensor, Tensor]]  # (task loss, outputs at the points)
 
@@ -109,14 +120,14 @@ def make_case(kind: str, batch: int, width: int, act: type[nn.Module], dtype: to
         model = model.to(device, dtype)
         x = torch.randn(batch, *shape, device=device, dtype=dtype)
         y = torch.randint(0, 10, (batch,), device=device)
-        fn = PerSampleLoss(model, y)
+        fn = PerSampleLoss(model)
 
         def task_with(p: Tensor) -> tuple[Tensor, Tensor]:
-            losses = fn(p)
+            losses = fn(p, y)
             return losses.mean(), losses
 
         return Case(f"{kind}/double_backprop", model, "double_backprop", batch, width,
-                    lambda: fn(x).mean(), lambda: as_points(x), fn, True, task_with)
+                    lambda: fn(x, y).mean(), lambda: as_points(x), fn, (y,), True, task_with)
     size = 32 if width >= 16 else 8  # the quick grid's tiny critics see 8x8 images
     critic = conv_critic(width, act, size).to(device, dtype)
     real = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
@@ -131,7 +142,7 @@ def make_case(kind: str, batch: int, width: int, act: type[nn.Module], dtype: to
             return logistic(d_real), d_real
 
         return Case("critic/r1", critic, "r1", batch, width, lambda: logistic(critic(real)),
-                    lambda: as_points(real), critic, True, task_with)
+                    lambda: as_points(real), critic, (), True, task_with)
 
     def wasserstein() -> Tensor:
         return critic(fake).mean() - critic(real).mean()
@@ -140,7 +151,7 @@ def make_case(kind: str, batch: int, width: int, act: type[nn.Module], dtype: to
         return wasserstein(), critic(p)
 
     return Case("critic/wgan_gp", critic, "wgan_gp", batch, width, wasserstein,
-                lambda: interpolate(real, fake), critic, False, task_and_scores)
+                lambda: interpolate(real, fake), critic, (), False, task_and_scores)
 
 
 def hand_written(penalty: str, g: Tensor) -> Tensor:
@@ -158,6 +169,7 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Gradie
     and the penalties they use."""
     pens = {"exact": make_penalty(case.penalty), "lazy16": make_penalty(case.penalty, every=16),
             "subsample": make_penalty(case.penalty, subsample=0.25),
+            "chunks": make_penalty(case.penalty, chunks=4),
             "finite_difference": make_penalty(case.penalty, method="finite_difference"),
             "compiled": make_penalty(case.penalty, method="compiled")}
 
@@ -176,7 +188,7 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Gradie
         return exact(pens["lazy16"]) if pens["lazy16"].due() else case.task()
 
     def own_forward(pen: GradientPenalty) -> Tensor:
-        return case.task() + pen(case.fn, case.points())
+        return case.task() + pen(case.fn, case.points(), fn_args=case.fn_args)
 
     def finite_difference() -> Tensor:
         if not case.shared:
@@ -184,10 +196,12 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Gradie
         p = case.points()
         loss, out = case.task_with(p)
         # the forward at the points themselves is the task's: fn returns it instead of recomputing
-        return loss + pens["finite_difference"](lambda q: out if q is p else case.fn(q), p)
+        return loss + pens["finite_difference"](
+            lambda q, *args: out if q is p else case.fn(q, *args), p, fn_args=case.fn_args)
 
     table = {"plain": case.task, "hand": hand, "exact": lambda: exact(pens["exact"]),
              "lazy16": lazy, "subsample": lambda: own_forward(pens["subsample"]),
+             "chunks": lambda: own_forward(pens["chunks"]),
              "finite_difference": finite_difference,
              "compiled": lambda: own_forward(pens["compiled"])}
     return table, pens
@@ -196,7 +210,7 @@ def steps(case: Case) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Gradie
 def penalty_gradient(case: Case, penalty: GradientPenalty, points: Tensor,
                      outputs: Tensor | nn.Module) -> Tensor:
     params = [p for p in case.model.parameters() if p.requires_grad]
-    value = penalty(outputs, points)
+    value = penalty(outputs, points, fn_args=() if isinstance(outputs, Tensor) else case.fn_args)
     grads = torch.autograd.grad(value, params, allow_unused=True)
     return torch.cat([(torch.zeros_like(p) if g is None else g).flatten()
                       for p, g in zip(params, grads, strict=True)])
@@ -206,10 +220,11 @@ def relative_errors(case: Case, pens: dict[str, GradientPenalty],
                     methods: list[str]) -> dict[str, float]:
     """|G - G_exact| / |G_exact| of the penalty's parameter gradient on the same points."""
     points = case.points()
-    exact = penalty_gradient(case, make_penalty(case.penalty), points, case.fn(points))
+    exact = penalty_gradient(case, make_penalty(case.penalty), points,
+                             case.fn(points, *case.fn_args))
     return {m: float((penalty_gradient(case, pens[m], points, case.fn) - exact).norm()
                      / exact.norm())
-            for m in methods if m in ("subsample", "finite_difference", "compiled")}
+            for m in methods if m in ("subsample", "chunks", "finite_difference", "compiled")}
 
 
 def synchronize(device: torch.device) -> None:
@@ -257,8 +272,7 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
         forward_backward(method)
         optimizer.step()
 
-    def timed(method: str) -> float:
-        calls = 16 if method == "lazy16" else 1
+    def timed(method: str, calls: int = 1) -> float:
         synchronize(device)
         start = clock()
         for _ in range(calls):
@@ -275,14 +289,18 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
         except (ValueError, RuntimeError) as err:
             errors[method] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     times: dict[str, list[float]] = {m: [] for m in active}
+    plain_blocks: list[float] = []  # the reference of lazy16's blocks
     for _ in range(reps):
         for method in active:
-            times[method].append(timed(method))
+            times[method].append(timed(method, 16 if method == "lazy16" else 1))
+        plain_blocks.append(timed("plain", 16))
     memory = {}
     for method in active:
         if method != "lazy16":
             optimizer.zero_grad(set_to_none=True)
             memory[method] = peak_memory(lambda m=method: forward_backward(m), device)
+    flops = {m: count_flops(lambda m=m: step(m), 16 if m == "lazy16" else 1)
+             for m in active if m != "compiled"}  # compiled code is opaque to the counter
     rel = relative_errors(case, pens, active)
     plain_ms, plain_mem = statistics.median(times["plain"]) * 1e3, memory["plain"]
     rows = []
@@ -293,11 +311,39 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
             rows.append({**row, "refused": errors[method]})
             continue
         ms = statistics.median(times[method]) * 1e3
-        row.update(median_ms=ms, ratio=ms / plain_ms,
-                   peak_bytes=memory.get(method), error=rel.get(method))
+        reference = statistics.median(plain_blocks) * 1e3 if method == "lazy16" else plain_ms
+        row.update(median_ms=ms, ratio=ms / reference, peak_bytes=memory.get(method),
+                   error=rel.get(method), flops=flops.get(method),
+                   flop_ratio=flops[method] / flops["plain"] if method in flops else None)
         row["memory_ratio"] = None if method == "lazy16" else memory[method] / plain_mem
         rows.append(row)
     return rows
+
+
+class FlopCount(TorchDispatchMode):
+    """Sums torch's flop formulas (``flop_registry``: mm, addmm, convolution and their backward
+    ops) over every op dispatched while active. ``FlopCounterMode`` itself cannot be used: its
+    module tracker's backward hooks refuse ``autograd.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def count_flops(run: Callable[[], None], calls: int) -> float:
+    """Floating-point operations per call of ``run``, mean over ``calls`` calls."""
+    with FlopCount() as counter:
+        for _ in range(calls):
+            run()
+    return counter.total / calls
 
 
 def grid(quick: bool) -> list[tuple[str, int, int]]:
@@ -324,7 +370,7 @@ def machine() -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'case':16} {'batch':>5} {'width':>5} {'params':>8} {'method':18} {'ms':>8} "
-             f"{'x plain':>7} {'mem x':>6} {'rel err':>8}"]
+             f"{'x plain':>7} {'flop x':>6} {'mem x':>6} {'rel err':>8}"]
     for r in rows:
         head = (f"{r['case']:16} {r['batch']:5d} {r['width']:5d} {r['parameters']:8d} "
                 f"{r['method']:18}")
@@ -332,8 +378,10 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{head} refused: {r['refused'][:60]}")
             continue
         mem = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
+        flop = "-" if r["flop_ratio"] is None else f"{r['flop_ratio']:.2f}"
         err = "-" if r["error"] is None else f"{r['error']:.1e}"
-        lines.append(f"{head} {r['median_ms']:8.2f} {r['ratio']:7.2f} {mem:>6} {err:>8}")
+        lines.append(f"{head} {r['median_ms']:8.2f} {r['ratio']:7.2f} {flop:>6} {mem:>6} "
+                     f"{err:>8}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,15 +22,29 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path: Path) -> None:
     rows = report["rows"]
     assert {r["case"] for r in rows} == {"mlp/double_backprop", "cnn/double_backprop",
                                          "critic/wgan_gp", "critic/r1"}
-    methods = {"plain", "hand", "exact", "lazy16", "subsample", "finite_difference"}
+    methods = {"plain", "hand", "exact", "lazy16", "subsample", "chunks", "finite_difference"}
     for case in {r["case"] for r in rows}:
         assert {r["method"] for r in rows if r["case"] == case} == methods
+
+    def same(row: dict, method: str) -> dict:  # the row of ``method`` in ``row``'s case
+        return next(r for r in rows if r["method"] == method
+                    and all(r[k] == row[k] for k in ("case", "batch", "width")))
+
     for row in rows:
         assert row["median_ms"] > 0
         assert row["ratio"] > 0
+        assert row["flops"] > 0
         if row["method"] == "plain":
             assert row["ratio"] == 1.0
             assert row["memory_ratio"] == 1.0
+            assert row["flop_ratio"] == 1.0
+        if row["method"] == "exact":  # no more products than hand-written (no points' gradient)
+            hand = same(row, "hand")
+            assert 1.5 < row["flop_ratio"] <= hand["flop_ratio"]
+        if row["method"] == "lazy16":  # one step in 16 is an exact one
+            exact = same(row, "exact")
+            assert row["flop_ratio"] == pytest.approx(1 + (exact["flop_ratio"] - 1) / 16)
     fd_errors = [r["error"] for r in rows if r["method"] == "finite_difference"]
     assert all(0 <= e < 1e-2 for e in fd_errors)  # smooth (tanh) models, float32
+    assert all(r["error"] < 1e-5 for r in rows if r["method"] == "chunks")  # exact: rounding
     assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
