@@ -288,13 +288,18 @@ def in_chunks(
         mine = {id(x) for x in points}
         leaves = [t for t in graph_leaves([value]) if id(t) not in mine]
         wanted = leaves + [x for x, up in zip(points, upstream, strict=True) if up]
-        scale = 1.0 if loss_scale is None else loss_scale
-        grads = torch.autograd.grad(value * scale, wanted, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g * (1.0 / scale)
+        if loss_scale is None:
+            grads = torch.autograd.grad(value, wanted, allow_unused=True)
+        else:
+            grads = tuple(None if g is None else g / loss_scale for g in
+                          torch.autograd.grad(value * loss_scale, wanted, allow_unused=True))
+        grads = [torch.zeros_like(t) if g is None else g
                  for t, g in zip(wanted, grads, strict=True)]
         for leaf, g in zip(leaves, grads[:len(leaves)], strict=True):
-            seen = leaf_grads.get(id(leaf))
-            leaf_grads[id(leaf)] = (leaf, g if seen is None else seen[1] + g)
+            if id(leaf) in leaf_grads:
+                leaf_grads[id(leaf)][1].add_(g)  # in place: one buffer per leaf
+            else:  # an expanded view (stride 0) cannot be added to in place
+                leaf_grads[id(leaf)] = (leaf, g.contiguous())
         rest = iter(grads[len(leaves):])
         for collected, up in zip(point_grads, upstream, strict=True):
             if up:

@@ -12,7 +12,7 @@ from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
 
 from gradreg import regularized_backward
-from gradreg.penalties import GradientPenalty, make_penalty
+from gradreg.penalties import GradientPenalty, make_penalty, methods
 
 BATCH = 12
 
@@ -32,13 +32,14 @@ def generator() -> nn.Linear:
 
 
 def step(penalty: GradientPenalty, modules: list[nn.Module], fn: object, points: Tensor,
-         fn_args: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor]:
+         fn_args: tuple[Tensor, ...] = (), loss_scale: float | None = None,
+         ) -> tuple[Tensor, Tensor]:
     """The value of ``penalty(fn, points)`` and the ``.grad`` of every parameter after one
     backward of ``3 * value`` (the factor checks that the carried gradient is scaled)."""
     params = [p for m in modules for p in m.parameters()]
     for p in params:
         p.grad = None
-    value = penalty(fn, points, fn_args=fn_args)
+    value = penalty(fn, points, fn_args=fn_args, loss_scale=loss_scale)
     (3 * value).backward()
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     return value.detach(), torch.cat([g.flatten() for g in grads])
@@ -153,3 +154,22 @@ def test_chunks_need_a_callable() -> None:
     assert penalty.needs_callable and not make_penalty("r1").needs_callable
     with pytest.raises(ValueError, match="chunks=2 need outputs as a callable"):
         penalty(d(x), x)
+
+
+def test_chunks_under_a_loss_scale_give_the_unscaled_gradient() -> None:
+    d = critic()
+    x = torch.randn(BATCH, 5, dtype=torch.float64).requires_grad_()
+    exact = step(make_penalty("r1"), [d], d, x)
+    scaled = step(make_penalty("r1", chunks=3), [d], d, x, loss_scale=1024.0)
+    torch.testing.assert_close(scaled, exact, rtol=1e-12, atol=1e-13)
+
+
+def test_in_chunks_accumulates_expanded_gradients() -> None:
+    """d/dw of (sum x^2) * sum(w) is an expanded (stride-0) view: it is copied, not added to."""
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    x = torch.arange(6.0, dtype=torch.float64).reshape(6, 1)
+    value = methods.in_chunks(lambda xs, args: xs[0].square().sum() * w.sum(), (x,), 3,
+                              mean=False)
+    value.backward()
+    assert float(value.detach()) == 3 * 55.0
+    torch.testing.assert_close(w.grad, torch.full((3,), 55.0, dtype=torch.float64))
