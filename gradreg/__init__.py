@@ -3,6 +3,7 @@
 The core (this package's top-level modules and :mod:`gradreg.penalties`) depends on torch only.
 """
 
+from gradreg import penalties
 from gradreg.autograd import (
     GradientError,
     capture,
@@ -21,6 +22,7 @@ __all__ = [
     "check_double_backward",
     "gradient",
     "nth_derivative",
+    "penalties",
     "regularized_backward",
 ]
 __version__ = "0.1.0"

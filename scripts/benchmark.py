@@ -25,8 +25,8 @@ saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 co
 and its ratio is to the plain step timed the same way (blocks of 16 steps: a block's mean carries
 noise that a median of single steps drops). ``chunks`` is ``chunks=4`` (its own forward at the
 points, like ``subsample``).
-Writes ``benchmark.json`` and ``benchmark.png`` (log-log cost against batch size and against
-parameter count) into ``--out``.
+Writes ``benchmark.json``, ``benchmark.md`` (the table) and ``benchmark.png`` (log-log cost
+against batch size and against parameter count) into ``--out``.
 
     python scripts/benchmark.py            # full grid (minutes on 2 CPU cores; compiles)
     python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
@@ -385,6 +385,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict]) -> str:
+    """The rows as the Markdown table of docs/benchmarks.md."""
+    lines = ["| case | batch | width | params | method | median ms | × plain | FLOPs × plain "
+             "| peak mem × plain | rel. error |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    for r in rows:
+        head = f"| {r['case']} | {r['batch']} | {r['width']} | {r['parameters']} | {r['method']} |"
+        if "refused" in r:
+            lines.append(f"{head} refused: {r['refused']} | | | | |")
+            continue
+        lines.append(f"{head} {r['median_ms']:.2f} | {r['ratio']:.2f} | "
+                     f"{fmt(r['flop_ratio'], '.2f')} | {fmt(r['memory_ratio'], '.2f')} | "
+                     f"{fmt(r['error'], '.1e')} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -454,8 +474,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     info = {"machine": machine(), "device": str(device), "dtype": args.dtype,
             "activation": args.activation, "reps": reps, "clock": args.clock, "rows": rows}
     (args.out / "benchmark.json").write_text(json.dumps(info, indent=1))
+    (args.out / "benchmark.md").write_text(markdown(rows))
     plot(rows, args.out / "benchmark.png")
-    print(f"\n{json.dumps(info['machine'])}\nwrote {args.out / 'benchmark.json'} and "
+    print(f"\n{json.dumps(info['machine'])}\nwrote {args.out / 'benchmark.json'}, .md and "
           f"{args.out / 'benchmark.png'}")
     return rows
 

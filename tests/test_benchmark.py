@@ -48,3 +48,5 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path: Path) -> None:
     assert all(0 <= e < 1e-2 for e in fd_errors)  # smooth (tanh) models, float32
     assert all(r["error"] < 1e-5 for r in rows if r["method"] == "chunks")  # exact: rounding
     assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "benchmark.md").read_text().splitlines()
+    assert table[0].startswith("| case |") and len(table) == 2 + len(rows)

@@ -100,3 +100,13 @@ def test_the_gan_experiment_values(tmp_path: Path) -> None:
                                                                        "25gaussians")
     assert (model.penalties["r1"].weight, model.penalties["r1"].every) == (0.1, 16)
     assert model.mixture is not None and len(model.mixture[0]) == 25
+
+
+@pytest.mark.parametrize(("override", "attribute", "value"),
+                         [("+penalty.chunks=4", "chunks", 4),
+                          ("+penalty.method=finite_difference", "method", "finite_difference"),
+                          ("+penalty.subsample=0.25", "subsample", 0.25)])
+def test_cost_options_not_in_the_preset_file_take_a_plus(override: str, attribute: str,
+                                                         value: object, tmp_path: Path) -> None:
+    _, model, _ = BUILD(compose_config(["penalty=double_backprop", override], tmp_path))
+    assert getattr(model.penalties["double_backprop"], attribute) == value
