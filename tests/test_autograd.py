@@ -140,3 +140,14 @@ def test_check_double_backward_on_op_without_formula() -> None:
                                   torch.full((2,), 6), torch.full((2,), 3))
     with pytest.raises(GradientError, match="_ctc_loss_backward is not implemented"):
         gradreg.check_double_backward(gradreg.gradient(loss, lp))
+
+
+def test_graph_leaves_finds_each_leaf_once_through_the_graph_of_a_gradient() -> None:
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    b = torch.tensor(1.0, requires_grad=True)
+    x = torch.tensor([1.0, -1.0], requires_grad=True)
+    y = ((w * x).sum() + b) ** 2
+    (g,) = torch.autograd.grad(y, x, create_graph=True)  # 2 (w.x + b) w: depends on w, b, x
+    found = gradreg.autograd.graph_leaves([g.square().sum(), y])
+    assert sorted(id(t) for t in found) == sorted(id(t) for t in (w, b, x))
+    assert gradreg.autograd.graph_leaves([torch.ones(2)]) == []  # no graph, no leaves

@@ -25,8 +25,9 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
 
-``chunks`` keeps double backward and trades nothing but kernel size for memory: the penalty is
-built and differentiated one micro-batch at a time (:func:`in_chunks`).
+``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
+for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
+(:func:`in_chunks`).
 
 Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 """
@@ -269,18 +270,22 @@ def in_chunks(
     come from upstream computation (a generator), w.r.t. the points; then its graph is freed. The
     sums of these exact gradients reach the caller's single ``backward`` through
     :func:`with_gradients`. So ``.grad`` is that of the unchunked penalty, to float rounding,
-    while at most one micro-batch's double-backward graph is alive: the penalty's peak memory
-    falls by about ``chunks``. Work is unchanged apart from smaller kernels. Samples must not
-    interact (no BatchNorm in training mode); leaf points receive no gradient (as with
-    :func:`gradreg.regularized_backward`). Under a ``loss_scale`` (fp16) each micro-batch is
-    differentiated scaled and unscaled after, like the penalty itself.
+    while at most one micro-batch's double-backward graph is alive: the memory of the penalty's
+    graph falls by about ``chunks``, for the price of up to two parameter-sized buffers (the
+    running sum and one micro-batch's gradient). The products computed are those of the same
+    penalty run unchunked on its own forward (WGAN-GP's interpolates), in smaller kernels; a
+    penalty that could have shared the task's forward (R1 on the reals, double backprop) pays
+    one more forward and backward. Samples must not interact (no BatchNorm in training mode);
+    leaf points receive no gradient (as with :func:`gradreg.regularized_backward`). Under a
+    ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after, like the
+    penalty itself.
     """
     batch = inputs[0].shape[0]
     upstream = [x.grad_fn is not None for x in inputs]
     values: list[Tensor] = []
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
     point_grads: list[list[Tensor]] = [[] for _ in inputs]
-    pieces = min(chunks, batch)
+    pieces = max(1, min(chunks, batch))  # an empty batch reaches the penalty's own error
     for part in zip(*(x.tensor_split(pieces) for x in inputs + args), strict=True):
         points = tuple(x.detach().requires_grad_() for x in part[:len(inputs)])
         value = penalty_of_points(points, part[len(inputs):]) * (

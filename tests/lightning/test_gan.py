@@ -30,15 +30,17 @@ def reals() -> torch.Tensor:
                        dtype=torch.float64)
 
 
-def test_steps_match_a_straight_line_reference_loop() -> None:
+@pytest.mark.parametrize("gp_options", [{}, {"chunks": 3}])
+def test_steps_match_a_straight_line_reference_loop(gp_options: dict) -> None:
     """WGAN loss + WGAN-GP on the critic, lazy path length (every 2) on the generator, n_critic=2,
     two epochs of three batches: 6 critic steps and 3 generator steps (counted on critic steps:
-    counting on batch_idx per epoch would give 4)."""
+    counting on batch_idx per epoch would give 4). With ``chunks`` the module's WGAN-GP is built
+    micro-batch by micro-batch; the reference's is not: the same parameters."""
     generator, critic = networks()
     G, D = copy.deepcopy(generator), copy.deepcopy(critic)
     loader = DataLoader(TensorDataset(reals()), batch_size=BATCH)
 
-    module = GAN(generator, critic, {"gp": make_penalty("wgan_gp"),
+    module = GAN(generator, critic, {"gp": make_penalty("wgan_gp", **gp_options),
                                      "pl": make_penalty("path_length", every=2)},
                  n_critic=N_CRITIC, latent_dim=LATENT, generator_optimizer=ADAM,
                  critic_optimizer=ADAM)

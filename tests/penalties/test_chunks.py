@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.profiler import ProfilerActivity, profile
 
-from gradreg import regularized_backward
+from gradreg import GradientError, regularized_backward
 from gradreg.penalties import GradientPenalty, make_penalty, methods
 
 BATCH = 12
@@ -173,3 +173,9 @@ def test_in_chunks_accumulates_expanded_gradients() -> None:
     value.backward()
     assert float(value.detach()) == 3 * 55.0
     torch.testing.assert_close(w.grad, torch.full((3,), 55.0, dtype=torch.float64))
+
+
+def test_chunks_of_an_empty_batch_say_so() -> None:
+    with pytest.raises(GradientError, match="empty batch"):
+        make_penalty("r1", chunks=4)(critic(), torch.zeros(0, 5, dtype=torch.float64,
+                                                            requires_grad=True))

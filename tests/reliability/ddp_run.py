@@ -36,7 +36,10 @@ SCENARIOS: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], TensorD
         lambda: toy("moons", 128),
     ),
     "gan_wgan_gp_r1": (
-        lambda: batch_noise_gan(gp={"name": "wgan_gp"}, r1={"name": "r1", "weight": 1.0}),
+        # R1 in chunks: its gradients, taken micro-batch by micro-batch before the backward,
+        # reach DDP's gradient hooks through the one backward like any other
+        lambda: batch_noise_gan(gp={"name": "wgan_gp"},
+                                r1={"name": "r1", "weight": 1.0, "chunks": 3}),
         lambda: noisy_toy("8gaussians", 128),
     ),
     "penalty_only": (PenaltyOnly, lambda: toy("8gaussians", 128)),

@@ -4,7 +4,7 @@ whole batch ends.
 Why it is exact: the penalties are means of per-sample terms, each sample's gradient depends on
 that sample only, and DDP averages the ranks' gradients, so the mean over B/2 samples averaged
 over 2 ranks is the mean over B: only the summation order differs. Measured: 3.0e-8 (classifier
-with double backprop, GAN with WGAN-GP + R1), 1.5e-8 (penalty-only critic) in fp32.
+with double backprop, GAN with WGAN-GP + R1 in chunks), 1.5e-8 (penalty-only critic) in fp32.
 
 A penalty-only loss (R1 alone) gives the critic's output bias no gradient; plain ``ddp`` refuses
 that, ``ddp_find_unused_parameters_true`` handles it. The GAN needs it too: each phase freezes the
