@@ -282,6 +282,7 @@ class GradientPenalty(nn.Module):
         self.chunks = chunks
         self._compiled: methods.CompiledPenalty | None = None
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
         self._first_call_checked = False
@@ -316,11 +317,18 @@ class GradientPenalty(nn.Module):
         """Advance the lazy counter one step; True on the steps where the penalty is computed.
 
         Call once per training step and compute the penalty only when it returns True: on the
-        other ``every - 1`` steps nothing is computed, no graph is built.
+        other ``every - 1`` steps nothing is computed, no graph is built. The decision is taken
+        on a Python integer (no device sync on a GPU); the ``step`` buffer is written to, not
+        read, and a loaded state dict sets the integer again.
         """
-        is_due = bool(self.step % self.every == 0)
-        self.step += 1
+        is_due = self._steps % self.every == 0
+        self._steps += 1
+        self.step.fill_(self._steps)
         return is_due
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self._steps = int(self.step)
 
     def forward(
         self,

@@ -167,6 +167,9 @@ def test_state_round_trips_through_state_dict() -> None:
     restored.load_state_dict(penalty.state_dict())
     assert restored.step.item() == 5 and restored.weight == 0.5
     assert restored.ema.item() == penalty.ema.item() != 0.0
+    # the lazy phase goes on where it stopped: steps 5, 6, 7 off, 8 due
+    assert [restored.due() for _ in range(4)] == [False, False, False, True]
+    assert [penalty.due() for _ in range(4)] == [False, False, False, True]
 
 
 @pytest.mark.parametrize(
