@@ -20,6 +20,7 @@ __all__ = [
     "check_double_backward",
     "gradient",
     "graph_leaves",
+    "graph_node_names",
     "nth_derivative",
     "regularized_backward",
 ]
@@ -218,6 +219,12 @@ def _graph_node_names_and_leaves(roots: Iterable[Tensor]) -> tuple[set[str], lis
             leaves.append(node.variable)
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return names, leaves
+
+
+def graph_node_names(roots: Iterable[Tensor]) -> set[str]:
+    """The class names of the backward nodes that ``roots`` depend on (``MulBackward0``,
+    ``ReluBackward0``, ``AccumulateGrad``...), found by walking their backward graph."""
+    return _graph_node_names_and_leaves(roots)[0]
 
 
 def graph_leaves(roots: Iterable[Tensor]) -> list[Tensor]:

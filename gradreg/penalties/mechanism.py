@@ -415,11 +415,11 @@ class GradientPenalty(nn.Module):
                      fn_args: tuple[Tensor, ...]) -> Tensor | None:
         """The penalty by ``self.method`` (not double backward); None where compile fell back."""
         if self.method == "finite_difference":
-            if not self._first_call_checked:
-                methods.check_smooth(fn)
-                self._first_call_checked = True
-            return methods.finite_difference(lambda *xs: fn(*xs, *fn_args), inputs,
-                                             self._penalty_of_grads, eps=self.fd_eps)
+            value = methods.finite_difference(lambda *xs: fn(*xs, *fn_args), inputs,
+                                              self._penalty_of_grads, eps=self.fd_eps,
+                                              check=not self._first_call_checked)
+            self._first_call_checked = True  # only once the check has passed
+            return value
         if self._compiled is None or self._compiled.module is not fn:
             self._compiled = methods.CompiledPenalty(fn, self._penalty_of_grads)
         return self._compiled(inputs, fn_args)

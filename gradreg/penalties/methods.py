@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
-from gradreg.autograd import GradientError, gradient, graph_leaves
+from gradreg.autograd import GradientError, gradient, graph_leaves, graph_node_names
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [
@@ -60,12 +60,12 @@ __all__ = [
 
 METHODS = ("double_backward", "finite_difference", "compiled")
 
-#: Modules whose derivative jumps: a finite difference across a kink has an O(1) error.
-PIECEWISE_LINEAR: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.Hardtanh, nn.Threshold,
-    nn.Hardswish, nn.Hardsigmoid, nn.Hardshrink, nn.Softshrink,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+#: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
+#: abs, max/min): a finite difference across a kink has an O(1) error.
+PIECEWISE_LINEAR = (
+    "Relu", "LeakyRelu", "RreluWithNoise", "PreluKernel", "Hardtanh", "Threshold", "Hardswish",
+    "Hardsigmoid", "Hardshrink", "Softshrink", "MaxPool", "AdaptiveMaxPool", "Clamp", "Abs",
+    "Maximum", "Minimum", "Max", "Min", "Amax", "Amin",
 )
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
@@ -100,6 +100,7 @@ def finite_difference(
     penalty_of_grads: PenaltyOfGradients,
     *,
     eps: float | None = None,
+    check: bool = True,
 ) -> Tensor:
     r"""Exact :math:`P`, whose parameter gradient is a forward difference (no double backward).
 
@@ -124,10 +125,13 @@ def finite_difference(
     float64 on tanh/softplus/ELU networks with unit-scale inputs. On piecewise-linear models the
     parameter gradient jumps where a unit changes sign between :math:`x` and :math:`x + hv`, which
     happens with probability :math:`O(h)` and costs :math:`O(1/h)`: an :math:`O(1)` error that a
-    smaller step does not remove (:func:`check_smooth` refuses such models). Samples must not
-    interact (no BatchNorm in training mode).
+    smaller step does not remove: with ``check`` the graph of the outputs at :math:`x` is
+    searched and such models are refused (:func:`check_smooth`). Samples must not interact (no
+    BatchNorm in training mode).
     """
     outputs = fn(*inputs)
+    if check:
+        check_smooth(outputs)
     grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs), create_graph=False,
                      retain_graph=True)
     with torch.enable_grad():
@@ -145,29 +149,19 @@ def finite_difference(
     return value.detach() + (surrogate - surrogate.detach())
 
 
-def _modules_in(fn: object) -> list[nn.Module]:
-    """The modules ``fn`` is, is bound to, or closes over (one level; best effort)."""
-    candidates = [fn, getattr(fn, "__self__", None), getattr(fn, "func", None)]
-    candidates += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
-    return [c for c in candidates if isinstance(c, nn.Module)]
-
-
-def check_smooth(fn: object) -> None:
-    """Raise where ``fn`` contains a piecewise-linear module (finite differences are O(1) off).
-
-    Looks at ``fn`` itself, the object of a bound method, a ``functools.partial``'s function and
-    the modules a closure captures; activations applied functionally (``F.relu``) are not seen.
-    """
-    for module in _modules_in(fn):
-        for name, sub in module.named_modules():
-            if isinstance(sub, PIECEWISE_LINEAR):
-                raise GradientError(
-                    f"method='finite_difference' on a piecewise-linear model ({type(sub).__name__} "
-                    f"at {name or 'the root'!r}): where a unit changes sign between x and the "
-                    "shifted point the estimate is off by O(1), and a smaller step does not help. "
-                    "Use method='double_backward' (or 'compiled'), or a smooth activation "
-                    "(softplus, elu, tanh, gelu, silu)."
-                )
+def check_smooth(outputs: Tensor) -> None:
+    """Raise where the graph of ``outputs`` holds an op whose derivative jumps
+    (:data:`PIECEWISE_LINEAR`: ``nn.ReLU`` and ``F.relu`` alike, max pooling, clamp, abs...):
+    there a finite difference is off by O(1), and a smaller step does not help."""
+    ops = sorted({name.split("Backward")[0] for name in graph_node_names([outputs])
+                  if name.startswith(PIECEWISE_LINEAR)})
+    if ops:
+        raise GradientError(
+            f"method='finite_difference' on a piecewise-linear model ({', '.join(ops)} in its "
+            "graph): where a unit changes sign between x and the shifted point the estimate is "
+            "off by O(1), and a smaller step does not help. Use method='double_backward' (or "
+            "'compiled'), or a smooth activation (softplus, elu, tanh, gelu, silu)."
+        )
 
 
 class CompiledPenalty:

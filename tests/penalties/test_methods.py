@@ -71,14 +71,30 @@ def test_finite_difference_closure_over_a_per_sample_loss() -> None:
     assert relative_error(estimate, exact) < 1e-6
 
 
-def test_finite_difference_refuses_piecewise_linear_models_and_half_precision() -> None:
-    relu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+@pytest.mark.parametrize(("activation", "op"), [
+    (nn.ReLU(), "Relu"),
+    (lambda h: torch.nn.functional.relu(h), "Relu"),  # functional: no module to find
+    (nn.LeakyReLU(), "LeakyRelu"),
+    (nn.Hardtanh(), "Hardtanh"),
+    (lambda h: h.clamp(-1, 1), "Clamp"),
+    (lambda h: h.abs(), "Abs"),
+])
+def test_finite_difference_refuses_piecewise_linear_models(activation: object, op: str) -> None:
+    first, last = nn.Linear(4, 8), nn.Linear(8, 1)
+    model = lambda inputs: last(activation(first(inputs))).squeeze(1)  # noqa: E731
     x = torch.randn(5, 4, requires_grad=True)
     penalty = make_penalty("r1", method="finite_difference")
-    with pytest.raises(GradientError, match=r"piecewise-linear model \(ReLU at '1'\)"):
-        penalty(relu, x)
-    with pytest.raises(GradientError, match="piecewise-linear"):  # seen through a closure
-        make_penalty("r1", method="finite_difference")(lambda inputs: relu(inputs).squeeze(1), x)
+    for _ in range(2):  # refused again: a failed check does not count as the first call's
+        with pytest.raises(GradientError, match=rf"piecewise-linear model \({op} in its graph"):
+            penalty(model, x)
+
+
+def test_finite_difference_accepts_smooth_models_and_refuses_half_precision() -> None:
+    pooled = nn.Sequential(nn.Conv2d(1, 2, 3), nn.SiLU(), nn.AvgPool2d(2), nn.Flatten(),
+                           nn.Linear(8, 1), nn.Softplus(), nn.Flatten(0))
+    methods.check_smooth(pooled(torch.randn(3, 1, 6, 6)))  # no kink: passes
+    with pytest.raises(GradientError, match="MaxPool2DWithIndices"):
+        methods.check_smooth(nn.MaxPool2d(2)(torch.randn(1, 1, 4, 4, requires_grad=True)))
     with pytest.raises(GradientError, match="float32 or float64"):
         methods.default_step(torch.bfloat16)
 
