@@ -50,3 +50,11 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "benchmark.md").read_text().splitlines()
     assert table[0].startswith("| case |") and len(table) == 2 + len(rows)
+
+
+def test_cases_option_runs_only_the_named_kinds(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick",
+                    "--cases", "critic_r1", "--reps", "1", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["rows"]
+    assert {r["case"] for r in rows} == {"critic/r1"}
