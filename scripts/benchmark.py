@@ -372,40 +372,38 @@ def machine() -> dict:
             "python": platform.python_version(), "cpus": os.cpu_count()}
 
 
+#: (heading, row key, format, text width) of each column of the printed and Markdown tables.
+COLUMNS = (("case", "case", "", 26), ("batch", "batch", "d", 5), ("width", "width", "d", 5),
+           ("params", "parameters", "d", 8), ("method", "method", "", 17),
+           ("median ms", "median_ms", ".2f", 9), ("× plain", "ratio", ".2f", 7),
+           ("FLOPs × plain", "flop_ratio", ".2f", 13),
+           ("peak mem × plain", "memory_ratio", ".2f", 16), ("rel. error", "error", ".1e", 10))
+
+
+def cells(row: dict) -> list[str]:
+    """The row's formatted values, one per column ("–" where a value does not apply); a method
+    that refused the case has its error in place of the measurements."""
+    if "refused" in row:
+        return [format(row[key], spec) for _, key, spec, _ in COLUMNS[:5]] + [
+            f"refused: {row['refused']}"] + [""] * (len(COLUMNS) - 6)
+    return ["–" if row.get(key) is None else format(row[key], spec)
+            for _, key, spec, _ in COLUMNS]
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'case':16} {'batch':>5} {'width':>5} {'params':>8} {'method':18} {'ms':>8} "
-             f"{'x plain':>7} {'flop x':>6} {'mem x':>6} {'rel err':>8}"]
-    for r in rows:
-        head = (f"{r['case']:16} {r['batch']:5d} {r['width']:5d} {r['parameters']:8d} "
-                f"{r['method']:18}")
-        if "refused" in r:
-            lines.append(f"{head} refused: {r['refused'][:60]}")
-            continue
-        mem = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
-        flop = "-" if r["flop_ratio"] is None else f"{r['flop_ratio']:.2f}"
-        err = "-" if r["error"] is None else f"{r['error']:.1e}"
-        lines.append(f"{head} {r['median_ms']:8.2f} {r['ratio']:7.2f} {flop:>6} {mem:>6} "
-                     f"{err:>8}")
-    return "\n".join(lines)
+    """The rows as aligned text, as printed after each case."""
+    def line(values: list[str]) -> str:  # text columns to the left, numbers to the right
+        return " ".join(f"{v:{'<' if spec == '' else '>'}{width}}"
+                        for v, (_, _, spec, width) in zip(values, COLUMNS, strict=True)).rstrip()
+
+    return "\n".join([line([head for head, *_ in COLUMNS])] + [line(cells(r)) for r in rows])
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as the Markdown table of docs/benchmarks.md."""
-    lines = ["| case | batch | width | params | method | median ms | × plain | FLOPs × plain "
-             "| peak mem × plain | rel. error |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-
-    def fmt(value: float | None, spec: str) -> str:
-        return "–" if value is None else format(value, spec)
-
-    for r in rows:
-        head = f"| {r['case']} | {r['batch']} | {r['width']} | {r['parameters']} | {r['method']} |"
-        if "refused" in r:
-            lines.append(f"{head} refused: {r['refused']} | | | | |")
-            continue
-        lines.append(f"{head} {r['median_ms']:.2f} | {r['ratio']:.2f} | "
-                     f"{fmt(r['flop_ratio'], '.2f')} | {fmt(r['memory_ratio'], '.2f')} | "
-                     f"{fmt(r['error'], '.1e')} |")
+    lines = ["| " + " | ".join(head for head, *_ in COLUMNS) + " |",
+             "|" + "|".join("---" if spec == "" else "---:" for _, _, spec, _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
