@@ -97,6 +97,13 @@ class Classifier(L.LightningModule):
         super().__init__()
         penalties = dict(penalties or {})
         check_penalties(penalties, backbone, CLASSIFIER_POINTS, "Classifier")
+        for key, gp in penalties.items():
+            if gp.needs_callable and gp.points != "inputs":
+                raise ValueError(
+                    f"penalty {key!r} (points={gp.points!r}) asks for its own forward pass "
+                    f"(subsample={gp.subsample}, chunks={gp.chunks}), which a Classifier runs at "
+                    "its inputs only: use subsample=1 and chunks=1 for this penalty"
+                )
         self.save_hyperparameters(ignore=["backbone", "penalties", "optimizer"])
         self.backbone = backbone
         self.penalties = nn.ModuleDict(penalties)

@@ -141,3 +141,10 @@ def test_critic_and_generator_penalties_are_refused(preset: str) -> None:
 def test_unknown_layer_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"layers=\['act9'\].*valid layers: \['flatten', 'fc1'"):
         classifier({"hidden": make_penalty("intermediate", layers=["act9"])})
+
+
+@pytest.mark.parametrize("options", [{"chunks": 2}, {"subsample": 0.5}])
+def test_own_forward_options_on_activations_are_refused_at_construction(options: dict) -> None:
+    with pytest.raises(ValueError, match=r"penalty 'hidden' \(points='activations'\) asks for "
+                                         r"its own forward pass.*use subsample=1 and chunks=1"):
+        classifier({"hidden": make_penalty("intermediate", layers=["act1"], **options)})
