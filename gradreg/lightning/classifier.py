@@ -130,7 +130,7 @@ class Classifier(L.LightningModule):
         scale = loss_scale(self._trainer)  # fp16 GradScaler: PyTorch's penalty recipe
         for name, gp in due.items():
             if gp.points == "inputs":
-                outputs, fn_args = self._outputs(gp, logits, per_sample, y)
+                outputs, fn_args = self._outputs(gp, x, logits, per_sample, y)
                 penalties[name] = gp(outputs, x, loss_scale=scale, fn_args=fn_args)
             elif gp.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers],
@@ -141,19 +141,24 @@ class Classifier(L.LightningModule):
         return loss, penalties
 
     def _outputs(
-        self, gp: GradientPenalty, logits: Tensor, per_sample: Tensor, y: Tensor
+        self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor
     ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
         """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
         and the callable's per-sample arguments besides the inputs (the labels).
 
-        Double backward shares the task's forward pass; the other methods, ``subsample`` and
-        ``chunks`` need a callable and run their own forward (``gp.needs_callable``).
+        Double backward shares the task's forward pass, and so does ``finite_difference`` at the
+        points themselves (its callable hands back the task's outputs when called on ``x``); the
+        shifted points, ``compiled``, ``subsample`` and ``chunks`` run their own forward
+        (``gp.needs_callable``).
         """
+        task_outputs = logits if gp.of == "outputs" else per_sample
         if not gp.needs_callable:
-            return (logits if gp.of == "outputs" else per_sample), ()
-        if gp.of == "outputs":
-            return self.backbone, ()
-        return self._per_sample_loss, (y,)
+            return task_outputs, ()
+        forward, fn_args = ((self.backbone, ()) if gp.of == "outputs"
+                            else (self._per_sample_loss, (y,)))
+        if gp.method == "finite_difference":
+            return (lambda q, *args: task_outputs if q is x else forward(q, *args)), fn_args
+        return forward, fn_args
 
     def _per_sample_loss(self, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(self.backbone(x), y, reduction="none")

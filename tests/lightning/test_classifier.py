@@ -73,6 +73,35 @@ def test_methods_that_run_their_own_forward_give_the_same_value(options: dict) -
     assert float(value.detach()) == pytest.approx(float(exact.detach()), rel=1e-6)
 
 
+@pytest.mark.parametrize(("options", "tolerance"), [({"method": "finite_difference"}, 1e-6),
+                                                   ({"chunks": 3}, 1e-12)])
+def test_step_gradient_of_the_other_methods_matches_double_backward(options: dict,
+                                                                    tolerance: float) -> None:
+    """The parameter gradient of task + penalty, finite differences sharing the task's forward
+    (float64: error 1e-6 stated) and chunks (exact)."""
+    def step_gradient(penalty_options: dict) -> torch.Tensor:
+        model = classifier({"db": make_penalty("double_backprop", weight=0.5, **penalty_options)})
+        loss, penalties = model.losses(*data())
+        grads = torch.autograd.grad(loss + sum(penalties.values()),
+                                    list(model.backbone.parameters()))
+        return torch.cat([g.flatten() for g in grads])
+
+    exact, other = step_gradient({}), step_gradient(options)
+    assert float((other - exact).norm() / exact.norm()) < tolerance
+
+
+@pytest.mark.parametrize(("options", "forwards"), [
+    ({}, 1), ({"method": "finite_difference"}, 2), ({"chunks": 2}, 3)])
+def test_forward_passes_of_a_step(options: dict, forwards: int) -> None:
+    """Double backward and finite differences share the task's forward at the inputs (finite
+    differences add one at the shifted points); chunks run their own, one per micro-batch."""
+    model = classifier({"db": make_penalty("double_backprop", **options)})
+    calls = []
+    model.backbone.register_forward_hook(lambda *_: calls.append(1))
+    model.losses(*data())
+    assert len(calls) == forwards
+
+
 def test_lazy_penalty_is_computed_one_step_in_every() -> None:
     model = classifier({"db": make_penalty("double_backprop", every=3)})
     x, y = data()
