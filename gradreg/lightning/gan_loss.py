@@ -10,7 +10,10 @@ data (the tables below), not branches spread over a trainer. For real samples :m
   on ``latents``: path length).
 
 Penalties get the network itself as ``outputs`` (a callable) and run its forward on their points,
-so every penalty ``method`` and ``subsample`` work.
+so every penalty ``method``, ``subsample`` and ``chunks`` work. The exception is R1/R2 by plain
+double backward: as in StyleGAN2, they differentiate the critic scores of the adversarial term
+itself (the reals or fakes are made points before that forward), which saves a forward and a
+backward of the critic on those samples.
 
 Adversarial terms :math:`(a_D, a_G)`:
 
@@ -87,10 +90,19 @@ class GANLoss:
     def critic_terms(self, real: Tensor, loss_scale: float | None = None
                      ) -> dict[str, Tensor]:
         fake = self.generator(self.latents(real)).detach()
-        terms = {"adversarial": self.critic_term(self.critic(real), self.critic(fake)).mean()}
-        for name, gp in self._due(CRITIC_POINTS).items():
-            terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
-                             loss_scale=loss_scale)
+        due = self._due(CRITIC_POINTS)
+        shared = {gp.points for gp in due.values()
+                  if gp.points in ("real", "fake") and not gp.needs_callable}
+        samples = {"real": real, "fake": fake}
+        samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
+        scores = {k: self.critic(v) for k, v in samples.items()}
+        terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
+        for name, gp in due.items():
+            if gp.points in shared and not gp.needs_callable:  # the adversarial forward's scores
+                terms[name] = gp(scores[gp.points], samples[gp.points], loss_scale=loss_scale)
+            else:
+                terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
+                                 loss_scale=loss_scale)
         return terms
 
     def generator_terms(self, real: Tensor, loss_scale: float | None = None

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradreg.lightning.gan import GAN
+from gradreg.lightning.gan_loss import GANLoss
 from gradreg.models import MLP
 from gradreg.penalties import interpolate, make_penalty
 
@@ -116,3 +117,41 @@ def test_construction_errors_name_the_option_and_the_valid_values(kwargs: dict,
                                                                   message: str) -> None:
     with pytest.raises(ValueError, match=message):
         GAN(*networks(), **kwargs)
+
+
+@pytest.mark.parametrize("options", [{}, {"chunks": 2}])
+def test_r1_and_r2_against_straight_line_formulas(options: dict) -> None:
+    """Non-saturating loss + R1 (gamma 3) + R2 (gamma 5): the terms and the critic's gradient
+    against the formulas written out. By plain double backward the penalties reuse the
+    adversarial forward (2 critic calls); with chunks they run their own (2 + 2 x 2 calls)."""
+    generator, critic = networks()
+    penalties = {"r1": make_penalty("r1", weight=3.0, **options),
+                 "r2": make_penalty("r2", weight=5.0, **options)}
+    gan_loss = GANLoss(generator, critic, penalties, adversarial="nonsaturating",
+                       latent_dim=LATENT)
+    calls = []
+    hook = critic.register_forward_hook(lambda *_: calls.append(1))
+    torch.manual_seed(7)
+    terms = gan_loss.critic_terms(reals()[:BATCH])
+    hook.remove()
+    assert len(calls) == (2 if not options else 6)
+    params = list(critic.parameters())
+    grads = torch.autograd.grad(sum(terms.values()), params)
+
+    torch.manual_seed(7)
+    fake = generator(torch.randn(BATCH, LATENT, dtype=torch.float64)).detach()
+    real = reals()[:BATCH].requires_grad_()
+    fake.requires_grad_()
+    d_real, d_fake = critic(real).squeeze(1), critic(fake).squeeze(1)
+    adversarial = (torch.nn.functional.softplus(d_fake)
+                   + torch.nn.functional.softplus(-d_real)).mean()
+    (g_real,) = torch.autograd.grad(d_real.sum(), real, create_graph=True)
+    (g_fake,) = torch.autograd.grad(d_fake.sum(), fake, create_graph=True)
+    r1 = 3.0 / 2 * g_real.square().sum(1).mean()
+    r2 = 5.0 / 2 * g_fake.square().sum(1).mean()
+    expected = torch.autograd.grad(adversarial + r1 + r2, params)
+    for mine, theirs in [(terms["adversarial"], adversarial), (terms["r1"], r1),
+                         (terms["r2"], r2)]:
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-12, atol=0)
+    for mine, theirs in zip(grads, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
