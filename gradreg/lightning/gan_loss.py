@@ -91,14 +91,17 @@ class GANLoss:
                      ) -> dict[str, Tensor]:
         fake = self.generator(self.latents(real)).detach()
         due = self._due(CRITIC_POINTS)
-        shared = {gp.points for gp in due.values()
-                  if gp.points in ("real", "fake") and not gp.needs_callable}
+
+        def shares_forward(gp: GradientPenalty) -> bool:  # R1/R2 by plain double backward
+            return gp.points in ("real", "fake") and not gp.needs_callable
+
+        shared = {gp.points for gp in due.values() if shares_forward(gp)}
         samples = {"real": real, "fake": fake}
         samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
         scores = {k: self.critic(v) for k, v in samples.items()}
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
         for name, gp in due.items():
-            if gp.points in shared and not gp.needs_callable:  # the adversarial forward's scores
+            if shares_forward(gp):  # differentiate the adversarial forward's scores
                 terms[name] = gp(scores[gp.points], samples[gp.points], loss_scale=loss_scale)
             else:
                 terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
