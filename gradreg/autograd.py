@@ -14,13 +14,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from gradreg.graph import walk_backward_graph
+
 __all__ = [
     "GradientError",
     "capture",
     "check_double_backward",
     "gradient",
-    "graph_leaves",
-    "graph_node_names",
     "nth_derivative",
     "regularized_backward",
 ]
@@ -204,35 +204,6 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
             handle.remove()
 
 
-def _graph_node_names_and_leaves(roots: Iterable[Tensor]) -> tuple[set[str], list[Tensor]]:
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: set[int] = set()
-    names: set[str] = set()
-    leaves: list[Tensor] = []
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        names.add(type(node).__name__)
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return names, leaves
-
-
-def graph_node_names(roots: Iterable[Tensor]) -> set[str]:
-    """The class names of the backward nodes that ``roots`` depend on (``MulBackward0``,
-    ``ReluBackward0``, ``AccumulateGrad``...), found by walking their backward graph."""
-    return _graph_node_names_and_leaves(roots)[0]
-
-
-def graph_leaves(roots: Iterable[Tensor]) -> list[Tensor]:
-    """The leaves requiring grad that ``roots`` depend on (the ``AccumulateGrad`` nodes' tensors),
-    found by walking their backward graph, in discovery order, each once."""
-    return _graph_node_names_and_leaves(roots)[1]
-
-
 def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:
     """Raise if the graph of ``gradients`` (from ``create_graph=True``) cannot be backpropagated.
 
@@ -241,12 +212,12 @@ def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:
     node is found, one trial backward is run to get torch's own message, which names the op.
     """
     grads = [g for g in _as_tuple(gradients) if g.grad_fn is not None]
-    names, leaves = _graph_node_names_and_leaves(grads)
-    if not names & _NO_DOUBLE_BACKWARD_NODES:
+    graph = walk_backward_graph(grads)
+    if not graph.names() & _NO_DOUBLE_BACKWARD_NODES:
         return
     probe = sum(g.sum() for g in grads)
     try:
-        torch.autograd.grad(probe, leaves, retain_graph=True, allow_unused=True)
+        torch.autograd.grad(probe, graph.leaves(), retain_graph=True, allow_unused=True)
     except RuntimeError as err:
         raise GradientError(
             f"the model contains an op without a double backward, so the penalty's gradient "

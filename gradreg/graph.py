@@ -5,15 +5,32 @@ whose ``next_functions`` is a tuple of ``(node, input_nr)`` pairs: the nodes tha
 output gradients, and which output of those nodes' forward op fed it. Leaves that require grad
 end in ``AccumulateGrad`` nodes holding the leaf in ``.variable``. The same walk works on the graph
 of a gradient built with ``create_graph=True``, which links back into the forward graph.
+
+There is one walk, :func:`walk_backward_graph`; everything else (the rendered graph, the node
+names, the leaves) is read off its result. It tells nodes apart by the identity of their Python
+wrappers and therefore keeps every wrapper it has met alive until it returns: torch creates a
+wrapper on demand and, on some versions (2.11), frees it as soon as no Python reference is left,
+so a later wrapper can reuse the address and an ``id()`` of a dropped wrapper would make unvisited
+nodes look seen (the walk then stops after a couple of nodes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
-__all__ = ["AutogradGraph", "GraphEdge", "GraphNode", "autograd_graph"]
+__all__ = [
+    "AutogradGraph",
+    "BackwardGraph",
+    "GraphEdge",
+    "GraphNode",
+    "autograd_graph",
+    "graph_leaves",
+    "graph_node_names",
+    "walk_backward_graph",
+]
 
 
 @dataclass(frozen=True)
@@ -87,46 +104,77 @@ class AutogradGraph:
         return "\n".join(lines)
 
 
+@dataclass
+class BackwardGraph:
+    """What :func:`walk_backward_graph` found: the ``grad_fn`` objects themselves, in
+    breadth-first discovery order, and the edges between their positions in ``nodes``."""
+
+    nodes: list[object]
+    edges: list[GraphEdge]
+
+    def names(self) -> set[str]:
+        return {type(node).__name__ for node in self.nodes}
+
+    def leaves(self) -> list[Tensor]:
+        """The tensors of the ``AccumulateGrad`` nodes: the leaves requiring grad."""
+        return [node.variable for node in self.nodes if hasattr(node, "variable")]
+
+
+def walk_backward_graph(roots: Iterable[Tensor]) -> BackwardGraph:
+    """Every backward node reachable from the roots' ``grad_fn`` through ``next_functions``, each
+    once, breadth first; iterative, so a graph of any depth is walked. Roots without a graph
+    (leaves, tensors computed without grad) contribute nothing."""
+    nodes: list[object] = []
+    index_of: dict[int, int] = {}  # id(wrapper) -> position; ``nodes`` keeps the wrappers alive
+    edges: list[GraphEdge] = []
+
+    def visit(fn: object) -> int:
+        if id(fn) not in index_of:
+            index_of[id(fn)] = len(nodes)
+            nodes.append(fn)
+        return index_of[id(fn)]
+
+    for root in roots:
+        if root.grad_fn is not None:
+            visit(root.grad_fn)
+    expanded = 0
+    while expanded < len(nodes):  # ``nodes`` doubles as the breadth-first queue
+        source, fn = expanded, nodes[expanded]
+        expanded += 1
+        for slot, (child, input_nr) in enumerate(fn.next_functions):
+            if child is not None:
+                edges.append(GraphEdge(source, visit(child), input_nr, slot))
+    return BackwardGraph(nodes, edges)
+
+
+def graph_node_names(roots: Iterable[Tensor]) -> set[str]:
+    """The class names of the backward nodes that ``roots`` depend on (``MulBackward0``,
+    ``ReluBackward0``, ``AccumulateGrad``...)."""
+    return walk_backward_graph(roots).names()
+
+
+def graph_leaves(roots: Iterable[Tensor]) -> list[Tensor]:
+    """The leaves requiring grad that ``roots`` depend on (the ``AccumulateGrad`` nodes'
+    tensors), in breadth-first discovery order, each once."""
+    return walk_backward_graph(roots).leaves()
+
+
 def autograd_graph(tensor: Tensor) -> AutogradGraph:
-    """Walk ``tensor.grad_fn`` and every ``next_functions`` reachable from it (each node once)."""
+    """The backward graph of ``tensor``: its ``grad_fn`` and every node reachable from it (each
+    once), numbered in breadth-first discovery order from the root (node 0)."""
     if tensor.grad_fn is None:
         raise ValueError(
             "the tensor has no grad_fn: it is a leaf or was computed without grad, so it has no "
             "backward graph. Pass a tensor computed from inputs that require grad."
         )
-    graph = AutogradGraph()
-    index_of: dict[int, int] = {}
-    keep_alive = []  # ids are only unique while the objects live
-
-    def visit(fn: object) -> int:
-        key = id(fn)
-        if key in index_of:
-            return index_of[key]
-        keep_alive.append(fn)
+    walked = walk_backward_graph([tensor])
+    nodes = []
+    for index, fn in enumerate(walked.nodes):
         variable = getattr(fn, "variable", None)
-        node = GraphNode(
-            index=len(graph.nodes),
+        nodes.append(GraphNode(
+            index=index,
             name=type(fn).__name__,
             is_leaf=variable is not None,
             leaf_shape=None if variable is None else tuple(variable.shape),
-        )
-        index_of[key] = node.index
-        graph.nodes.append(node)
-        return node.index
-
-    stack = [tensor.grad_fn]
-    visit(tensor.grad_fn)
-    expanded: set[int] = set()
-    while stack:
-        fn = stack.pop(0)
-        source = index_of[id(fn)]
-        if source in expanded:
-            continue
-        expanded.add(source)
-        for slot, (child, input_nr) in enumerate(fn.next_functions):
-            if child is None:
-                continue
-            target = visit(child)
-            graph.edges.append(GraphEdge(source, target, input_nr, slot))
-            stack.append(child)
-    return graph
+        ))
+    return AutogradGraph(nodes, walked.edges)

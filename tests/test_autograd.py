@@ -148,6 +148,6 @@ def test_graph_leaves_finds_each_leaf_once_through_the_graph_of_a_gradient() -> 
     x = torch.tensor([1.0, -1.0], requires_grad=True)
     y = ((w * x).sum() + b) ** 2
     (g,) = torch.autograd.grad(y, x, create_graph=True)  # 2 (w.x + b) w: depends on w, b, x
-    found = gradreg.autograd.graph_leaves([g.square().sum(), y])
+    found = gradreg.graph.graph_leaves([g.square().sum(), y])
     assert sorted(id(t) for t in found) == sorted(id(t) for t in (w, b, x))
-    assert gradreg.autograd.graph_leaves([torch.ones(2)]) == []  # no graph, no leaves
+    assert gradreg.graph.graph_leaves([torch.ones(2)]) == []  # no graph, no leaves

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from torch import nn
 
 import gradreg
+from tests.residual_net import ResidualNet
 
 
 def seed_003_F() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -62,3 +64,38 @@ def test_graph_of_a_create_graph_gradient_links_back_to_forward_graph() -> None:
 def test_leaf_tensor_has_no_graph() -> None:
     with pytest.raises(ValueError, match="no grad_fn"):
         gradreg.autograd_graph(torch.ones(1, requires_grad=True))
+
+
+# The walks below failed on torch 2.11 when nodes were told apart by the id() of wrappers the walk
+# had dropped: 2.11 frees a node's Python wrapper with its last reference, the next wrapper reuses
+# the address, and unvisited nodes looked seen, so the walk stopped after two or three nodes.
+
+
+def test_walk_of_a_deep_graph_finds_every_node() -> None:
+    x = torch.ones(2, requires_grad=True)
+    y = x
+    for _ in range(3000):  # deeper than Python's recursion limit
+        y = y.sin()
+    graph = gradreg.graph.walk_backward_graph([y.sum()])
+    names = [type(node).__name__ for node in graph.nodes]
+    assert names.count("SinBackward0") == 3000
+    assert names[0] == "SumBackward0" and names[-1] == "AccumulateGrad" and len(names) == 3002
+    assert len(graph.edges) == 3001
+    assert len(gradreg.autograd_graph(y.sum()).nodes) == 3002
+    assert gradreg.graph.graph_leaves([y]) == [x]
+
+
+def test_walk_finds_every_parameter_of_a_resnet_like_model_and_of_its_penalty() -> None:
+    torch.manual_seed(0)
+    model = ResidualNet(nn.Tanh)
+    x = torch.randn(2, 1, 6, 6, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 2]))
+    params = {id(p) for p in model.parameters()}
+    assert len(params) == 2 + 3 * 6 + 2  # stem w, b; per block 2 convs, 2 BNs (w, b); head w, b
+    found = gradreg.graph.graph_leaves([loss])
+    assert {id(t) for t in found} == params | {id(x)} and len(found) == len(params) + 1
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)  # the double-backprop graph
+    assert {id(t) for t in gradreg.graph.graph_leaves([g.square().sum()])} == params | {id(x)}
+    names = gradreg.graph.graph_node_names([g])
+    assert {"ConvolutionBackwardBackward0", "NativeBatchNormBackwardBackward0",
+            "TanhBackwardBackward0"} <= names

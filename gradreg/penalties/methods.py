@@ -42,7 +42,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
-from gradreg.autograd import GradientError, gradient, graph_leaves, graph_node_names
+from gradreg.autograd import GradientError, gradient
+from gradreg.graph import graph_leaves, graph_node_names
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from gradreg import GradientError
 from gradreg.penalties import GradientPenalty, lazy_optimizer_kwargs, make_penalty, methods
+from tests.residual_net import ResidualNet
 
 
 def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Sequential:
@@ -87,6 +88,27 @@ def test_finite_difference_refuses_piecewise_linear_models(activation: object, o
     for _ in range(2):  # refused again: a failed check does not count as the first call's
         with pytest.raises(GradientError, match=rf"piecewise-linear model \({op} in its graph"):
             penalty(model, x)
+
+
+class _FunctionalRelu(nn.Module):
+    def forward(self, h: Tensor) -> Tensor:
+        return F.relu(h)
+
+
+@pytest.mark.parametrize(("activation", "op"), [
+    (_FunctionalRelu, "Relu"),
+    (lambda: nn.ReLU(inplace=True), "Relu"),
+    (nn.LeakyReLU, "LeakyRelu"),
+])
+def test_finite_difference_refuses_kinks_inside_residual_blocks(activation: object,
+                                                                op: str) -> None:
+    """The kinks sit behind BatchNorm, convolutions and residual additions (a walk that stopped
+    early, as on torch 2.11 before the fix, never reached them and accepted the model)."""
+    torch.manual_seed(0)
+    model = ResidualNet(activation).eval()
+    x = torch.randn(3, 1, 6, 6, requires_grad=True)
+    with pytest.raises(GradientError, match=rf"piecewise-linear model \({op} in its graph"):
+        make_penalty("r1", method="finite_difference")(lambda q: model(q)[:, 0], x)
 
 
 def test_finite_difference_accepts_smooth_models_and_refuses_half_precision() -> None:
