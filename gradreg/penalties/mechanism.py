@@ -24,7 +24,10 @@ Where :math:`g_i` comes from is a choice of ``projection`` and ``order``:
   unbiased estimate of :math:`\lVert J_i \rVert_F^2` (Hoffman, Roberts & Yaida 2019), exact at
   :math:`n = K`, :math:`K` the number of outputs per sample;
 * ``"gaussian"``: :math:`g_i = J_i^\top y_i`, :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`
-  (StyleGAN2's path length; pixels = H*W for images, the feature count for vectors).
+  (StyleGAN2's path length; pixels = H*W for images, the feature count for vectors). For W+
+  latents [B, num_ws, w_dim] the squared length is the mean over num_ws of the squared norm
+  over w_dim, as in StyleGAN2 and mmagic (not the norm over both, which is num_ws times larger
+  squared).
 
 For ``points="parameters"`` there is one norm over all parameters' gradients (no samples).
 With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
@@ -71,26 +74,45 @@ def _projected_sq_norm(
     outputs: Tensor, inputs: tuple[Tensor, ...], projection: str, num_projections: int,
     loss_scale: float | Tensor | None = None,
 ) -> Tensor:
-    """Squared per-sample norm of J^T v for random v (see the module docstring)."""
+    """Squared per-sample norm of J^T v for random v (see the module docstring).
+
+    The random directions are drawn in at least float32 and then cast to the outputs' dtype:
+    under bf16/fp16 autocast the draws are those of a float32 run with the same seed (torch's
+    generators do not promise the same numbers for a half-precision ``randn``; torch 2.11 gives
+    different ones), and the QR of the orthonormal directions is taken in float32.
+    """
     batch = outputs.shape[0]
     flat = outputs.reshape(batch, -1)
     k = flat.shape[1]
+    draw = {"dtype": torch.promote_types(flat.dtype, torch.float32), "device": flat.device}
     if projection == "gaussian":
         pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
-        noise = torch.randn_like(flat) / math.sqrt(pixels)
-        return per_sample_norm(_unscaled_vjp(flat, inputs, noise, loss_scale), squared=True)
+        noise = (torch.randn(flat.shape, **draw) / math.sqrt(pixels)).to(flat.dtype)
+        return _latent_sq_length(_unscaled_vjp(flat, inputs, noise, loss_scale))
     if num_projections > k:
         raise GradientError(
             f"num_projections={num_projections} exceeds the {k} outputs per sample: "
             f"at most {k} orthonormal directions exist (and {k} gives the exact norm)."
         )
-    gaussian = torch.randn(batch, k, num_projections, dtype=flat.dtype, device=flat.device)
-    directions = torch.linalg.qr(gaussian).Q  # [B, K, n], orthonormal columns, uniform
+    gaussian = torch.randn(batch, k, num_projections, **draw)
+    directions = torch.linalg.qr(gaussian).Q.to(flat.dtype)  # [B, K, n], orthonormal, uniform
     sq = sum(
         per_sample_norm(_unscaled_vjp(flat, inputs, directions[:, :, j], loss_scale), squared=True)
         for j in range(num_projections)
     )
     return sq * (k / num_projections)
+
+
+def _latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:
+    r"""Per-sample squared length of latent gradients, StyleGAN2's ``pl_lengths ** 2``.
+
+    A latent of shape [B, num_ws, w_dim] (StyleGAN2's W+: one w per synthesis layer) gives
+    :math:`\frac{1}{\text{num\_ws}} \sum_{l} \lVert g_{il} \rVert^2`, the mean over the layers
+    of the squared norm over ``w_dim`` (``pl_grads.square().sum(2).mean(1)``); [B, w_dim] is
+    the same with one layer, i.e. the squared norm. Other shapes take all non-batch dims.
+    """
+    return sum(g.square().sum(2).mean(1) if g.ndim == 3 else g.flatten(1).square().sum(1)
+               for g in grads)
 
 
 def gradient_penalty(
@@ -327,6 +349,9 @@ class GradientPenalty(nn.Module):
         return is_due
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
+        saved_ema = state_dict.get(prefix + "ema")
+        if isinstance(saved_ema, Tensor):  # a float64 running mean is restored in float64
+            self._promote_ema(saved_ema.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args)
         self._steps = int(self.step)
 
@@ -426,10 +451,23 @@ class GradientPenalty(nn.Module):
 
     def _ema_target(self, norms: Tensor) -> Tensor:
         """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose
-        current-batch term keeps its gradient exactly as in the reference code."""
-        ema = self.ema.to(norms.dtype).lerp(norms.mean(), self.ema_decay)
+        current-batch term keeps its gradient exactly as in the reference code.
+
+        The running mean is kept and updated in at least float32 and in the norms' dtype where
+        that is wider: a float64 run promotes the buffer to float64 (in place, so optimizers,
+        DDP and checkpoints keep the same tensor), a bf16 run does not lose the small updates
+        to bf16 rounding.
+        """
+        self._promote_ema(norms.dtype)
+        ema = self.ema.lerp(norms.mean().to(self.ema.dtype), self.ema_decay)
         self.ema.copy_(ema.detach())
         return ema
+
+    def _promote_ema(self, dtype: torch.dtype) -> None:
+        """Widen the running mean's buffer to ``dtype`` where that is wider, in place."""
+        wider = torch.promote_types(dtype, self.ema.dtype)
+        if wider != self.ema.dtype:
+            self.ema.data = self.ema.data.to(wider)
 
 
 def _require(condition: bool, message: str) -> None:

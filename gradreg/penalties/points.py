@@ -37,10 +37,12 @@ def interpolate(real: Tensor, fake: Tensor, *, generator: torch.Generator | None
 def perturb_dragan(real: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
     r"""DRAGAN's :math:`\tilde x = x + \alpha (x_p - x)`, :math:`x_p = x + 0.5\,\sigma(x)\,U[0,1)`.
 
-    ``std`` is over the whole batch tensor and :math:`\alpha \sim U[0, 1)` one per sample, as in the
-    reference implementation (Kodali et al. 2017).
+    :math:`\sigma` is the standard deviation of the whole batch tensor with divisor :math:`N`
+    (numpy's ``std``, not the Bessel-corrected one) and :math:`\alpha \sim U[0, 1)` one per
+    sample, as in the reference implementation (Kodali et al. 2017:
+    ``X + 0.5 * X.std() * np.random.random(X.shape)`` on numpy arrays).
     """
     real = real.detach()
     noise = torch.rand(real.shape, generator=generator, dtype=real.dtype, device=real.device)
-    perturbed = real + 0.5 * real.std() * noise
+    perturbed = real + 0.5 * real.std(correction=0) * noise
     return as_points(torch.lerp(real, perturbed, _per_sample_uniform(real, generator)))

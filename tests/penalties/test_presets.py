@@ -70,7 +70,7 @@ def reference(preset: str) -> float:
             "wgan_lp": real + u * (fake - real),
             "r1": real,
             "r2": fake,
-            "dragan": real + alpha * (0.5 * real.std() * noise),
+            "dragan": real + alpha * (0.5 * (real - real.mean()).pow(2).mean().sqrt() * noise),
         }[preset].requires_grad_()
         norms = _norms(model(x), x)
         if preset in ("r1", "r2"):

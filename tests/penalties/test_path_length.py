@@ -1,0 +1,102 @@
+"""Path length as StyleGAN2 computes it (W+ latents), its running mean's precision, and random
+projections that do not depend on the autocast dtype."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.autograd import grad
+
+from gradreg.penalties import jacobian, path_length
+
+B, NUM_WS, W_DIM, SIDE = 3, 4, 5, 4
+
+
+class WPlusGenerator(nn.Module):
+    """[B, num_ws, w_dim] -> [B, 1, side, side]: each layer's w enters through its own weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(W_DIM, SIDE * SIDE) for _ in range(NUM_WS))
+
+    def forward(self, ws: Tensor) -> Tensor:
+        h = sum(torch.tanh(layer(ws[:, i])) for i, layer in enumerate(self.layers))
+        return h.view(-1, 1, SIDE, SIDE)
+
+
+def stylegan2_pl(generator: nn.Module, ws: Tensor, pl_mean: float,
+                 seed: int) -> tuple[Tensor, Tensor]:
+    """stylegan2-ada-pytorch training/loss.py, Gpl phase, pl_weight 2, pl_decay 0.01, gain 1:
+    the penalty and the updated pl_mean."""
+    ws = ws.detach().requires_grad_()
+    img = generator(ws)
+    torch.manual_seed(seed)
+    pl_noise = torch.randn_like(img) / math.sqrt(img.shape[2] * img.shape[3])
+    (pl_grads,) = grad((img * pl_noise).sum(), ws, create_graph=True)
+    pl_lengths = pl_grads.square().sum(2).mean(1).sqrt()
+    mean = torch.tensor(pl_mean, dtype=ws.dtype).lerp(pl_lengths.mean(), 0.01)
+    return (pl_lengths - mean).square().mean() * 2.0, mean.detach()
+
+
+def test_w_plus_path_length_is_stylegan2s_in_value_and_gradient() -> None:
+    """Value and parameter gradient equal StyleGAN2's formula (norm over w_dim, mean over
+    num_ws), not num_ws times it (the norm over both dims)."""
+    generator = WPlusGenerator().double()
+    torch.manual_seed(1)
+    ws = torch.randn(B, NUM_WS, W_DIM, dtype=torch.float64)
+    expected, pl_mean = stylegan2_pl(generator, ws, 0.0, seed=7)
+    expected_grads = grad(expected, list(generator.parameters()))
+    penalty, points = path_length(), ws.detach().requires_grad_()
+    images = generator(points)
+    torch.manual_seed(7)
+    value = penalty(images, points)
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=0)
+    for got, want in zip(grad(value, list(generator.parameters())), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert penalty.ema.item() == pytest.approx(pl_mean.item(), rel=1e-12)
+
+
+def test_float64_running_mean_has_no_float32_drift() -> None:
+    """50 updates in float64 equal the float64 recurrence to 1e-15 (a float32 buffer is off by
+    ~1e-8 relative), and a state dict restores it in float64."""
+    penalty = path_length()
+    expected = torch.zeros((), dtype=torch.float64)
+    for step in range(50):
+        norms = torch.rand(8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        penalty._ema_target(norms)
+        expected = expected + 0.01 * (norms.mean() - expected)
+    assert penalty.ema.dtype == torch.float64
+    assert penalty.ema.item() == pytest.approx(expected.item(), rel=1e-15)
+    restored = path_length()
+    restored.load_state_dict(penalty.state_dict())
+    assert restored.ema.dtype == torch.float64 and restored.ema.item() == penalty.ema.item()
+
+
+def test_bf16_norms_update_a_float32_running_mean() -> None:
+    """Norms of 1 in bf16: after 300 updates the mean is 1 - 0.99**300 = 0.951 (float32
+    arithmetic); updated in bf16 it would stall where 0.01 * (1 - a) falls below bf16's spacing."""
+    penalty = path_length()
+    for _ in range(300):
+        penalty._ema_target(torch.ones(4, dtype=torch.bfloat16))
+    assert penalty.ema.dtype == torch.float32
+    assert penalty.ema.item() == pytest.approx(1 - 0.99**300, rel=1e-5)
+
+
+@pytest.mark.parametrize("make", [jacobian, path_length], ids=["jacobian", "path_length"])
+def test_random_projections_do_not_depend_on_the_autocast_dtype(make: object) -> None:
+    """A linear map under bf16 autocast: the same seed gives the float32 run's directions, so the
+    values agree to bf16 rounding (2%); different draws (torch 2.11's bf16 randn) differ by O(1)."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 8)
+    x = torch.randn(16, 6)
+    values = []
+    for enabled in (False, True):
+        points = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            torch.manual_seed(3)
+            values.append(make(weight=1.0)(model(points), points).float().item())
+    assert values[1] == pytest.approx(values[0], rel=2e-2)
