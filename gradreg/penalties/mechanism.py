@@ -49,6 +49,7 @@ from gradreg.autograd import (
     nth_derivative,
 )
 from gradreg.penalties import methods
+from gradreg.penalties.finite import FiniteCheck
 from gradreg.penalties.norms import per_sample_norm, safe_sqrt
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
@@ -201,9 +202,12 @@ class GradientPenalty(nn.Module):
         num_projections: random directions for ``"orthonormal"``.
         ema_decay: the running mean's decay for ``target="ema"``.
         check_finite: raise :class:`~gradreg.GradientError` when the penalty is NaN or Inf
-            (one host sync per call) instead of letting it poison the parameters. Not under a
-            ``loss_scale``: there a non-finite value is the GradScaler's overflow signal, and the
-            scaler skips the step and lowers its scale.
+            instead of letting it pass silently (:class:`~gradreg.penalties.finite.FiniteCheck`):
+            on the CPU at once, before the value is used; on CUDA without a host sync, at a later
+            call (normally the next) that names the call, after that call's optimizer step;
+            ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
+            non-finite value is the GradScaler's overflow signal, and the scaler skips the step
+            and lowers its scale.
         method: how the parameter gradient is computed, one of :data:`methods.METHODS`:
             ``"double_backward"`` (exact), ``"finite_difference"`` (no double backward, error
             O(fd_eps); refused on piecewise-linear models) or ``"compiled"`` (exact, through
@@ -307,6 +311,7 @@ class GradientPenalty(nn.Module):
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
+        self.finite_check = FiniteCheck()
         self._first_call_checked = False
 
     @property
@@ -401,14 +406,8 @@ class GradientPenalty(nn.Module):
         if self.reduction == "sum" and inputs[0].ndim > 0 and inputs[0].shape[0] < batch:
             value = value * (batch / inputs[0].shape[0])
         self.last_value = value.detach()
-        if (self.check_finite and loss_scale is None
-                and not bool(torch.isfinite(self.last_value))):
-            raise GradientError(
-                f"the penalty is {self.last_value.item()} (not finite): the outputs or the points "
-                "contain NaN/Inf, or the model diverged. Check the batch with "
-                "torch.isfinite(x).all(), lower the learning rate, or guard the step "
-                "(check_finite=False lets the value through)."
-            )
+        if self.check_finite and loss_scale is None:
+            self.finite_check(self.last_value)
         return value * (self.weight * self.every * self.gain)
 
     def _exact(self, outputs: Tensor, inputs: tuple[Tensor, ...],

@@ -1,0 +1,57 @@
+"""check_finite without a host sync: immediate on the CPU, read once copied on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from gradreg import GradientError
+from gradreg.penalties import make_penalty
+from gradreg.penalties.finite import FiniteCheck, _Recorded
+
+NAN = torch.tensor(float("nan"))
+
+
+def test_cpu_values_are_checked_at_once_naming_the_call() -> None:
+    check = FiniteCheck()
+    check(torch.tensor(1.0))
+    with pytest.raises(GradientError, match=r"penalty of call 2 is nan \(not finite\): the"):
+        check(NAN)
+    check(torch.tensor(2.0))  # reported once; the check goes on
+
+
+def test_an_asynchronous_copy_is_read_only_once_complete() -> None:
+    """A value whose copy is still running (as on CUDA) is not waited for; the call after its
+    copy completes raises, naming both calls; ``settle`` waits (here: marks it done)."""
+    copied, waited = [False], []
+    check = FiniteCheck()
+    check(torch.tensor(1.0))
+    check._calls += 1  # call 2 records its value asynchronously
+    check._recorded.append(_Recorded(2, NAN, lambda: copied[0], lambda: waited.append(2)))
+    check(torch.tensor(1.0))  # call 3: the copy of call 2 is not done, nothing is waited for
+    assert waited == []
+    copied[0] = True
+    with pytest.raises(GradientError, match=r"call 2 is nan \(not finite\) \(found at call 4"):
+        check(torch.tensor(1.0))
+    check._recorded.append(_Recorded(5, NAN, lambda: False, lambda: waited.append(5)))
+    with pytest.raises(GradientError, match="call 5 is nan"):
+        check.settle()
+    assert waited == [2, 5]
+
+
+def test_penalties_with_values_in_flight_can_be_copied() -> None:
+    """A pending record holds a CUDA event, which cannot be copied (a lock stands in for it
+    here): a deep copy or pickle of the penalty starts with nothing pending."""
+    penalty = make_penalty("r1")
+    x = torch.randn(4, 3, requires_grad=True)
+    penalty(x.sin().sum(1), x)
+    lock = threading.Lock()
+    penalty.finite_check._recorded.append(_Recorded(2, NAN, lock.locked, lock.acquire))
+    with pytest.raises(TypeError):
+        copy.deepcopy(lock)
+    clone = copy.deepcopy(penalty)
+    assert clone.finite_check._calls == 1 and not clone.finite_check._recorded
+    assert len(penalty.finite_check._recorded) == 1
