@@ -220,7 +220,8 @@ class GradientPenalty(nn.Module):
             graph's peak memory; needs ``outputs`` as a callable, double backward, per-sample
             points and a numeric target.
         fd_eps: the finite-difference step (input-space length of each sample's shift);
-            ``None`` picks :func:`methods.default_step` for the dtype.
+            ``None`` picks :func:`methods.default_step` for the precision the model's arithmetic
+            ran in (:func:`methods.unit_roundoff`: float64, float32, or TF32 on GPUs).
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
     current weight. ``last_value`` holds the detached unweighted penalty of the last call.

@@ -49,13 +49,17 @@ from gradreg.penalties.norms import per_sample_norm
 __all__ = [
     "METHODS",
     "PIECEWISE_LINEAR",
+    "STEPS",
+    "TF32_ROUNDOFF",
     "CompiledPenalty",
     "check_smooth",
+    "cuda_float32_roundoff",
     "default_step",
     "finite_difference",
     "in_chunks",
     "lazy_optimizer_kwargs",
     "subsample",
+    "unit_roundoff",
     "with_gradients",
 ]
 
@@ -78,20 +82,67 @@ def _broadcast(per_sample: Tensor, like: Tensor) -> Tensor:
     return per_sample.view((-1,) + (1,) * (like.ndim - 1))
 
 
-def default_step(dtype: torch.dtype) -> float:
-    r"""The finite-difference step: the input-space length of each sample's shift.
+#: Unit roundoff of TF32 (10 explicit mantissa bits), which cuDNN convolutions use for float32 on
+#: Ampere and newer GPUs by default (``torch.backends.cudnn.allow_tf32``), and cuBLAS matmuls
+#: where ``torch.get_float32_matmul_precision()`` is ``"high"``.
+TF32_ROUNDOFF = 2.0**-11
 
-    Balances truncation :math:`O(\text{eps})` against rounding :math:`O(u/\text{eps})`
-    (:math:`u` the unit roundoff): 1e-2 in float32, 1e-6 in float64 (chosen by a sweep on
-    tanh/softplus MLPs with unit-scale inputs). Half precision is refused.
+#: The finite-difference step for the unit roundoff of the arithmetic: float64, float32, TF32.
+#: Chosen by sweeps of the parameter gradient's error against float64 double backward on tanh,
+#: softplus, ELU and SiLU MLPs, CNNs and DCGAN-style critics (TF32 emulated on the CPU by rounding
+#: the operands of every convolution and matmul, forward and backward, to 10 mantissa bits).
+STEPS = {2.0**-53: 1e-6, 2.0**-24: 1e-2, TF32_ROUNDOFF: 0.5}
+
+_CONVOLUTIONS = ("Convolution", "CudnnConvolution")
+_MATMULS = ("Mm", "Addmm", "Bmm", "Baddbmm", "Addbmm", "Addmv", "Mv", "Dot", "Linear")
+
+
+def unit_roundoff(outputs: Tensor) -> float:
+    """The unit roundoff of the arithmetic that computed ``outputs``, as it actually ran.
+
+    That of the dtype, except under autocast, that of the autocast dtype (the model ran in it even
+    where the outputs, a loss, are float32), and for float32 on CUDA, where TF32 may stand in
+    (:func:`cuda_float32_roundoff` with torch's current flags; only there is the graph walked).
     """
-    if dtype == torch.float64:
-        return 1e-6
-    if dtype == torch.float32:
-        return 1e-2
+    device = outputs.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.finfo(torch.get_autocast_dtype(device)).eps / 2
+    if device != "cuda" or outputs.dtype != torch.float32:
+        return torch.finfo(outputs.dtype).eps / 2
+    return cuda_float32_roundoff(graph_node_names([outputs]),
+                                 conv_tf32=torch.backends.cudnn.allow_tf32,
+                                 matmul_precision=torch.get_float32_matmul_precision())
+
+
+def cuda_float32_roundoff(names: set[str], *, conv_tf32: bool, matmul_precision: str) -> float:
+    """The unit roundoff of float32 CUDA work whose backward graph holds the nodes ``names``:
+    TF32's (2**-11) where it holds convolutions and ``conv_tf32``
+    (``torch.backends.cudnn.allow_tf32``, on by default) or matmuls and ``matmul_precision``
+    (``torch.get_float32_matmul_precision()``) is ``"high"``; bf16's (2**-8) for matmuls at
+    ``"medium"``; else float32's (2**-24)."""
+    roundoff = 2.0**-24
+    if matmul_precision != "highest" and any(name.startswith(_MATMULS) for name in names):
+        roundoff = TF32_ROUNDOFF if matmul_precision == "high" else 2.0**-8
+    if conv_tf32 and any(name.startswith(_CONVOLUTIONS) for name in names):
+        roundoff = max(roundoff, TF32_ROUNDOFF)
+    return roundoff
+
+
+def default_step(roundoff: float) -> float:
+    r"""The finite-difference step (the input-space length of each sample's shift) for
+    arithmetic of unit roundoff ``roundoff`` (:func:`unit_roundoff`), from :data:`STEPS`.
+
+    It balances truncation :math:`O(\text{eps})` against rounding :math:`O(u/\text{eps})`:
+    1e-6 in float64, 1e-2 in float32, 0.5 in TF32, whose rounding noise is 8192 times float32's.
+    Coarser arithmetic (bf16, fp16, bf16 matmuls) is refused: it loses all digits.
+    """
+    for unit, step in sorted(STEPS.items()):
+        if roundoff <= unit:
+            return step
     raise GradientError(
-        f"finite differences in {dtype} lose all digits to rounding: run the penalty in float32 "
-        "or float64 (disable autocast around it), or use method='double_backward'."
+        f"finite differences in arithmetic of unit roundoff {roundoff:.1e} (bf16/fp16, autocast, "
+        "or float32 matmul precision 'medium') lose all digits to rounding: run the penalty in "
+        "float32 or float64 (disable autocast around it), or use method='double_backward'."
     )
 
 
@@ -122,13 +173,17 @@ def finite_difference(
     called on the points themselves: ``lambda q: losses if q is x else loss_fn(model(q), y)``.
 
     Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
-    (rounding); with :func:`default_step`, measured 1e-4 to 1e-3 in float32 and 2e-8 to 6e-8 in
-    float64 on tanh/softplus/ELU networks with unit-scale inputs. On piecewise-linear models the
-    parameter gradient jumps where a unit changes sign between :math:`x` and :math:`x + hv`, which
-    happens with probability :math:`O(h)` and costs :math:`O(1/h)`: an :math:`O(1)` error that a
-    smaller step does not remove: with ``check`` the graph of the outputs at :math:`x` is
-    searched and such models are refused (:func:`check_smooth`). Samples must not interact (no
-    BatchNorm in training mode).
+    (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);
+    with :func:`default_step`, measured 1e-4 to 1e-3 in float32 and 2e-8 to 6e-8 in float64 on
+    tanh/softplus/ELU networks with unit-scale inputs (up to 8e-3 on a softplus conv critic), and
+    4e-3 to 6e-2 in TF32, the default of float32 convolutions on Ampere and newer GPUs (emulated
+    on the CPU; docs/benchmarks.md). For the float32 error there, turn TF32 off
+    (``torch.backends.cudnn.allow_tf32 = False``); for an exact gradient use double backward.
+    On piecewise-linear models the parameter gradient jumps where a unit changes sign between
+    :math:`x` and :math:`x + hv`, which happens with probability :math:`O(h)` and costs
+    :math:`O(1/h)`: an :math:`O(1)` error that a smaller step does not remove: with ``check``
+    the graph of the outputs at :math:`x` is searched and such models are refused
+    (:func:`check_smooth`). Samples must not interact (no BatchNorm in training mode).
     """
     outputs = fn(*inputs)
     if check:
@@ -139,7 +194,7 @@ def finite_difference(
         leaves = tuple(g.detach().requires_grad_() for g in grads)
         value = penalty_of_grads(leaves)
         directions = torch.autograd.grad(value, leaves)
-    step = default_step(outputs.dtype) if eps is None else eps
+    step = default_step(unit_roundoff(outputs)) if eps is None else eps
     norms = per_sample_norm(directions)
     moving = norms > 0
     h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)

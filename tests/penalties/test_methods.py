@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import pytest
@@ -9,9 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import gradreg
 from gradreg import GradientError
-from gradreg.penalties import GradientPenalty, lazy_optimizer_kwargs, make_penalty, methods
+from gradreg.penalties import (
+    GradientPenalty,
+    interpolate,
+    lazy_optimizer_kwargs,
+    make_penalty,
+    methods,
+)
 from tests.residual_net import ResidualNet
+from tests.tf32_emulation import EmulatedTF32
 
 
 def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Sequential:
@@ -117,8 +126,61 @@ def test_finite_difference_accepts_smooth_models_and_refuses_half_precision() ->
     methods.check_smooth(pooled(torch.randn(3, 1, 6, 6)))  # no kink: passes
     with pytest.raises(GradientError, match="MaxPool2DWithIndices"):
         methods.check_smooth(nn.MaxPool2d(2)(torch.randn(1, 1, 4, 4, requires_grad=True)))
+
+
+def test_step_follows_the_precision_the_arithmetic_ran_in() -> None:
+    """float64 1e-6, float32 1e-2, TF32 0.5 (convolutions under cuDNN's default, or matmuls at
+    precision 'high'); bf16 arithmetic (autocast, matmul precision 'medium') is refused."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 1))
+    dense = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    conv_out, dense_out = conv(torch.randn(2, 1, 4, 4)), dense(torch.randn(2, 4))
+    step = methods.default_step
+    assert step(methods.unit_roundoff(nn.Linear(4, 1).double()(torch.randn(2, 4).double()))) == 1e-6
+    assert step(methods.unit_roundoff(conv_out)) == 1e-2  # the CPU runs float32 as float32
+    conv_names = gradreg.graph.graph_node_names([conv_out])
+    dense_names = gradreg.graph.graph_node_names([dense_out])
+    tf32 = partial(methods.cuda_float32_roundoff, conv_tf32=True, matmul_precision="highest")
+    assert step(tf32(conv_names)) == 0.5 and methods.TF32_ROUNDOFF == 2.0**-11
+    assert step(tf32(dense_names)) == 1e-2  # torch's default: float32 matmuls stay float32
+    assert step(methods.cuda_float32_roundoff(conv_names, conv_tf32=False,
+                                              matmul_precision="highest")) == 1e-2
+    assert step(methods.cuda_float32_roundoff(dense_names, conv_tf32=False,
+                                              matmul_precision="high")) == 0.5
     with pytest.raises(GradientError, match="float32 or float64"):
-        methods.default_step(torch.bfloat16)
+        step(methods.cuda_float32_roundoff(dense_names, conv_tf32=False,
+                                           matmul_precision="medium"))
+    with pytest.raises(GradientError, match="float32 or float64"):
+        step(torch.finfo(torch.bfloat16).eps / 2)
+    head, labels = nn.Linear(4, 2), torch.tensor([0, 1] * 2)
+    x = torch.randn(4, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a float32 loss of bf16 arithmetic
+        assert methods.unit_roundoff(F.cross_entropy(head(x), labels)) == 2.0**-8
+        with pytest.raises(GradientError, match="disable autocast around it"):
+            make_penalty("double_backprop", method="finite_difference")(
+                lambda q: F.cross_entropy(head(q), labels, reduction="none"), x)
+
+
+@pytest.mark.parametrize("activation", [nn.Tanh, nn.ELU, nn.Softplus])
+def test_finite_difference_error_in_tf32_with_its_step(activation: type[nn.Module]) -> None:
+    """A DCGAN-style critic's WGAN-GP gradient in emulated TF32: with TF32's step (0.5) within the
+    documented 6e-2 of float64 double backward; float32's step (1e-2) is off by over 0.1 (the
+    error measured on an H100 before the step followed the arithmetic)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Conv2d(3, 8, 4, 2, 1), activation(), nn.Conv2d(8, 16, 4, 2, 1),
+                           activation(), nn.Flatten(), nn.Linear(16 * 4 * 4, 1), nn.Flatten(0))
+    real, fake = torch.randn(16, 3, 16, 16), torch.randn(16, 3, 16, 16)
+    points = interpolate(real, fake)
+    exact64 = copy.deepcopy(critic).double()
+    p64 = points.detach().double().requires_grad_()
+    _, exact = value_and_grad(make_penalty("wgan_gp"), exact64, exact64(p64), p64)
+    errors = {}
+    for step in (methods.STEPS[methods.TF32_ROUNDOFF], 1e-2):
+        penalty = make_penalty("wgan_gp", method="finite_difference", fd_eps=step)
+        with EmulatedTF32():
+            _, estimate = value_and_grad(penalty, critic, critic, points.detach().requires_grad_())
+        errors[step] = relative_error(estimate.double(), exact)
+    assert errors[0.5] < 6e-2 < 0.1 < errors[1e-2], errors
 
 
 def test_callable_outputs_give_the_same_exact_penalty() -> None:
