@@ -252,6 +252,35 @@ def test_compiled_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(compiled, exact, rtol=1e-10, atol=1e-12)
 
 
+class FirstLogit(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)[:, 0]
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported")
+def test_compiled_takes_eval_batchnorm_and_refuses_training_batchnorm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """BatchNorm in eval mode (fixed statistics) compiles and is exact; in training mode its
+    in-place running-statistics update fails inside torch.func: refused up front, naming the
+    layers, instead of the former silent fallback."""
+    monkeypatch.setattr(methods.torch, "compile", partial(torch.compile, backend="aot_eager"))
+    model = ResidualNet(nn.Tanh, channels=2, blocks=1).double()
+    critic = FirstLogit(model)
+    x = torch.randn(3, 1, 4, 4, dtype=torch.float64, requires_grad=True)
+    model.eval()
+    exact = value_and_grad(make_penalty("r1"), model, critic(x), x)
+    compiled = value_and_grad(make_penalty("r1", method="compiled"), model, critic, x)
+    torch.testing.assert_close(compiled, exact, rtol=1e-10, atol=1e-12)
+    model.train()
+    with pytest.raises(GradientError, match=r"cannot run 'model.blocks.0.bn1', "
+                                            r"'model.blocks.0.bn2': normalization layers"):
+        make_penalty("r1", method="compiled")(critic, x)
+
+
 def test_lazy_optimizer_kwargs_is_stylegan2s_correction() -> None:
     kwargs = lazy_optimizer_kwargs(2e-3, (0.0, 0.99), every=16)
     assert kwargs["lr"] == pytest.approx(2e-3 * 16 / 17)
