@@ -50,6 +50,13 @@ INFERENCE_MODE_ERROR = (
 )
 
 
+def settle_finite_checks(penalties: Mapping[str, GradientPenalty]) -> None:
+    """Raise for a non-finite penalty value whose asynchronous check is still pending (on a GPU
+    the per-step check never waits for the device; this waits once, at the end of an epoch)."""
+    for penalty in penalties.values():
+        penalty.finite_check.settle()
+
+
 def check_penalties(
     penalties: Mapping[str, GradientPenalty], module: nn.Module, supported: Sequence[str], kind: str
 ) -> None:
@@ -170,6 +177,9 @@ class Classifier(L.LightningModule):
         self.log_dict({f"train/penalty/{name}": value for name, value in penalties.items()})
         self.log("train/total", total, prog_bar=True)
         return total
+
+    def on_train_epoch_end(self) -> None:
+        settle_finite_checks(self.penalties)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.data.toy import MIXTURES, TOY_SETS
-from gradreg.lightning.classifier import check_penalties
+from gradreg.lightning.classifier import check_penalties, settle_finite_checks
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.metrics import energy_distance, mode_metrics
 from gradreg.lightning.precision import loss_scale
@@ -121,6 +121,9 @@ class GAN(L.LightningModule):
 
     def test_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        settle_finite_checks(self.penalties)
 
     def on_validation_epoch_end(self) -> None:
         self._report("val")

@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from gradreg import GradientError
 from gradreg.lightning.classifier import Classifier
 from gradreg.models import MLP
 from gradreg.penalties import make_penalty
+from gradreg.penalties.finite import _Recorded
 
 IN, CLASSES, BATCH = 4, 3, 8
 
@@ -177,3 +179,13 @@ def test_own_forward_options_on_activations_are_refused_at_construction(options:
     with pytest.raises(ValueError, match=r"penalty 'hidden' \(points='activations'\) asks for "
                                          r"its own forward pass.*use subsample=1 and chunks=1"):
         classifier({"hidden": make_penalty("intermediate", layers=["act1"], **options)})
+
+
+def test_epoch_end_settles_pending_finite_checks() -> None:
+    """A NaN penalty whose (GPU, asynchronous) check is still pending is raised at the end of the
+    training epoch at the latest; here a pending record stands in for the device copy."""
+    module = classifier({"db": make_penalty("double_backprop")})
+    module.penalties["db"].finite_check._recorded.append(
+        _Recorded(7, torch.tensor(float("nan")), lambda: False, lambda: None))
+    with pytest.raises(GradientError, match="penalty of call 7 is nan"):
+        module.on_train_epoch_end()

@@ -7,6 +7,8 @@ stays bounded and any NaN comes from the penalty, not from divergence.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
@@ -63,6 +65,20 @@ def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: o
     return gp(model(points), points, **options)
 
 
+def penalty_under(dtype: torch.dtype | None, gp: GradientPenalty, model: nn.Module,
+                  step: int) -> float:
+    """The unweighted penalty at ``step`` on a copy of ``gp`` (its EMA/counters untouched), under
+    autocast to ``dtype`` on the model's device (None: no autocast), on ``batch(step)`` moved
+    there, with the random draws (interpolation, projections) seeded by ``step``."""
+    gp = copy.deepcopy(gp)
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        torch.manual_seed(step)
+        penalty_value(gp, model, batch(step).to(device))
+    return gp.last_value.float().item()
+
+
 def sgd_step(gp: GradientPenalty, model: nn.Module, x: Tensor, *, lr: float = 1e-2,
              dtype: torch.dtype | None = None) -> Tensor:
     """One SGD step on ``task loss + penalty``; returns the detached unweighted penalty.
@@ -80,4 +96,5 @@ def sgd_step(gp: GradientPenalty, model: nn.Module, x: Tensor, *, lr: float = 1e
     return gp.last_value
 
 
-__all__ = ["PRESETS", "batch", "penalty", "penalty_value", "sgd_step", "task_loss", "tiny_model"]
+__all__ = ["PRESETS", "batch", "penalty", "penalty_under", "penalty_value", "sgd_step", "task_loss",
+           "tiny_model"]

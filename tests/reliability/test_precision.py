@@ -8,11 +8,17 @@ those of the unscaled computation; in fp16 the scaled gradients stay above the u
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from penalty_cases import PRESETS, batch, penalty, penalty_value, sgd_step, tiny_model
+from penalty_cases import (
+    PRESETS,
+    batch,
+    penalty,
+    penalty_under,
+    penalty_value,
+    sgd_step,
+    tiny_model,
+)
 from torch import nn
 
 from gradreg.penalties import as_points, make_penalty
@@ -23,17 +29,6 @@ BF16_STEPS, BF16_CHECK_EVERY = 1000, 100
 # 1-6% for the others; the absolute floor covers penalties trained down to ~1e-6, below bf16's
 # resolution of the initial penalty.
 BF16_RTOL, BF16_ATOL = 0.15, 1e-5
-
-
-def penalty_under(dtype: torch.dtype | None, gp: nn.Module, model: nn.Module, step: int) -> float:
-    """The unweighted penalty at ``step`` on a copy of ``gp`` (its EMA/counters untouched), with
-    the random draws (interpolation, projections) seeded by ``step``."""
-    gp = copy.deepcopy(gp)
-    with torch.random.fork_rng(), torch.autocast("cpu", dtype=dtype or torch.bfloat16,
-                                                 enabled=dtype is not None):
-        torch.manual_seed(step)
-        penalty_value(gp, model, batch(step))
-    return gp.last_value.float().item()
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
