@@ -19,8 +19,8 @@ from gradreg.penalties import (
     make_penalty,
     methods,
 )
+from gradreg.tf32 import EmulatedTF32
 from tests.residual_net import ResidualNet
-from tests.tf32_emulation import EmulatedTF32
 
 
 def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Sequential:
