@@ -76,33 +76,32 @@ class _BatchNormBackward(torch.autograd.Function):
         return grads
 
     @staticmethod
-    def backward(ctx, v: Tensor | None, v_w: Tensor | None,
+    def backward(ctx, v: Tensor, v_w: Tensor | None,
                  v_b: Tensor | None) -> tuple[Tensor | None, ...]:
         g, x, weight, mean, invstd = ctx.saved_tensors
         dtype = _compute_dtype(x)
-        xs, gs = x.to(dtype), g.to(dtype)
-        vs = torch.zeros_like(gs) if v is None else v.to(dtype)
+        xs, gs, vs = x.to(dtype), g.to(dtype), v.to(dtype)
         if torch.is_grad_enabled():  # create_graph: the statistics as functions of x
             var, mu = torch.var_mean(xs, [d for d in range(x.ndim) if d != 1], correction=0,
                                      keepdim=True)
             r = torch.rsqrt(var + ctx.eps)
         else:
             mu, r = _channel(mean, x), _channel(invstd, x)
-        w = 1.0 if weight is None else _channel(weight, x).to(dtype)
-        vw = 0.0 if v_w is None else _channel(v_w, x).to(dtype)
-        vb = 0.0 if v_b is None else _channel(v_b, x).to(dtype)
+        w, vw, vb = (1.0, 0.0, 0.0) if weight is None else (
+            _channel(weight, x).to(dtype), _channel(v_w, x), _channel(v_b, x))
         xhat = (xs - mu) * r
         m = xs.numel() / xs.shape[1]
         s_g, s_v, s_gx, s_vx, s_gv = (_sum(gs), _sum(vs), _sum(gs * xhat), _sum(vs * xhat),
                                       _sum(gs * vs))
         inner = s_gv - s_g * s_v / m - s_gx * s_vx / m  # <v, Π g>
         rw = r * w
-        grad_g = rw * vs + xhat * (vw - rw * s_vx / m) + (vb - rw * s_v / m)
-        # h = a v + c g; grad_x = r (h - S(h)/M - xhat S(h xhat)/M) - Q r^2 xhat / M
-        a, c = -rw * s_gx / m, vw - rw * s_vx / m
-        s_h = a * s_v + c * s_g
-        s_hx = a * s_vx + c * s_gx
-        grad_x = (r * a) * vs + (r * c) * gs - xhat * (r / m * (s_hx + w * inner * r)) - r * s_h / m
+        c = vw - rw * s_vx / m  # h = a v + c g, and the coefficient of xhat in grad_g
+        a = -rw * s_gx / m
+        s_h, s_hx = a * s_v + c * s_g, a * s_vx + c * s_gx  # S(h), S(h xhat)
+        grad_g = torch.addcmul(torch.addcmul(vb - rw * s_v / m, xhat, c), vs, rw)
+        # r (h - S(h)/M - xhat S(h xhat)/M) - Q r^2 xhat / M, Q = w <v, Π g>
+        grad_x = torch.addcmul(-r * s_h / m, xhat, -r / m * (s_hx + w * inner * r))
+        grad_x = torch.addcmul(torch.addcmul(grad_x, vs, r * a), gs, r * c)
         grad_w = None if weight is None else (r * inner).flatten().to(weight.dtype)
         return grad_g.to(g.dtype), grad_x.to(x.dtype), grad_w, None, None, None
 
