@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradreg
 from gradreg.batchnorm import BatchNorm1d, BatchNorm2d, batch_norm, convert_batchnorm
@@ -161,3 +162,37 @@ def test_options_match_torch(affine: bool, track: bool) -> None:
 def test_one_value_per_channel_is_refused_like_torch() -> None:
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         BatchNorm1d(3)(torch.randn(1, 3))
+
+
+class _FullSizeOps(TorchDispatchMode):
+    """Counts the ops that read or write a tensor of ``numel`` elements (views excluded)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [t for t in (*args, *outs) if isinstance(t, torch.Tensor)]
+        if (func._overloadpacket not in (torch.ops.aten.view, torch.ops.aten.expand)
+                and any(t.numel() >= self.numel for t in tensors)):
+            self.count += 1
+        return out
+
+
+def _double_backward_passes(bn: nn.Module) -> int:
+    x = torch.randn(8, 4, 5, 5, requires_grad=True)
+    (g,) = torch.autograd.grad(bn(x).sum(), x, create_graph=True)
+    with _FullSizeOps(x.numel()) as counter:
+        torch.autograd.grad(g.square().sum(), [x, bn.weight], allow_unused=True)
+    return counter.count
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_double_backward_makes_fewer_full_size_passes_than_torch(training: bool) -> None:
+    """The point of the module: memory-bound passes over activations, counted (not timed)."""
+    ref = nn.BatchNorm2d(4).train(training)
+    mine = convert_batchnorm(copy.deepcopy(ref))
+    ours, theirs = _double_backward_passes(mine), _double_backward_passes(ref)
+    assert ours < theirs / 2  # 22 against 46 in training mode, 7 against 15 in eval (torch 2.13)
