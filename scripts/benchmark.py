@@ -24,12 +24,23 @@ computes parameter gradients only, so ``exact / hand`` is the toolkit's overhead
 saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 consecutive steps,
 and its ratio is to the plain step timed the same way (blocks of 16 steps: a block's mean carries
 noise that a median of single steps drops). ``chunks`` is ``chunks=4`` (its own forward at the
-points, like ``subsample``).
+points, like ``subsample``). ``exact_bn`` is ``exact`` on a twin of the model whose BatchNorm layers
+are gradreg's (:func:`gradreg.convert_batchnorm`: closed-form double backward), same seed and
+data, its own optimizer, interleaved with the others; only for cases with BatchNorm.
+
+``--suite gpu`` runs the GPU cases of the issue: ResNet-18 on CIFAR-sized inputs (torchvision's,
+with the 3x3 stem and no max pooling; batch 128) and a small BatchNorm ResNet, double backprop on
+the per-sample cross-entropy; the DCGAN critic at 64x64 (batch 64) with WGAN-GP (own forward at
+the interpolates) and R1 (StyleGAN2's shared forward: the gradient of the adversarial term's real
+scores); the MLP 784-1024-1024-10 at batch 1024 with double backprop. ``--autocast bf16`` runs
+forward and backward under ``torch.autocast``; on CUDA every timed region ends with a
+synchronize (none on CPU). The JSON names the GPU and the torch version.
 Writes ``benchmark.json``, ``benchmark.md`` (the table) and ``benchmark.png`` (log-log cost
 against batch size and against parameter count) into ``--out``.
 
     python scripts/benchmark.py            # full grid (minutes on 2 CPU cores; compiles)
     python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
+    python scripts/benchmark.py --suite gpu --device cuda [--autocast bf16]
 """
 
 from __future__ import annotations
@@ -456,7 +467,7 @@ def grid(quick: bool, suite: str = "cpu") -> list[tuple[str, int, int]]:
                 ("critic_r1", 4, 4)]
     return [("mlp", 64, 256), ("mlp", 256, 256), ("mlp", 1024, 256), ("mlp", 4096, 256),
             ("mlp", 256, 64), ("mlp", 256, 1024), ("digits_mlp", 256, 256),
-            ("cnn", 32, 16), ("cnn", 128, 16), ("cnn", 128, 32),
+            ("cnn", 32, 16), ("cnn", 128, 16), ("cnn", 128, 32), ("bn_cnn", 64, 16),
             ("critic_wgan_gp", 16, 32), ("critic_wgan_gp", 64, 32),
             ("critic_r1", 16, 32), ("critic_r1", 64, 32)]
 
