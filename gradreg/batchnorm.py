@@ -190,7 +190,9 @@ def convert_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` (recursively, or ``module`` itself)
     by gradreg's, like ``nn.SyncBatchNorm.convert_sync_batchnorm``: the same parameter and buffer
     tensors (an optimizer built before keeps working), training flag, device and dtype. Returns
-    the converted module; ``model = gradreg.convert_batchnorm(model)``.
+    the converted module; ``model = gradreg.convert_batchnorm(model)``. Only those three exact
+    types are replaced: subclasses (``SyncBatchNorm``, lazy or user-defined ones, whose forward
+    may differ) are left as they are.
     """
     cls = _REPLACEMENTS.get(type(module))
     out = module
