@@ -26,7 +26,7 @@ def _inputs(shape: tuple[int, ...], affine: bool) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("affine", [True, False])
-@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 2, 3)])
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 2, 3), (2, 3, 2, 2, 2)])
 def test_gradcheck_and_gradgradcheck(shape: tuple[int, ...], affine: bool, training: bool) -> None:
     running = (torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5)
 
@@ -66,14 +66,17 @@ def _penalized_step(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("momentum", [0.1, None])
-def test_converted_net_matches_torch_in_a_double_backprop_step(momentum: float | None) -> None:
-    reference = _net(nn.BatchNorm2d, momentum)
+@pytest.mark.parametrize("momentum,layout", [(0.1, torch.contiguous_format),
+                                             (None, torch.channels_last)])
+def test_converted_net_matches_torch_in_a_double_backprop_step(
+        momentum: float | None, layout: torch.memory_format) -> None:
+    reference = _net(nn.BatchNorm2d, momentum).to(memory_format=layout)
     converted = convert_batchnorm(copy.deepcopy(reference))
     assert sum(isinstance(m, BatchNorm2d) for m in converted.modules()) == 2
     for step in range(3):
         torch.manual_seed(step)
-        x, y = torch.randn(6, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+        x = torch.randn(6, 2, 5, 5, dtype=torch.float64).to(memory_format=layout)
+        y = torch.randint(0, 3, (6,))
         for net in (reference, converted):
             net.zero_grad()
         torch.testing.assert_close(_penalized_step(converted, x, y),
