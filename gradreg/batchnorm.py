@@ -2,7 +2,7 @@ r"""BatchNorm with a cheap exact double backward: a drop-in for ``nn.BatchNorm1d
 
 A gradient penalty differentiates the input gradient, so one backward of ``loss + penalty`` runs
 the *double backward* of every op. torch's BatchNorm double backward (``batchnorm_double_backward``,
-``CudnnBatchNormBackwardBackward0`` on a GPU) is composed of about a hundred small ops per layer.
+``CudnnBatchNormBackwardBackward0`` on a GPU) is composed of about ninety small ops per layer.
 Here it is written out in closed form: five per-channel reductions and a few elementwise ops.
 
 Per channel, with :math:`M` elements, :math:`\mu` and :math:`\sigma^2` the batch mean and biased
