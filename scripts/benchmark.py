@@ -24,9 +24,10 @@ computes parameter gradients only, so ``exact / hand`` is the toolkit's overhead
 saving. ``lazy16`` is ``every=16`` amortized: each sample is the mean over 16 consecutive steps,
 and its ratio is to the plain step timed the same way (blocks of 16 steps: a block's mean carries
 noise that a median of single steps drops). ``chunks`` is ``chunks=4`` (its own forward at the
-points, like ``subsample``). ``exact_bn`` is ``exact`` on a twin of the model whose BatchNorm layers
-are gradreg's (:func:`gradreg.convert_batchnorm`: closed-form double backward), same seed and
-data, its own optimizer, interleaved with the others; only for cases with BatchNorm.
+points, like ``subsample``). ``exact_bn`` and ``plain_bn`` are ``exact`` and ``plain`` on a twin of
+the model whose BatchNorm layers are gradreg's (:func:`gradreg.convert_batchnorm`: closed-form
+double backward), same seed and data, its own optimizer, interleaved with the others; only for
+cases with BatchNorm.
 
 ``--suite gpu`` runs the GPU cases of the issue: ResNet-18 on CIFAR-sized inputs (torchvision's,
 with the 3x3 stem and no max pooling; batch 128) and a small BatchNorm ResNet, double backprop on
@@ -64,11 +65,13 @@ from torch.utils.flop_counter import flop_registry
 from gradreg import convert_batchnorm, regularized_backward
 from gradreg.penalties import GradientPenalty, as_points, interpolate, make_penalty
 
-METHODS = ("plain", "hand", "exact", "exact_bn", "lazy16", "subsample", "chunks",
+METHODS = ("plain", "plain_bn", "hand", "exact", "exact_bn", "lazy16", "subsample", "chunks",
            "finite_difference", "compiled")
 ACTIVATIONS = {"tanh": nn.Tanh, "softplus": nn.Softplus, "relu": nn.ReLU}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: Methods run on the twin with gradreg's BatchNorm, and the method each one runs there.
+TWIN_METHODS = {"plain_bn": "plain", "exact_bn": "exact"}
 
 
 #: Inputs of the MLP cases: MNIST-sized, and the 8x8 digits of the app (the issue's reference).
@@ -347,7 +350,7 @@ def peak_memory(run: Callable[[], None], device: torch.device) -> int:
 def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.device,
             clock: Callable[[], float], autocast: torch.dtype | None = None,
             twin: Case | None = None) -> list[dict]:
-    """The rows of ``case``; ``exact_bn`` runs ``exact`` on ``twin`` (the same case with
+    """The rows of ``case``; the :data:`TWIN_METHODS` run on ``twin`` (the same case with
     gradreg's BatchNorm), with its own parameters and optimizer, interleaved with the others.
     ``autocast``: the dtype of ``torch.autocast`` around forward and backward."""
     losses, pens = steps(case)
@@ -357,9 +360,11 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
         return params, torch.optim.SGD(params, lr=1e-6)
 
     params, optimizer = optimized(case.model)
-    runs = {m: (losses[m], params, optimizer) for m in methods if m != "exact_bn"}
-    if twin is not None and "exact_bn" in methods:
-        runs["exact_bn"] = (steps(twin)[0]["exact"], *optimized(twin.model))
+    runs = {m: (losses[m], params, optimizer) for m in methods if m not in TWIN_METHODS}
+    if twin is not None:
+        twin_losses, twin_params = steps(twin)[0], optimized(twin.model)
+        runs |= {m: (twin_losses[base], *twin_params)
+                 for m, base in TWIN_METHODS.items() if m in methods}
     methods = tuple(m for m in methods if m in runs)
     errors: dict[str, str] = {}
     bn_error = {"exact_bn": twin_error(case, twin)} if "exact_bn" in methods else {}
@@ -367,7 +372,7 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
     def forward_backward(method: str) -> None:
         loss, params, _ = runs[method]
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            if method in ("plain", "hand"):  # the usual hand-written loop
+            if method in ("plain", "plain_bn", "hand"):  # the usual hand-written loop
                 loss().backward()
             else:  # gradreg's: parameter gradients only
                 regularized_backward(loss(), [], params)

@@ -74,10 +74,11 @@ def test_gpu_suite_runs_small_on_cpu_with_autocast(tmp_path: Path) -> None:
     assert {r["case"] for r in rows} == {"bn_cnn/double_backprop", "dcgan/wgan_gp", "dcgan/r1",
                                          "mlp/double_backprop"}
     bn_rows = {r["method"]: r for r in rows if r["case"] == "bn_cnn/double_backprop"}
-    assert {"plain", "hand", "exact", "exact_bn", "lazy16", "chunks"} <= set(bn_rows)
+    assert {"plain", "plain_bn", "hand", "exact", "exact_bn", "lazy16", "chunks"} <= set(bn_rows)
     assert bn_rows["exact_bn"]["error"] < 1e-5  # exact: float32 rounding
     assert bn_rows["exact_bn"]["flops"] == bn_rows["exact"]["flops"]
-    assert not any(r["method"] == "exact_bn" for r in rows if r["case"] != bn_rows["plain"]["case"])
+    assert not any(r["method"].endswith("_bn") for r in rows
+                   if r["case"] != bn_rows["plain"]["case"])
     for row in rows:
         if "refused" not in row:
             assert row["median_ms"] > 0 and row["ratio"] > 0
