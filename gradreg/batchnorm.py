@@ -61,6 +61,14 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+def _native_backward(g: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """torch's fused training-mode BatchNorm backward: (grad_x, grad_w, grad_b)."""
+    affine = weight is not None
+    return torch.ops.aten.native_batch_norm_backward(
+        g, x, weight, None, None, mean, invstd, True, eps, [True, affine, affine])
+
+
 class _BatchNormBackward(torch.autograd.Function):
     """``(g, x, w) -> (grad_x, grad_w, grad_b)`` of training-mode BatchNorm: forward is torch's
     fused kernel, backward the closed form of the module docstring."""
@@ -68,12 +76,9 @@ class _BatchNormBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, invstd: Tensor,
                 eps: float) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        affine = weight is not None
-        grads = torch.ops.aten.native_batch_norm_backward(
-            g, x, weight, None, None, mean, invstd, True, eps, [True, affine, affine])
         ctx.save_for_backward(g, x, weight, mean, invstd)
         ctx.eps = eps
-        return grads
+        return _native_backward(g, x, weight, mean, invstd, eps)
 
     @staticmethod
     def backward(ctx, v: Tensor, v_w: Tensor | None,
@@ -125,7 +130,9 @@ class _BatchNormTrain(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
-        grad_x, grad_w, grad_b = _BatchNormBackward.apply(g, x, weight, mean, invstd, ctx.eps)
+        # with create_graph, a backward whose own backward is the closed form; else just torch's
+        backward = _BatchNormBackward.apply if torch.is_grad_enabled() else _native_backward
+        grad_x, grad_w, grad_b = backward(g, x, weight, mean, invstd, ctx.eps)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
