@@ -52,9 +52,9 @@ def _channel(t: Tensor, like: Tensor) -> Tensor:
     return t.view((1, -1) + (1,) * (like.ndim - 2))
 
 
-def _sum(t: Tensor) -> Tensor:
-    """Per-channel sum over every dim but 1, as [1, C, 1, ...]."""
-    return t.sum([d for d in range(t.ndim) if d != 1], keepdim=True)
+def _mean(t: Tensor) -> Tensor:
+    """Per-channel mean E = S/M over every dim but 1, as [1, C, 1, ...]."""
+    return t.mean([d for d in range(t.ndim) if d != 1], keepdim=True)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -95,21 +95,22 @@ class _BatchNormBackward(torch.autograd.Function):
         w, vw, vb = (1.0, 0.0, 0.0) if weight is None else (
             _channel(weight, x).to(dtype), _channel(v_w, x), _channel(v_b, x))
         xhat = (xs - mu) * r
-        m = xs.numel() / xs.shape[1]
-        s_g, s_v, s_gx, s_vx, s_gv = (_sum(gs), _sum(vs), _sum(gs * xhat), _sum(vs * xhat),
-                                      _sum(gs * vs))
-        inner = s_gv - s_g * s_v / m - s_gx * s_vx / m  # <v, Π g>
+        # the five sums of the module docstring, as means E = S/M
+        e_g, e_v, e_gx, e_vx, e_gv = (_mean(gs), _mean(vs), _mean(gs * xhat), _mean(vs * xhat),
+                                      _mean(gs * vs))
+        inner = e_gv - e_g * e_v - e_gx * e_vx  # <v, Π g> / M
         rw = r * w
-        c = vw - rw * s_vx / m  # h = a v + c g, and the coefficient of xhat in grad_g
-        a = -rw * s_gx / m
-        s_h, s_hx = a * s_v + c * s_g, a * s_vx + c * s_gx  # S(h), S(h xhat)
+        c = vw - rw * e_vx  # h = a v + c g, and the coefficient of xhat in grad_g
+        a = -rw * e_gx
+        e_h, e_hx = a * e_v + c * e_g, a * e_vx + c * e_gx  # S(h)/M, S(h xhat)/M
         # per-channel affine combinations of v, g, xhat; the full-size tensor first in each op
         # (addcmul with a broadcast first operand is 2-3x slower on CPU)
-        grad_g = torch.addcmul((xhat * c).add_(vb - rw * s_v / m), vs, rw)
+        grad_g = torch.addcmul((xhat * c).add_(vb - rw * e_v), vs, rw)
         # r (h - S(h)/M - xhat S(h xhat)/M) - Q r^2 xhat / M, Q = w <v, Π g>
-        grad_x = (xhat * (-r / m * (s_hx + w * inner * r))).add_(-r * s_h / m)
+        grad_x = (xhat * (-r * (e_hx + w * inner * r))).add_(-r * e_h)
         grad_x = torch.addcmul(torch.addcmul(grad_x, vs, r * a), gs, r * c)
-        grad_w = None if weight is None else (r * inner).flatten().to(weight.dtype)
+        grad_w = None if weight is None else (
+            (r * inner).flatten() * (xs.numel() / xs.shape[1])).to(weight.dtype)
         return grad_g.to(g.dtype), grad_x.to(x.dtype), grad_w, None, None, None
 
 
