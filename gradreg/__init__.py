@@ -12,6 +12,7 @@ from gradreg.autograd import (
     nth_derivative,
     regularized_backward,
 )
+from gradreg.batchnorm import convert_batchnorm
 from gradreg.graph import AutogradGraph, autograd_graph
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "autograd_graph",
     "capture",
     "check_double_backward",
+    "convert_batchnorm",
     "gradient",
     "nth_derivative",
     "penalties",

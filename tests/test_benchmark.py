@@ -3,6 +3,7 @@ are asserted)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -58,3 +59,38 @@ def test_cases_option_runs_only_the_named_kinds(tmp_path: Path) -> None:
                    check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads((tmp_path / "benchmark.json").read_text())["rows"]
     assert {r["case"] for r in rows} == {"critic/r1"}
+
+
+def test_gpu_suite_runs_small_on_cpu_with_autocast(tmp_path: Path) -> None:
+    """The GPU cases, shrunk (--quick: the small BatchNorm ResNet stands in for ResNet-18, which
+    needs torchvision), under bf16 autocast; the BatchNorm case also has gradreg's BatchNorm."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--suite", "gpu",
+                    "--quick", "--reps", "1", "--autocast", "bf16", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert report["autocast"] == "bf16" and report["suite"] == "gpu"
+    assert {"gpu", "torch"} <= set(report["machine"])
+    rows = report["rows"]
+    assert {r["case"] for r in rows} == {"bn_cnn/double_backprop", "dcgan/wgan_gp", "dcgan/r1",
+                                         "mlp/double_backprop"}
+    bn_rows = {r["method"]: r for r in rows if r["case"] == "bn_cnn/double_backprop"}
+    assert {"plain", "plain_bn", "hand", "exact", "exact_bn", "lazy16", "chunks"} <= set(bn_rows)
+    assert bn_rows["exact_bn"]["error"] < 1e-5  # exact: float32 rounding
+    assert bn_rows["exact_bn"]["flops"] == bn_rows["exact"]["flops"]
+    assert not any(r["method"].endswith("_bn") for r in rows
+                   if r["case"] != bn_rows["plain"]["case"])
+    for row in rows:
+        if "refused" not in row:
+            assert row["median_ms"] > 0 and row["ratio"] > 0
+            assert row["method"] == "lazy16" or row["peak_mb"] > 0
+    assert all("LeakyRelu" in r["refused"] for r in rows
+               if r["case"].startswith("dcgan") and r["method"] == "finite_difference")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
+                    reason="torchvision is installed")
+def test_resnet18_without_torchvision_says_so(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--suite",
+                          "gpu", "--cases", "resnet18", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "needs torchvision" in run.stderr
