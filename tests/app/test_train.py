@@ -15,7 +15,7 @@ import pytest
 from .conftest import QUIET, ROOT, SCRIPT, options
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
-                      for name in ("loss", "acc", "acc_fgsm", "input_grad_norm")}
+                      for name in ("loss", "acc", "acc_fgsm", "acc_pgd", "input_grad_norm")}
 GAN_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
                for name in ("energy_distance", "wasserstein")}
 MODE_METRICS = {f"{stage}/{name}" for stage in ("val", "test") for name in ("modes",
@@ -44,7 +44,7 @@ def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Pa
     assert set(metrics) == CLASSIFIER_METRICS | {"train/loss", "train/total",
                                                  "train/penalty/double_backprop"}
     assert all(0 <= metrics[f"test/{name}"] <= 1 for name in ("acc", "acc_fgsm"))
-    assert metrics["test/acc_fgsm"] <= metrics["test/acc"]
+    assert metrics["test/acc_pgd"] <= metrics["test/acc_fgsm"] <= metrics["test/acc"]
     for name, value in metrics.items():
         assert f"  {name}" in result.stdout and f"{value:.4f}" in result.stdout
 
