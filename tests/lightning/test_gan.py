@@ -160,7 +160,7 @@ def test_r1_and_r2_against_straight_line_formulas(options: dict) -> None:
 
 def test_relativistic_pairing_loss_against_the_formulas() -> None:
     """RpGAN: critic softplus(D(G(z_i)) - D(x_i)), generator softplus(D(x_i) - D(G(z_i))), pairs
-    by index; the generator phase scores the reals too (4 critic calls per step pair, not 3).""""
+    by index; the generator phase scores the reals too (4 critic calls per step pair, not 3)."""
     generator, critic = networks()
     gan_loss = GANLoss(generator, critic, {}, adversarial="relativistic", latent_dim=LATENT)
     real = reals()[:BATCH]
