@@ -14,18 +14,7 @@ pytest.importorskip("torchvision")
 from PIL import Image
 
 from gradreg.data.image_folder import ImageFolderDataModule
-
-# class name -> the RGB colour of all its images
-COLOURS = {"blue": (0, 0, 255), "red": (255, 0, 0), "white": (255, 255, 255)}
-
-
-def write_image_folder(root: Path, per_class: int = 10, size: int = 16) -> Path:
-    """``root/<class>/<i>.png``: ``per_class`` solid ``size x size`` images for each of COLOURS."""
-    for name, colour in COLOURS.items():
-        (root / name).mkdir(parents=True)
-        for i in range(per_class):
-            Image.new("RGB", (size, size), colour).save(root / name / f"{i}.png")
-    return root
+from tests.data.images import COLOURS, write_image_folder
 
 
 def test_classes_split_and_pixels(tmp_path: Path) -> None:
