@@ -122,3 +122,20 @@ def test_cost_options_not_in_the_preset_file_take_a_plus(override: str, attribut
                                                          value: object, tmp_path: Path) -> None:
     _, model, _ = BUILD(compose_config(["penalty=double_backprop", override], tmp_path))
     assert getattr(model.penalties["double_backprop"], attribute) == value
+
+
+def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
+    """``~model.backbone '+model.backbone={_target_: ...}'``: torchvision's SqueezeNet instead of
+    the ResNet, on 3 class folders, with its own arguments only."""
+    pytest.importorskip("torchvision")
+    from torchvision.models import SqueezeNet
+
+    root = write_image_folder(tmp_path / "images", per_class=4)
+    cfg = compose_config(["model=resnet18", "data=image_folder", f"data.root={root}",
+                          "data.num_classes=3", "~model.backbone",
+                          "+model.backbone={_target_:torchvision.models.squeezenet1_1,"
+                          "num_classes:3}"], tmp_path)
+    datamodule, model, _ = BUILD(cfg)
+    assert isinstance(model.backbone, SqueezeNet)
+    x, _ = next(iter(datamodule.test_dataloader()))
+    assert model(x).shape == (len(x), 3)
