@@ -77,7 +77,8 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, L.
     with building("logger"):
         loggers = [instantiate(node) for node in cfg.logger.values()]
     with building("callbacks"):
-        callbacks = [instantiate(node) for node in cfg.callbacks.values()]
+        # a callback set to null in a config (or `callbacks.<name>=null`) is left out
+        callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
     with building("trainer"):
         trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
         check_launcher(trainer)

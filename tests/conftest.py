@@ -1,10 +1,15 @@
-"""Tests marked ``cuda`` need a CUDA device: skipped without one (CI has none), run on a GPU
-machine with ``python -m pytest -m cuda``."""
+"""Shared by the test packages: the skip of tests marked ``cuda`` without a CUDA device (CI has
+none; run them on a GPU machine with ``python -m pytest -m cuda``), and a real TensorBoard."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 import torch
+
+from tests.tensorboard_server import start_tensorboard, stop
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -14,3 +19,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[[Path], str]]:
+    """Start TensorBoard on a log directory; return its base URL. Stopped at the end, always."""
+    servers = []
+
+    def start(logdir: Path) -> str:
+        server, url = start_tensorboard(logdir, tmp_path / f"tensorboard{len(servers)}.log")
+        servers.append(server)
+        return url
+
+    yield start
+    for server in servers:
+        stop(server)

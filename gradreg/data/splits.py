@@ -1,9 +1,23 @@
-"""A data module over fixed, in-memory train/val/test splits."""
+"""A data module over fixed train/val/test splits, and the seeded split itself."""
 
 from __future__ import annotations
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset
+
+
+def seeded_split(n: int, val_fraction: float, test_fraction: float, seed: int
+                 ) -> dict[str, torch.Tensor]:
+    """Indices of a fixed permutation of ``range(n)`` drawn from ``seed``: the first
+    ``round(test_fraction n)`` are the test split, the next ``round(val_fraction n)`` the
+    validation split, the rest the training split; the same seed always gives the same split."""
+    if min(val_fraction, test_fraction) <= 0 or val_fraction + test_fraction >= 1:
+        raise ValueError("data.val_fraction and data.test_fraction must be > 0, sum < 1")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test, n_val = round(test_fraction * n), round(val_fraction * n)
+    parts = order.split([n_test, n_val, n - n_test - n_val])
+    return dict(zip(("test", "val", "train"), parts, strict=True))
 
 
 class SplitDataModule(L.LightningDataModule):

@@ -20,7 +20,7 @@ penalty as to the loss. Penalties are computed from per-sample values (``reducti
 for a backbone without batch interaction (no BatchNorm) a batch split into micro-batches gives the
 same gradient as the whole batch.
 
-Validation and test differentiate too (FGSM, input-gradient norm): they need
+Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
 ``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
 """
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradreg import capture, gradient
-from gradreg.lightning.metrics import accuracy, fgsm
+from gradreg.lightning.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import PRESETS, GradientPenalty, as_points
 
@@ -86,8 +86,11 @@ class Classifier(L.LightningModule):
             Critic/generator points (real, fake, interpolates, perturbed, latents) raise
             ``ValueError``: they need a GAN.
         optimizer: builds the optimizer from the parameters (default Adam, lr 1e-3).
-        fgsm_eps: the FGSM step size for the adversarial accuracy in validation and test.
-        input_range: ``(low, high)`` that FGSM examples are clipped to, or ``None``.
+        fgsm_eps: the FGSM step size for the adversarial accuracy in validation and test; also
+            the radius of the PGD ball.
+        pgd_steps: steps of the PGD attack (step size 2.5 eps / steps, random start drawn from
+            a generator seeded with the batch index); 0 turns PGD accuracy off.
+        input_range: ``(low, high)`` that FGSM and PGD examples are clipped to, or ``None``.
         input_shape: the shape of one sample, for Lightning's model summary.
     """
 
@@ -98,6 +101,7 @@ class Classifier(L.LightningModule):
         *,
         optimizer: OptimizerFactory | None = None,
         fgsm_eps: float = 0.1,
+        pgd_steps: int = 10,
         input_range: Sequence[float] | None = (0.0, 1.0),
         input_shape: Sequence[int] | None = None,
     ) -> None:
@@ -115,7 +119,10 @@ class Classifier(L.LightningModule):
         self.backbone = backbone
         self.penalties = nn.ModuleDict(penalties)
         self.optimizer = optimizer or partial(torch.optim.Adam, lr=1e-3)
+        if not (isinstance(pgd_steps, int) and pgd_steps >= 0):
+            raise ValueError(f"pgd_steps must be an integer >= 0 (0: no PGD), got {pgd_steps!r}")
         self.fgsm_eps = fgsm_eps
+        self.pgd_steps = pgd_steps
         self.input_range = None if input_range is None else tuple(input_range)
         if input_shape is not None:
             self.example_input_array = torch.zeros(1, *input_shape)
@@ -182,13 +189,13 @@ class Classifier(L.LightningModule):
         settle_finite_checks(self.penalties)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
+        self._evaluate(batch, batch_idx, "val")
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
+        self._evaluate(batch, batch_idx, "test")
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> None:
-        """Loss, accuracy, FGSM accuracy and mean input-gradient norm ``mean_i ||d l_i/d x_i||``."""
+    def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:
+        """Loss, accuracy, FGSM and PGD accuracy, mean input-gradient norm mean_i ||dl_i/dx_i||."""
         if torch.is_inference_mode_enabled():
             raise RuntimeError(INFERENCE_MODE_ERROR)
         x, y = batch
@@ -203,6 +210,15 @@ class Classifier(L.LightningModule):
         log(f"{stage}/acc", accuracy(logits, y), prog_bar=True)
         log(f"{stage}/acc_fgsm", accuracy(adversarial_logits, y), prog_bar=True)
         log(f"{stage}/input_grad_norm", grad.flatten(1).norm(dim=1).mean())
+        if self.pgd_steps:
+            start = torch.Generator(device=x.device).manual_seed(batch_idx)
+            with torch.enable_grad():
+                attacked = pgd(partial(self._summed_loss, y=y), x, self.fgsm_eps,
+                               steps=self.pgd_steps, bounds=self.input_range, generator=start)
+            log(f"{stage}/acc_pgd", accuracy(self.backbone(attacked), y), prog_bar=True)
+
+    def _summed_loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self.backbone(x), y, reduction="sum")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer(self.parameters())

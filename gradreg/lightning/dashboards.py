@@ -12,6 +12,7 @@ Tag vocabulary (what the callbacks in :mod:`gradreg.lightning.callbacks` write):
 ``penalty_weight/<module path>``   the weight a ``PenaltyWeightSchedule`` set
 ``saliency``                       image: inputs over :math:`\lvert\nabla_x\ell\rvert`
 ``critic_landscape``               image: critic scores, :math:`\lVert\nabla_x D\rVert`, samples
+``samples``                        image: a grid of generated images of fixed latents
 ``autograd_graph/text|dot``        text: the backward graph of the penalized loss
 ``hp/<metric>``                    final metrics, shown with the hyperparameters (HParams tab)
 =================================  ===============================================================
@@ -41,6 +42,7 @@ __all__ = [
     "PENALTY",
     "PENALTY_WEIGHT",
     "SALIENCY",
+    "SAMPLES",
     "critic_landscape_figure",
     "custom_scalars_layout",
     "saliency_figure",
@@ -52,6 +54,7 @@ PENALTY_WEIGHT = "penalty_weight"
 INPUT_GRAD = "input_grad"
 SALIENCY = "saliency"
 CRITIC_LANDSCAPE = "critic_landscape"
+SAMPLES = "samples"
 AUTOGRAD_GRAPH = "autograd_graph"
 HPARAM_METRIC = "hp"
 

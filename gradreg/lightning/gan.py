@@ -1,4 +1,4 @@
-r"""A GAN on 2D data trained with critic penalties (manual optimization).
+r"""A GAN on 2D data or images trained with critic penalties (manual optimization).
 
 Schedule: every training batch is one critic step; after every ``n_critic``-th critic step
 (counted on critic steps over the whole run, so epochs of any length and resumed runs keep the
@@ -10,7 +10,10 @@ optimizer step. The critic-step counter is a buffer, so it is checkpointed.
 Validation draws a fixed set of latents (its own seeded generator: it never touches the training
 RNG) and reports the energy distance between fakes and held-out reals, the critic's Wasserstein
 estimate :math:`E[D(x)] - E[D(G(z))]` and, on the Gaussian mixtures, modes covered and the share
-of high-quality samples (:mod:`gradreg.lightning.metrics`).
+of high-quality samples (:mod:`gradreg.lightning.metrics`). For images the energy distance is over
+flattened pixels, and a :class:`~gradreg.lightning.sample_quality.SampleScorer` (trained on the
+training split at the start of fit or test) adds classes covered (``modes``), the KL between the
+generated and real class histograms (``kl``) and the energy distance in its feature space.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gradreg.lightning.classifier import check_penalties, settle_finite_checks
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.metrics import energy_distance, mode_metrics
 from gradreg.lightning.precision import loss_scale
+from gradreg.lightning.sample_quality import SampleScorer
 from gradreg.penalties import GradientPenalty
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -37,17 +41,22 @@ DEFAULT_OPTIMIZER = partial(torch.optim.Adam, lr=1e-4, betas=(0.5, 0.9))
 class GAN(L.LightningModule):
     """Generator ``G: latent -> data`` and critic ``D: data -> [B, 1]`` with penalties.
 
+    The data are 2D points or images (``[B, C, S, S]``, e.g. :class:`~gradreg.models.DCGANGenerator`
+    and :class:`~gradreg.models.DCGANCritic`).
+
     Args:
         generator, critic: the two networks (the critic without BatchNorm: per-sample critic
             gradients need samples that do not interact).
         penalties: name -> penalty on points real, fake, interpolates, perturbed (critic) or
             latents (generator); others raise ``ValueError``.
         n_critic: critic steps per generator step, >= 1.
-        loss: the adversarial term, ``"wgan"`` or ``"nonsaturating"`` (:mod:`gan_loss`).
+        loss: the adversarial term, ``"wgan"``, ``"nonsaturating"`` or ``"relativistic"``
+            (:mod:`gan_loss`).
         latent_dim: the generator's input size.
         generator_optimizer, critic_optimizer: build the optimizers from the parameters.
         dataset: the toy set's name; on ``8gaussians``/``25gaussians`` validation reports modes.
         eval_seed: seed of the validation latents.
+        scorer: classifier-based scores of generated images (module docstring), or ``None``.
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class GAN(L.LightningModule):
         critic_optimizer: OptimizerFactory = DEFAULT_OPTIMIZER,
         dataset: str | None = None,
         eval_seed: int = 1234,
+        scorer: SampleScorer | None = None,
     ) -> None:
         super().__init__()
         if not (isinstance(n_critic, int) and n_critic >= 1):
@@ -72,7 +82,8 @@ class GAN(L.LightningModule):
         penalties = dict(penalties or {})
         check_penalties(penalties, critic, (*CRITIC_POINTS, *GENERATOR_POINTS), "GAN")
         self.save_hyperparameters(
-            ignore=["generator", "critic", "penalties", "generator_optimizer", "critic_optimizer"]
+            ignore=["generator", "critic", "penalties", "generator_optimizer", "critic_optimizer",
+                    "scorer"]
         )
         self.automatic_optimization = False
         self.generator, self.critic = generator, critic
@@ -84,11 +95,28 @@ class GAN(L.LightningModule):
         self.optimizer_factories = (generator_optimizer, critic_optimizer)
         self.mixture = MIXTURES.get(dataset) if dataset else None
         self.eval_seed = eval_seed
+        self.scorer = scorer
         self.register_buffer("critic_steps", torch.zeros((), dtype=torch.long))
         self._eval: dict[str, list[Tensor]] = {"real": [], "fake": []}
 
     def forward(self, z: Tensor) -> Tensor:
         return self.generator(z)
+
+    def on_fit_start(self) -> None:
+        self._prepare_scorer()
+
+    def on_test_start(self) -> None:
+        self._prepare_scorer()
+
+    def _prepare_scorer(self) -> None:
+        """Train the scorer on the training split (or load its cache) before any evaluation."""
+        if self.scorer is None:
+            return
+        datamodule = self.trainer.datamodule
+        if datamodule is None:
+            raise ValueError("the GAN's scorer trains on the training split: pass the data as a "
+                             "datamodule (trainer.fit(model, datamodule=...))")
+        self.scorer.prepare(datamodule.train_dataloader())
 
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         real = batch[0]
@@ -135,13 +163,15 @@ class GAN(L.LightningModule):
         real, fake = (torch.cat(self._eval[key]) for key in ("real", "fake"))
         self._eval = {"real": [], "fake": []}
         metrics = {
-            f"{stage}/energy_distance": energy_distance(real, fake).float(),
+            f"{stage}/energy_distance": energy_distance(real.flatten(1), fake.flatten(1)).float(),
             f"{stage}/wasserstein": (self.critic(real).mean() - self.critic(fake).mean()),
         }
         if self.mixture is not None:
             modes, high_quality = mode_metrics(fake, *self.mixture)
             metrics[f"{stage}/modes"] = float(modes)
             metrics[f"{stage}/high_quality"] = high_quality
+        if self.scorer is not None:
+            metrics |= {f"{stage}/{name}": value for name, value in self.scorer(real, fake).items()}
         self.log_dict(metrics, prog_bar=stage == "val", sync_dist=True)  # mean over DDP ranks
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -15,12 +15,16 @@ double backward: as in StyleGAN2, they differentiate the critic scores of the ad
 itself (the reals or fakes are made points before that forward), which saves a forward and a
 backward of the critic on those samples.
 
-Adversarial terms :math:`(a_D, a_G)`:
+Adversarial terms :math:`(a_D, a_G)`, functions of the real and fake scores:
 
 * ``wgan`` (Arjovsky et al. 2017): :math:`(D(\tilde x) - D(x),\; -D(\tilde x))`;
 * ``nonsaturating`` (Goodfellow et al. 2014, the usual partner of R1/R2):
   :math:`(\mathrm{sp}(D(\tilde x)) + \mathrm{sp}(-D(x)),\; \mathrm{sp}(-D(\tilde x)))`,
-  :math:`\mathrm{sp}` = softplus.
+  :math:`\mathrm{sp}` = softplus;
+* ``relativistic`` (the relativistic pairing loss RpGAN, Jolicoeur-Martineau 2019; with R1 + R2 the
+  R3GAN recipe, Huang et al. 2024): :math:`(\mathrm{sp}(D(\tilde x) - D(x)),\;
+  \mathrm{sp}(D(x) - D(\tilde x)))`, pairing sample :math:`i` of each batch. Only this loss makes
+  the generator phase score the reals (the critic frozen); the others skip that forward.
 
 A penalty's weight, gain and lazy interval (``every``, StyleGAN2's lazy regularization) live on the
 penalty itself: a penalty enters the sum only on the steps where ``gp.due()`` is True, scaled by
@@ -37,13 +41,21 @@ from torch import Tensor, nn
 
 from gradreg.penalties import GradientPenalty, as_points, interpolate, perturb_dragan
 
-ADVERSARIAL: dict[str, tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], Tensor]]] = {
-    "wgan": (lambda real, fake: fake - real, lambda fake: -fake),
+# name -> (a_D, a_G), each of (real scores, fake scores); a_G gets real=None unless the name is
+# in PAIRED
+Term = Callable[[Tensor | None, Tensor], Tensor]
+ADVERSARIAL: dict[str, tuple[Term, Term]] = {
+    "wgan": (lambda real, fake: fake - real, lambda real, fake: -fake),
     "nonsaturating": (
         lambda real, fake: F.softplus(fake) + F.softplus(-real),
-        lambda fake: F.softplus(-fake),
+        lambda real, fake: F.softplus(-fake),
+    ),
+    "relativistic": (
+        lambda real, fake: F.softplus(fake - real),
+        lambda real, fake: F.softplus(real - fake),
     ),
 }
+PAIRED = ("relativistic",)
 
 # points -> how to make them from (real, fake) in the critic phase
 CRITIC_POINTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
@@ -78,6 +90,7 @@ class GANLoss:
             )
         self.generator, self.critic, self.penalties = generator, critic, penalties
         self.critic_term, self.generator_term = ADVERSARIAL[adversarial]
+        self.paired = adversarial in PAIRED
         self.latent_dim = latent_dim
 
     def latents(self, like: Tensor) -> Tensor:
@@ -111,7 +124,9 @@ class GANLoss:
     def generator_terms(self, real: Tensor, loss_scale: float | None = None
                         ) -> dict[str, Tensor]:
         z = self.latents(real)
-        terms = {"adversarial": self.generator_term(self.critic(self.generator(z))).mean()}
+        real_scores = self.critic(real) if self.paired else None
+        terms = {"adversarial": self.generator_term(real_scores,
+                                                    self.critic(self.generator(z))).mean()}
         for name, gp in self._due(GENERATOR_POINTS).items():
             terms[name] = gp(self.generator, as_points(z), loss_scale=loss_scale)
         return terms

@@ -1,7 +1,10 @@
-"""Networks: an MLP (classifier backbone, 2D generator and critic) and a small CNN."""
+"""Networks: an MLP (classifier backbone, 2D generator and critic), a small CNN and a DCGAN-style
+generator and critic for images. ``gradreg.models.resnet`` (ResNet-18 for small images) needs the
+``vision`` extra and is imported by its path."""
 
 from gradreg.models.cnn import CNN
+from gradreg.models.dcgan import DCGANCritic, DCGANGenerator
 from gradreg.models.layers import ACTIVATIONS
 from gradreg.models.mlp import MLP
 
-__all__ = ["ACTIVATIONS", "CNN", "MLP"]
+__all__ = ["ACTIVATIONS", "CNN", "MLP", "DCGANCritic", "DCGANGenerator"]

@@ -3,6 +3,7 @@ own ``build`` (hydra.utils.instantiate), into the objects and values the configs
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import lightning as L
@@ -11,21 +12,30 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gradreg.data import DigitsDataModule, ToyDataModule
 from gradreg.lightning.classifier import CLASSIFIER_POINTS, Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.penalties import PRESETS
+from tests.data.images import write_image_folder
 
 from .conftest import compose_config, options, train_script
 
 BUILD = train_script()["build"]
+VISION = importlib.util.find_spec("torchvision") is not None
 GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
+IMAGE_GAN_SETUP = ["model=dcgan", "data.shape=[1,16,16]", "penalty=r1"]
 MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",
                "model.backbone.out_features=2"]
 
 
-def setup_for(group: str, option: str) -> list[str]:
+def setup_for(group: str, option: str, tmp_path: Path) -> list[str]:
     """Overrides that make ``group=option`` a complete, consistent configuration."""
+    if group == "data" and option == "image_folder":
+        root = write_image_folder(tmp_path / "images", per_class=4)
+        return ["model=resnet18", f"data.root={root}", "data.num_classes=3"]
+    if group == "model" and option == "resnet18":
+        return ["model.input_shape=[1,16,16]"]  # the digits, upsampled
+    if (group, option) in (("model", "dcgan"), ("callbacks", "image_gan_dashboards")):
+        return IMAGE_GAN_SETUP
     if group == "data" and option in ("8gaussians", "25gaussians", "swissroll"):
         return GAN_SETUP
     if group == "data" and option == "moons":
@@ -38,14 +48,17 @@ def setup_for(group: str, option: str) -> list[str]:
     return []
 
 
-CASES = [(group, option) for group in ("data", "model", "penalty", "trainer", "logger",
-                                       "callbacks", "debug", "experiment")
-         for option in options(group)]
+NEEDS_VISION = {("data", "image_folder"), ("model", "resnet18")}
+CASES = [pytest.param(group, option, id=f"{group}={option}", marks=pytest.mark.skipif(
+    (group, option) in NEEDS_VISION and not VISION, reason="needs torchvision (vision extra)"))
+    for group in ("data", "model", "penalty", "trainer", "logger", "callbacks", "debug",
+                  "experiment")
+    for option in options(group)]
 
 
-@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+@pytest.mark.parametrize(("group", "option"), CASES)
 def test_every_group_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> None:
-    cfg = compose_config([*setup_for(group, option), f"{group}={option}"], tmp_path)
+    cfg = compose_config([*setup_for(group, option, tmp_path), f"{group}={option}"], tmp_path)
     if group == "trainer" and option == "gpu":
         assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("gpu", 1)
         if not torch.cuda.is_available():
@@ -53,8 +66,7 @@ def test_every_group_option_composes_and_builds(group: str, option: str, tmp_pat
     datamodule, model, trainer = BUILD(cfg)
     assert isinstance(trainer, L.Trainer)
     assert isinstance(model, GAN if cfg.model._target_.endswith("GAN") else Classifier)
-    assert isinstance(datamodule, DigitsDataModule if "digits" in cfg.data._target_.lower()
-                      else ToyDataModule)
+    assert type(datamodule).__name__ == cfg.data._target_.rsplit(".", 1)[1]
     expected = {} if cfg.penalty.name == "none" else {cfg.penalty.name: cfg.penalty.weight}
     expected |= {name: node.weight for name, node in cfg.penalties.items()}
     assert {name: gp.weight for name, gp in model.penalties.items()} == expected
@@ -110,3 +122,20 @@ def test_cost_options_not_in_the_preset_file_take_a_plus(override: str, attribut
                                                          value: object, tmp_path: Path) -> None:
     _, model, _ = BUILD(compose_config(["penalty=double_backprop", override], tmp_path))
     assert getattr(model.penalties["double_backprop"], attribute) == value
+
+
+def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
+    """``~model.backbone '+model.backbone={_target_: ...}'``: torchvision's SqueezeNet instead of
+    the ResNet, on 3 class folders, with its own arguments only."""
+    pytest.importorskip("torchvision")
+    from torchvision.models import SqueezeNet
+
+    root = write_image_folder(tmp_path / "images", per_class=4)
+    cfg = compose_config(["model=resnet18", "data=image_folder", f"data.root={root}",
+                          "data.num_classes=3", "~model.backbone",
+                          "+model.backbone={_target_:torchvision.models.squeezenet1_1,"
+                          "num_classes:3}"], tmp_path)
+    datamodule, model, _ = BUILD(cfg)
+    assert isinstance(model.backbone, SqueezeNet)
+    x, _ = next(iter(datamodule.test_dataloader()))
+    assert model(x).shape == (len(x), 3)

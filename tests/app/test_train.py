@@ -12,14 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.data.images import write_image_folder
+
 from .conftest import QUIET, ROOT, SCRIPT, options
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
-                      for name in ("loss", "acc", "acc_fgsm", "input_grad_norm")}
+                      for name in ("loss", "acc", "acc_fgsm", "acc_pgd", "input_grad_norm")}
 GAN_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
                for name in ("energy_distance", "wasserstein")}
 MODE_METRICS = {f"{stage}/{name}" for stage in ("val", "test") for name in ("modes",
                                                                              "high_quality")}
+IMAGE_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
+                 for name in ("modes", "kl", "feature_energy_distance")}
+# a few batches: the budget of the tests that train for real
+TINY = ["trainer.max_epochs=1", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=1",
+        "+trainer.limit_test_batches=1", "trainer.enable_progress_bar=false"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -44,7 +51,7 @@ def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Pa
     assert set(metrics) == CLASSIFIER_METRICS | {"train/loss", "train/total",
                                                  "train/penalty/double_backprop"}
     assert all(0 <= metrics[f"test/{name}"] <= 1 for name in ("acc", "acc_fgsm"))
-    assert metrics["test/acc_fgsm"] <= metrics["test/acc"]
+    assert metrics["test/acc_pgd"] <= metrics["test/acc_fgsm"] <= metrics["test/acc"]
     for name, value in metrics.items():
         assert f"  {name}" in result.stdout and f"{value:.4f}" in result.stdout
 
@@ -61,11 +68,83 @@ def test_every_experiment_runs_in_one_multirun(tmp_path: Path) -> None:
         job_dir = tmp_path / str(job)
         assert (job_dir / ".hydra" / "overrides.yaml").read_text().count(experiment) == 1
         metrics = set(json.loads((job_dir / "metrics.json").read_text()))
-        if experiment.startswith("gan_"):
+        if experiment.startswith("gan_digits"):
+            expected = GAN_METRICS | IMAGE_METRICS
+        elif experiment.startswith("gan_"):
             expected = GAN_METRICS | (MODE_METRICS if "gaussians" in experiment else set())
         else:
             expected = CLASSIFIER_METRICS
         assert expected <= metrics, (experiment, expected - metrics)
+
+
+def event_tags(log_dir: Path) -> dict[str, set[str]]:
+    """Tags in the TensorBoard event files of ``log_dir``: scalars, images, and the HParams and
+    text plugins' summaries."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir)).Reload()
+    tags = {kind: set(events.Tags()[kind]) for kind in ("scalars", "images")}
+    return tags | {plugin: set(events.PluginTagToContent(plugin)) for plugin in ("hparams",
+                                                                                 "text")}
+
+
+@pytest.mark.parametrize(("experiment", "penalties"), [("gan_digits_r1", {"r1"}),
+                                                     ("gan_digits_wgan_gp", {"wgan_gp"}),
+                                                     ("gan_digits_r3gan", {"r1", "r2"})])
+def test_image_gan_experiments_train_score_and_show_samples(
+        experiment: str, penalties: set[str], tmp_path: Path) -> None:
+    """Each image GAN recipe, 3 critic steps: the scorer is trained and cached in the run
+    directory, validation reports the classifier-based metrics, and TensorBoard gets sample
+    grids, the HParams summaries and the autograd graph."""
+    result = run_script(f"experiment={experiment}", "model.scorer.epochs=2",
+                        "callbacks.samples.every_n_steps=1", *TINY, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics) >= GAN_METRICS | IMAGE_METRICS
+    assert {name.split("/")[-1] for name in metrics if "/critic/" in name} == {
+        "adversarial", *penalties}
+    assert 1 <= metrics["test/modes"] <= 10 and metrics["test/kl"] >= 0
+    assert (tmp_path / "scorer.pt").is_file()
+    tags = event_tags(tmp_path / "tensorboard")
+    assert "samples" in tags["images"]
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= tags["hparams"]
+    assert {"autograd_graph/text/text_summary", "autograd_graph/dot/text_summary"} == tags["text"]
+    assert "hp/test/kl" in tags["scalars"]
+
+
+def test_resnet18_on_an_image_folder_with_three_penalties(tmp_path: Path) -> None:
+    """``model=resnet18 data=image_folder`` on 30 PNGs in 3 class folders, debug=fast_dev_run:
+    double backprop on the inputs, a penalty on the hidden block ``layer2`` and the Jacobian,
+    unchanged from the small models; the run reports accuracy under FGSM and PGD."""
+    pytest.importorskip("torchvision")
+    root = write_image_folder(tmp_path / "images")
+    result = run_script(
+        "model=resnet18", "data=image_folder", f"data.root={root}", "data.num_classes=3",
+        "data.batch_size=8", "debug=fast_dev_run", "model.pgd_steps=2",
+        "+penalties.hidden={_target_:gradreg.penalties.make_penalty,name:intermediate,"
+        "weight:0.01,layers:[layer2]}",
+        "+penalties.jacobian={_target_:gradreg.penalties.make_penalty,name:jacobian,weight:0.01}",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert set(metrics) == CLASSIFIER_METRICS | {"train/loss", "train/total"} | {
+        f"train/penalty/{name}" for name in ("double_backprop", "hidden", "jacobian")}
+    assert all(metrics[f"train/penalty/{name}"] > 0 for name in ("hidden", "jacobian"))
+    assert metrics["train/total"] > metrics["train/loss"]
+    assert all(0 <= metrics[f"test/{name}"] <= 1 for name in ("acc", "acc_fgsm", "acc_pgd"))
+
+
+def test_image_gan_on_an_image_folder(tmp_path: Path) -> None:
+    """``experiment=gan_digits_r1 data=image_folder``: the recipe on the user's images (RGB
+    16x16 here); the scorer learns their 3 classes, so at most 3 modes are hit."""
+    pytest.importorskip("torchvision")
+    root = write_image_folder(tmp_path / "images")
+    result = run_script("experiment=gan_digits_r1", "data=image_folder", f"data.root={root}",
+                        "data.num_classes=3", "data.shape=[3,16,16]", "data.batch_size=8",
+                        "model.scorer.epochs=2", *TINY, f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert 1 <= metrics["test/modes"] <= 3 and metrics["test/kl"] >= 0
 
 
 def run_in_process(*args: str, tmp_path: Path) -> None:
@@ -83,7 +162,8 @@ BAD_CONFIGS = {
         "Could not find 'penalty/foo'", "Available options in 'penalty'", "\tdouble_backprop\n",
         "\twgan_gp\n", "\tnone\n"]),
     "unknown model": (["model=resnet"], 1, [
-        "Could not find 'model/resnet'", "Available options in 'model':\n\tcnn\n\tgan\n\tmlp\n"]),
+        "Could not find 'model/resnet'",
+        "Available options in 'model':\n\tcnn\n\tdcgan\n\tgan\n\tmlp\n\tresnet18\n"]),
     "unknown preset name": (["penalty.name=foo"], 2, [
         "error: penalty: unknown penalty preset 'foo'; known presets: wgan_gp, wgan_lp, r1"]),
     "critic penalty for a classifier": (["penalty=wgan_gp"], 2, [
@@ -97,6 +177,36 @@ BAD_CONFIGS = {
     "unknown activation": (["model.backbone.activation=gelu"], 2, [
         "error: model: activation='gelu' is unknown; valid values: ['elu', 'leaky_relu'"]),
 }
+
+
+BAD_IMAGE_FOLDERS = {
+    "no data.root": (["model=resnet18", "data=image_folder"], [
+        "error: data: data.root is not set; give the folder of class sub-folders of images: "
+        "data=image_folder data.root=<folder>"]),
+    "missing folder": (["model=resnet18", "data=image_folder", "data.root=nowhere"], [
+        "error: data: data.root='nowhere' is not a folder; give a folder of class sub-folders"]),
+    "class count": (["model=resnet18", "data=image_folder", "data.root={images}"], [
+        "has 3 class folders ['blue', 'red', 'white'], but data.num_classes=10; set "
+        "data.num_classes=3"]),
+}
+
+
+@pytest.mark.parametrize(("args", "messages"), BAD_IMAGE_FOLDERS.values(), ids=BAD_IMAGE_FOLDERS)
+def test_bad_image_folder_exits_with_one_line(
+    args: list[str], messages: list[str], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torchvision")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)  # a relative data.root is relative to where the user runs
+    images = write_image_folder(tmp_path / "images", per_class=2)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*(arg.format(images=images) for arg in args), tmp_path=tmp_path / "run")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    for message in messages:
+        assert message in err
 
 
 @pytest.mark.parametrize(("args", "status", "messages"), BAD_CONFIGS.values(), ids=BAD_CONFIGS)

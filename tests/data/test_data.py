@@ -39,9 +39,24 @@ def test_digits_loaders_shuffle_only_training() -> None:
     assert torch.equal(next(iter(data.test_dataloader()))[1], data.splits["test"].tensors[1][:32])
 
 
-def test_digits_rejects_a_shape_that_is_not_64_pixels() -> None:
-    with pytest.raises(ValueError, match=r"data.shape=\[2, 8\] must hold 64 pixels"):
-        DigitsDataModule(shape=(2, 8))
+@pytest.mark.parametrize("shape", [(2, 8), (1, 4, 4), (3, 16, 16), (1, 16, 12)])
+def test_digits_rejects_other_shapes(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"data.shape=\[.*\] must be \[64\], \[1, 8, 8\] or"):
+        DigitsDataModule(shape=shape)
+
+
+def test_digits_upsampled_to_16x16_keep_range_split_and_mean() -> None:
+    """Bilinear upsampling (no corner alignment) by 2 keeps [0, 1] and, away from the border
+    (edge pixels are replicated), the mean of each image's interior 2x2 blocks."""
+    small, large = DigitsDataModule(shape=(1, 8, 8)), DigitsDataModule(shape=(1, 16, 16))
+    (x8, y8), (x16, y16) = small.splits["test"].tensors, large.splits["test"].tensors
+    assert x16.shape == (270, 1, 16, 16) and torch.equal(y8, y16)
+    assert float(x16.min()) >= 0.0 and float(x16.max()) <= 1.0
+    # the bilinear weights are 1/4, 3/4 in each axis: each 2x2 block of the upsampled interior
+    # averages to the mean of the 2x2 source neighbourhood with weights that sum to one
+    blocks = x16[..., 1:15, 1:15].unfold(2, 2, 2).unfold(3, 2, 2).mean((-1, -2))
+    neighbourhood = x8.unfold(2, 2, 1).unfold(3, 2, 1).mean((-1, -2))
+    assert torch.allclose(blocks, neighbourhood, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(TOY_SETS))

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradreg import GradientError
 from gradreg.lightning.classifier import Classifier
+from gradreg.lightning.metrics import pgd
 from gradreg.models import MLP
 from gradreg.penalties import make_penalty
 from gradreg.penalties.finite import _Recorded
@@ -142,6 +143,7 @@ def test_evaluation_metrics() -> None:
     accuracy = float((model.backbone(x).argmax(1) == y).double().mean())
     assert metrics["val/acc"] == pytest.approx(accuracy)
     assert metrics["val/acc_fgsm"] == pytest.approx(accuracy)  # eps = 0: no attack
+    assert metrics["val/acc_pgd"] == pytest.approx(accuracy)
     assert metrics["val/input_grad_norm"] == pytest.approx(float(grad.norm(dim=1).mean()))
     assert metrics["val/loss"] == pytest.approx(float(per_sample.mean().detach()))
 
@@ -151,6 +153,13 @@ def test_evaluation_metrics() -> None:
     expected = float((model.backbone(adversarial).argmax(1) == y).double().mean())
     assert attacked["val/acc_fgsm"] == pytest.approx(expected)
     assert accuracy == 1.0 and expected < 0.5  # the attack changed predictions
+    # PGD, 10 steps with the random start of batch 0, is the stronger attack here
+    with torch.enable_grad():
+        strong = pgd(lambda q: F.cross_entropy(model.backbone(q), y, reduction="sum"), x, 0.3,
+                     steps=10, bounds=(0, 1), generator=torch.Generator().manual_seed(0))
+    expected_pgd = float((model.backbone(strong).argmax(1) == y).double().mean())
+    assert attacked["val/acc_pgd"] == pytest.approx(expected_pgd)
+    assert expected_pgd <= expected
 
 
 def test_evaluation_under_inference_mode_says_what_to_set() -> None:

@@ -107,7 +107,8 @@ def test_validation_reports_modes_on_mixtures_only() -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"n_critic": 0}, r"n_critic must be an integer >= 1, got 0"),
-    ({"loss": "hinge"}, r"loss='hinge' is unknown; valid values: \['nonsaturating', 'wgan'\]"),
+    ({"loss": "hinge"},
+     r"loss='hinge' is unknown; valid values: \['nonsaturating', 'relativistic', 'wgan'\]"),
     ({"dataset": "mnist"}, r"dataset='mnist' is unknown; valid values: \['25gaussians'"),
     ({"penalties": {"db": make_penalty("double_backprop")}},
      r"penalty 'db' has points='inputs', which a GAN cannot evaluate; a GAN supports points "
@@ -155,3 +156,26 @@ def test_r1_and_r2_against_straight_line_formulas(options: dict) -> None:
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-12, atol=0)
     for mine, theirs in zip(grads, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_relativistic_pairing_loss_against_the_formulas() -> None:
+    """RpGAN: critic softplus(D(G(z_i)) - D(x_i)), generator softplus(D(x_i) - D(G(z_i))), pairs
+    by index; the generator phase scores the reals too (4 critic calls per step pair, not 3)."""
+    generator, critic = networks()
+    gan_loss = GANLoss(generator, critic, {}, adversarial="relativistic", latent_dim=LATENT)
+    real = reals()[:BATCH]
+    calls = []
+    hook = critic.register_forward_hook(lambda *_: calls.append(1))
+    torch.manual_seed(3)
+    critic_term = gan_loss.critic_terms(real)["adversarial"]
+    generator_term = gan_loss.generator_terms(real)["adversarial"]
+    hook.remove()
+    assert len(calls) == 4
+    torch.manual_seed(3)
+    fake_critic = generator(torch.randn(BATCH, LATENT, dtype=torch.float64))
+    fake_generator = generator(torch.randn(BATCH, LATENT, dtype=torch.float64))
+    softplus = torch.nn.functional.softplus
+    expected_critic = softplus(critic(fake_critic) - critic(real)).mean()
+    expected_generator = softplus(critic(real) - critic(fake_generator)).mean()
+    torch.testing.assert_close(critic_term, expected_critic, rtol=1e-12, atol=0)
+    torch.testing.assert_close(generator_term, expected_generator, rtol=1e-12, atol=0)

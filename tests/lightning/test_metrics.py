@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradreg.data import MIXTURES
-from gradreg.lightning.metrics import accuracy, energy_distance, fgsm, mode_metrics
+from gradreg.lightning.metrics import accuracy, energy_distance, fgsm, mode_metrics, pgd
 
 
 def test_fgsm_steps_along_the_gradient_sign_and_clips() -> None:
@@ -16,6 +16,38 @@ def test_fgsm_steps_along_the_gradient_sign_and_clips() -> None:
     grad = torch.tensor([[-1.0, 2.0, 0.5, 0.0]])
     assert torch.allclose(fgsm(x, grad, 0.1, (0.0, 1.0)), torch.tensor([[0.0, 0.6, 1.0, 0.3]]))
     assert torch.allclose(fgsm(x, grad, 0.1), torch.tensor([[-0.1, 0.6, 1.05, 0.3]]))
+
+
+def test_pgd_reaches_the_corner_of_the_ball_for_a_linear_loss() -> None:
+    """For L(x) = w.x the best L-inf attack is x + eps sign(w) (clipped); k steps of 2.5 eps / k
+    get there from any random start, and a zero-gradient coordinate keeps its random start."""
+    x = torch.tensor([[0.2, 0.5, 0.95, 0.3], [0.6, 0.1, 0.0, 0.7]])
+    w = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    rng = torch.Generator().manual_seed(0)
+    attacked = pgd(lambda q: (q * w).sum(), x, 0.1, steps=4, bounds=(0.0, 1.0), generator=rng)
+    corner = (x + 0.1 * w.sign()).clamp(0, 1)
+    assert torch.allclose(attacked[:, :3], corner[:, :3])
+    start = 2 * torch.rand(x.shape, generator=torch.Generator().manual_seed(0)) - 1
+    assert torch.allclose(attacked[:, 3], (x + 0.1 * start)[:, 3])  # random start, never moved
+
+
+def test_pgd_stays_in_the_ball_and_bounds_and_is_seeded() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, y = torch.rand(32, 5), torch.randint(3, (32,))
+
+    def loss(q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(net(q), y, reduction="sum")
+
+    runs = [pgd(loss, x, 0.05, steps=7, bounds=(0.0, 1.0),
+                generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert float((runs[0] - x).abs().max()) <= 0.05 + 1e-7
+    assert float(runs[0].min()) >= 0.0 and float(runs[0].max()) <= 1.0
+    assert float(loss(runs[0]).detach()) > float(loss(x).detach())  # it ascended
+    assert torch.equal(pgd(loss, x, 0.0, steps=3), x)
+    with pytest.raises(ValueError, match="pgd steps must be an integer >= 1, got 0"):
+        pgd(loss, x, 0.1, steps=0)
 
 
 def test_accuracy() -> None:

@@ -2,80 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 from gradreg.lightning.callbacks import CustomScalarsLayout, GradientNormMonitor
 from tests.lightning.test_callbacks import PlainClassifier, fit
-
-READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[[Path], str]]:
-    """Start TensorBoard on a log directory; return its base URL. Stopped at the end, always."""
-    servers: list[subprocess.Popen] = []
-
-    def start(logdir: Path) -> str:
-        port = free_port()
-        command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
-                   "--host", "127.0.0.1", "--port", str(port), "--load_fast=false",
-                   "--reload_interval", "1"]
-        log = tmp_path / "tensorboard.log"
-        with log.open("w") as output:
-            server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        servers.append(server)
-        url = f"http://127.0.0.1:{port}"
-        poll(f"{url}/data/runs", lambda answer: True, server, log)
-        return url
-
-    yield start
-    for server in servers:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
-
-
-def poll(url: str, ready: Callable[[Any], bool], server: subprocess.Popen | None = None,
-         log: Path | None = None) -> Any:
-    """GET ``url`` until ``ready(answer)`` or the timeout; the server loads in the background."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        if server is not None and server.poll() is not None:
-            raise RuntimeError(f"TensorBoard exited with {server.returncode}: {log.read_text()}")
-        try:
-            answer = get(url)
-            if ready(answer):
-                return answer
-        except (urllib.error.URLError, ConnectionError, json.JSONDecodeError):
-            answer = None
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"TensorBoard did not serve {url} in {READY_TIMEOUT_S} s: {answer}")
-        time.sleep(0.25)
+from tests.tensorboard_server import poll
 
 
 def test_tensorboard_serves_runs_scalars_and_layout(tmp_path: Path, serve) -> None:

@@ -7,12 +7,13 @@
 * :class:`CustomScalarsLayout`: TensorBoard layout with loss, penalties and norms side by side;
 * :class:`HParamsLogger`: hyperparameters with final metrics (HParams tab);
 * :class:`SaliencyMaps`: figure of inputs over their loss gradient;
-* :class:`CriticLandscape`: figure of a 2D critic's scores and gradient norms, with samples.
+* :class:`CriticLandscape`: figure of a 2D critic's scores and gradient norms, with samples;
+* :class:`SampleGrid`: a grid of generated images of fixed latents.
 
 The tags they write are listed in :mod:`gradreg.lightning.dashboards`.
 """
 
-from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps
+from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps, SampleGrid
 from gradreg.lightning.callbacks.graph import AutogradGraphLogger
 from gradreg.lightning.callbacks.guard import AccumulationGuard
 from gradreg.lightning.callbacks.hparams import HParamsLogger
@@ -29,5 +30,6 @@ __all__ = [
     "HParamsLogger",
     "PenaltyWeightSchedule",
     "SaliencyMaps",
+    "SampleGrid",
     "WeightSchedule",
 ]
