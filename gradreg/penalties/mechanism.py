@@ -424,6 +424,9 @@ class GradientPenalty(nn.Module):
             norms = sq if squared else safe_sqrt(sq)
         if not self._first_call_checked:
             check_double_backward(norms)
+            if self.subsample < 1 or self.chunks > 1:
+                methods.check_independent_samples(
+                    norms, f"subsample={self.subsample}, chunks={self.chunks}")
             self._first_call_checked = True
         target = self._ema_target(norms) if self.target == "ema" else self.target
         return _penalty_from_norms(norms, target=target, one_sided=self.one_sided,

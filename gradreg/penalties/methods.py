@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
 from gradreg.autograd import GradientError, gradient
-from gradreg.graph import graph_leaves, graph_node_names
+from gradreg.graph import graph_leaves, graph_node_names, walk_backward_graph
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "STEPS",
     "TF32_ROUNDOFF",
     "CompiledPenalty",
+    "check_independent_samples",
     "check_smooth",
     "cuda_float32_roundoff",
     "default_step",
@@ -183,11 +184,13 @@ def finite_difference(
     :math:`x` and :math:`x + hv`, which happens with probability :math:`O(h)` and costs
     :math:`O(1/h)`: an :math:`O(1)` error that a smaller step does not remove: with ``check``
     the graph of the outputs at :math:`x` is searched and such models are refused
-    (:func:`check_smooth`). Samples must not interact (no BatchNorm in training mode).
+    (:func:`check_smooth`). Samples must not interact: BatchNorm in training mode is refused
+    (:func:`check_independent_samples`).
     """
     outputs = fn(*inputs)
     if check:
         check_smooth(outputs)
+        check_independent_samples(outputs, "method='finite_difference'")
     grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs), create_graph=False,
                      retain_graph=True)
     with torch.enable_grad():
@@ -217,6 +220,27 @@ def check_smooth(outputs: Tensor) -> None:
             "graph): where a unit changes sign between x and the shifted point the estimate is "
             "off by O(1), and a smaller step does not help. Use method='double_backward' (or "
             "'compiled'), or a smooth activation (softplus, elu, tanh, gelu, silu)."
+        )
+
+
+def check_independent_samples(outputs: Tensor, method: str) -> None:
+    """Raise where the graph of ``outputs`` holds BatchNorm in training mode (torch's, whose node
+    saves ``training``, or gradreg's): its outputs depend on the whole batch, so a penalty that
+    runs the model on part of the batch (``subsample``, ``chunks``) or on shifted points with
+    per-sample steps (``finite_difference``) would compute another penalty, and its extra forward
+    would update the running statistics again."""
+    coupled = sorted({name for node in walk_backward_graph([outputs]).nodes
+                      if "BatchNorm" in (name := type(node).__name__)
+                      and "BackwardBackward" not in name  # forward nodes say the mode
+                      and getattr(node, "_saved_training", True)})
+    if coupled:
+        raise GradientError(
+            f"{method} runs the model on part of the batch or on shifted points, but its graph "
+            f"holds BatchNorm in training mode ({', '.join(coupled)}), whose outputs depend on "
+            "the whole batch: the penalty would change, and the running statistics would be "
+            "updated again. Use the exact penalty on the task's forward (method="
+            "'double_backward', subsample=1, chunks=1), BatchNorm in eval mode, or a per-sample "
+            "normalization (GroupNorm, LayerNorm)."
         )
 
 
@@ -347,10 +371,10 @@ def in_chunks(
     running sum and one micro-batch's gradient). The products computed are those of the same
     penalty run unchunked on its own forward (WGAN-GP's interpolates), in smaller kernels; a
     penalty that could have shared the task's forward (R1 on the reals, double backprop) pays
-    one more forward and backward. Samples must not interact (no BatchNorm in training mode);
-    leaf points receive no gradient (as with :func:`gradreg.regularized_backward`). Under a
-    ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after, like the
-    penalty itself.
+    one more forward and backward. Samples must not interact (BatchNorm in training mode is
+    refused); leaf points receive no gradient (as with :func:`gradreg.regularized_backward`).
+    Under a ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after,
+    like the penalty itself.
     """
     batch = inputs[0].shape[0]
     upstream = [x.grad_fn is not None for x in inputs]

@@ -281,6 +281,27 @@ def test_compiled_takes_eval_batchnorm_and_refuses_training_batchnorm(
         make_penalty("r1", method="compiled")(critic, x)
 
 
+@pytest.mark.parametrize("options", [{"chunks": 2}, {"subsample": 0.5},
+                                     {"method": "finite_difference"}],
+                         ids=["chunks", "subsample", "finite_difference"])
+@pytest.mark.parametrize("batchnorm", ["torch", "gradreg"])
+def test_methods_on_part_of_the_batch_refuse_training_batchnorm(options: dict,
+                                                                batchnorm: str) -> None:
+    """BatchNorm in training mode couples the samples: chunks or a subsample would normalize by
+    other statistics, and finite differences' per-sample steps no longer add up; refused with
+    the fix. In eval mode the same options run."""
+    torch.manual_seed(0)
+    model = ResidualNet(nn.Tanh, channels=2, blocks=1).double()
+    if batchnorm == "gradreg":
+        model = gradreg.convert_batchnorm(model)
+    x = torch.randn(8, 1, 4, 4, dtype=torch.float64, requires_grad=True)
+    scores = lambda q: model(q)[:, 0]  # noqa: E731
+    with pytest.raises(GradientError, match=r"BatchNorm in training mode \(.*BatchNorm"):
+        make_penalty("r1", **options)(scores, x)
+    model.eval()
+    make_penalty("r1", **options)(scores, x)
+
+
 def test_lazy_optimizer_kwargs_is_stylegan2s_correction() -> None:
     kwargs = lazy_optimizer_kwargs(2e-3, (0.0, 0.99), every=16)
     assert kwargs["lr"] == pytest.approx(2e-3 * 16 / 17)
