@@ -20,6 +20,9 @@ Errors: a configuration that cannot be built (unknown preset, negative weight, a
 for a classifier, ``n_critic < 1`` ...) ends the run with exit status 2 and one line on stderr
 naming the config key and the valid values; ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 Unknown group options (``penalty=foo``) are Hydra's own error, which lists the options (status 1).
+A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
+admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
+line.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from omegaconf import DictConfig
 
 # Run from a checkout without installing the package (with `pip install -e .` this changes nothing).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gradreg import GradientError
 
 
 class ConfigError(Exception):
@@ -121,14 +126,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     try:
         datamodule, model, trainer = build(cfg)
-    except ConfigError as error:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        trainer.test(model, datamodule=datamodule, verbose=False)
+    except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        where = "" if isinstance(error, ConfigError) else "training: "
+        print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    trainer.test(model, datamodule=datamodule, verbose=False)
     metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
         report(trainer, metrics, Path(cfg.paths.output_dir))

@@ -176,6 +176,9 @@ BAD_CONFIGS = {
         "error: model: n_critic must be an integer >= 1, got 0"]),
     "unknown activation": (["model.backbone.activation=gelu"], 2, [
         "error: model: activation='gelu' is unknown; valid values: ['elu', 'leaky_relu'"]),
+    "penalty method the model refuses": (["+penalty.method=finite_difference"], 2, [
+        "error: training: method='finite_difference' on a piecewise-linear model (Relu in its "
+        "graph)"]),
 }
 
 
