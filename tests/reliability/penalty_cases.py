@@ -96,5 +96,28 @@ def sgd_step(gp: GradientPenalty, model: nn.Module, x: Tensor, *, lr: float = 1e
     return gp.last_value
 
 
+def train_with_grad_scaler(model: nn.Module, *, check_finite: bool = True,
+                           steps: int = 8) -> tuple[torch.amp.GradScaler, GradientPenalty]:
+    """``steps`` SGD steps of a critic loss plus WGAN-GP under fp16 autocast with a real
+    ``torch.amp.GradScaler`` on the model's device, the penalty given ``loss_scale``; returns
+    the scaler and the penalty. The scaler starts at 2**16, above fp16's maximum, so the first
+    steps overflow and are skipped."""
+    device = next(model.parameters()).device
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type)
+    gp = make_penalty("wgan_gp", check_finite=check_finite)
+    for step in range(steps):
+        x = batch(step, size=8).to(device)
+        points = as_points(x)
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = model(x).float().mean() + gp(model(points), points,
+                                                loss_scale=scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return scaler, gp
+
+
 __all__ = ["PRESETS", "batch", "penalty", "penalty_under", "penalty_value", "sgd_step", "task_loss",
-           "tiny_model"]
+           "tiny_model", "train_with_grad_scaler"]

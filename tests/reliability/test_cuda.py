@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from penalty_cases import PRESETS, batch, penalty, penalty_under, penalty_value, tiny_model
+from penalty_cases import (
+    PRESETS,
+    batch,
+    penalty,
+    penalty_under,
+    penalty_value,
+    tiny_model,
+    train_with_grad_scaler,
+)
 from torch import Tensor, nn
 
 from gradreg import GradientError
@@ -114,19 +122,7 @@ def test_fp16_with_a_grad_scaler_on_cuda() -> None:
     with torch.autocast("cuda", dtype=torch.float16):
         fp16 = make_penalty("wgan_gp")(critic(points), points, loss_scale=2.0**10)
     assert fp16.item() == pytest.approx(fp32.item(), rel=2e-2)
-    scaler = torch.amp.GradScaler("cuda")
-    optimizer = torch.optim.SGD(critic.parameters(), lr=1e-2)
-    gp = make_penalty("wgan_gp")
-    for step in range(8):
-        x = batch(step, size=8).to(CUDA)
-        points = interpolate(x, x.flip(0) + 0.5)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = critic(x).float().mean() + gp(critic(points), points,
-                                                 loss_scale=scaler.get_scale())
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    scaler, gp = train_with_grad_scaler(critic)
     assert scaler.get_scale() < 2.0**16
     assert torch.isfinite(gp.last_value)
     assert all(torch.isfinite(p).all() for p in critic.parameters())

@@ -18,6 +18,7 @@ from penalty_cases import (
     penalty_value,
     sgd_step,
     tiny_model,
+    train_with_grad_scaler,
 )
 from torch import nn
 
@@ -110,19 +111,7 @@ def test_grad_scaler_absorbs_fp16_overflow(check_finite: bool) -> None:
     finite penalties and parameters."""
     torch.manual_seed(0)
     model = tiny_model()[:2].append(nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
-    gp = make_penalty("wgan_gp", check_finite=check_finite)
-    for step in range(8):
-        x = batch(step, size=8)
-        points = as_points(x)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(x).float().mean() + gp(model(points), points,
-                                                loss_scale=scaler.get_scale())
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    scaler, gp = train_with_grad_scaler(model, check_finite=check_finite)
     assert scaler.get_scale() < 2.0**16
     assert torch.isfinite(gp.last_value)
     assert all(torch.isfinite(p).all() for p in model.parameters())
