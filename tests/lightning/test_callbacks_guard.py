@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from gradreg import GradientError, gradient
 from gradreg.lightning.callbacks import AccumulationGuard
+from gradreg.lightning.callbacks.guard import _nonfinite
 from tests.lightning.test_callbacks import trainer
 
 BATCH, STEPS = 4, 4
@@ -176,3 +177,14 @@ def test_guard_removes_its_hooks_after_fit(tmp_path: Path) -> None:
     module = ManualLoop(zero_grad=False)
     train(tmp_path, module, AccumulationGuard("warn"), max_steps=1)
     assert not module.w._backward_hooks
+
+
+def test_nonfinite_gradients_are_found_by_one_reduction() -> None:
+    """All parameters' gradients reduced at once (one host read per step on a GPU); the names
+    come from per-parameter flags read only when some gradient is not finite."""
+    params = [torch.zeros(2, requires_grad=True) for _ in range(3)]
+    for param, value in zip(params, (1.0, float("nan"), float("-inf")), strict=True):
+        param.grad = torch.tensor([0.5, value])
+    assert _nonfinite(params) == params[1:]
+    params[1].grad, params[2].grad = torch.ones(2), torch.ones(2)
+    assert _nonfinite(params) == [] and _nonfinite([]) == []

@@ -52,6 +52,20 @@ def _parameters(optimizer: Optimizer) -> Iterator[Tensor]:
         yield from group["params"]
 
 
+def _nonfinite(params: list[Tensor]) -> list[Tensor]:
+    """The parameters whose gradient holds NaN or Inf. One device-side reduction over all of
+    them and one host read per step (the step must wait for the verdict to be skipped or
+    stopped), instead of one read per parameter; per-parameter flags are read only when one
+    is not finite."""
+    if not params:
+        return []
+    device = params[0].grad.device
+    finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+    if bool(finite.all()):
+        return []
+    return [p for p, ok in zip(params, finite.tolist(), strict=True) if not ok]
+
+
 class AccumulationGuard(pl.Callback):
     """Flag gradients not reset between optimizer steps and non-finite gradients.
 
@@ -110,9 +124,7 @@ class AccumulationGuard(pl.Callback):
             if (ref := self._applied.get(p)) is not None and ref() is p.grad and bool(p.grad.any())
         ]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        nonfinite = [] if scaler is not None else [
-            p for p in params if not bool(torch.isfinite(p.grad).all())
-        ]
+        nonfinite = [] if scaler is not None else _nonfinite(params)
         problems = []
         if carried:
             problems.append(
