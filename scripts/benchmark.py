@@ -29,7 +29,7 @@ the model whose BatchNorm layers are gradreg's (:func:`gradreg.convert_batchnorm
 double backward), same seed and data, its own optimizer, interleaved with the others; only for
 cases with BatchNorm.
 
-``--suite gpu`` runs the GPU cases of the issue: ResNet-18 on CIFAR-sized inputs (torchvision's,
+``--suite gpu`` runs the GPU cases: ResNet-18 on CIFAR-sized inputs (torchvision's,
 with the 3x3 stem and no max pooling; batch 128) and a small BatchNorm ResNet, double backprop on
 the per-sample cross-entropy; the DCGAN critic at 64x64 (batch 64) with WGAN-GP (own forward at
 the interpolates) and R1 (StyleGAN2's shared forward: the gradient of the adversarial term's real
@@ -74,7 +74,7 @@ BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 TWIN_METHODS = {"plain_bn": "plain", "exact_bn": "exact"}
 
 
-#: Inputs of the MLP cases: MNIST-sized, and the 8x8 digits of the app (the issue's reference).
+#: Inputs of the MLP cases: MNIST-sized, and the 8x8 digits of the app (the targets' reference).
 MLP_INPUTS = {"mlp": 784, "digits_mlp": 64}
 
 
@@ -113,7 +113,7 @@ def bn_cnn(width: int, act: type[nn.Module]) -> nn.Module:
 
 def resnet18_cifar() -> nn.Module:
     """torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 first convolution, no max
-    pooling), as in the GPU measurements of the issue."""
+    pooling), as in the GPU measurements in docs/benchmarks.md."""
     try:
         import torchvision
     except ImportError as err:
@@ -459,7 +459,7 @@ def count_flops(run: Callable[[], None], calls: int) -> float:
 
 
 def grid(quick: bool, suite: str = "cpu") -> list[tuple[str, int, int]]:
-    """(kind, batch, width) of each case. The ``gpu`` suite is the issue's GPU cases: ResNet-18
+    """(kind, batch, width) of each case. The ``gpu`` suite is the GPU cases: ResNet-18
     (CIFAR, batch 128), the small BatchNorm ResNet, the DCGAN critic at 64x64 (batch 64,
     WGAN-GP and R1) and the MLP 784-1024-1024-10 at batch 1024; ``quick`` shrinks either."""
     if suite == "gpu":
