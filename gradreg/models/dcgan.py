@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from gradreg.models.layers import activation as make_activation
+
 
 def _blocks(shape: Sequence[int]) -> tuple[int, int]:
     """``(C, n)`` for an image shape ``[C, S, S]`` with ``S = 4 * 2**n``, 16 <= S <= 64."""
@@ -52,14 +54,21 @@ class DCGANGenerator(nn.Sequential):
 
 
 class DCGANCritic(nn.Sequential):
-    """Images ``[B, *shape]`` to scores ``[B, 1]``, no normalization (module docstring)."""
+    """Images ``[B, *shape]`` to scores ``[B, 1]``, no normalization (module docstring).
 
-    def __init__(self, shape: Sequence[int], width: int = 32) -> None:
+    ``activation``: ``None`` for DCGAN's LeakyReLU(0.2), or a name of
+    :data:`gradreg.models.ACTIVATIONS` (a smooth one, e.g. ``"tanh"``, where a method needs a
+    smooth critic: finite differences refuse piecewise-linear ones).
+    """
+
+    def __init__(self, shape: Sequence[int], width: int = 32, *,
+                 activation: str | None = None) -> None:
         channels, n = _blocks(shape)
         layers: OrderedDict[str, nn.Module] = OrderedDict()
         for i in range(1, n + 1):
             layers[f"down{i}"] = nn.Conv2d(channels, width, 4, stride=2, padding=1)
-            layers[f"act{i}"] = nn.LeakyReLU(0.2)
+            layers[f"act{i}"] = (nn.LeakyReLU(0.2) if activation is None
+                                 else make_activation(activation))
             channels, width = width, width * 2
         layers["flatten"] = nn.Flatten()
         layers["out"] = nn.Linear(channels * 16, 1)
