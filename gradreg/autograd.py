@@ -239,8 +239,18 @@ def regularized_backward(
     Only ``parameters`` receive gradients (``backward(inputs=...)``): the gradient w.r.t. the
     penalty's points, which no one reads, is not computed, which saves the first layer's input
     matmul in both the forward graph and the double-backward graph (about 10% of an MLP's
-    penalty step). Returns the detached total.
+    penalty step). Returns the detached total. The loss and every penalty must be scalars.
     """
+    penalties = list(penalties)
+    for what, value in [("the loss", loss)] + [(f"penalties[{i}]", p)
+                                               for i, p in enumerate(penalties)]:
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise GradientError(
+                f"{what} has shape {shape}, but regularized_backward adds scalars: reduce it "
+                "first, e.g. a gradient f to f.square().sum() (or the penalty of a "
+                "gradreg.penalties preset, which is a scalar)."
+            )
     parameters = list(parameters)
     for parameter in parameters:
         parameter.grad = None

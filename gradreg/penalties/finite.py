@@ -29,52 +29,114 @@ __all__ = ["FiniteCheck"]
 @dataclass
 class _Recorded:
     call: int
-    host_value: Tensor  # a CPU scalar, possibly still being written by an asynchronous copy
+    host_value: Tensor  # on the CPU, possibly still being written by an asynchronous copy
     ready: Callable[[], bool]  # the copy has completed (no wait)
     wait: Callable[[], None]  # block until it has
+    factor: float = 1.0  # what multiplied the value: weight * every * gain
+
+
+#: What each entry of a recorded value is, in the order causes come (a NaN in the points makes
+#: the outputs, the penalty and the weighted penalty NaN too: the first one found is reported).
+ENTRIES = ("points", "outputs", "penalty", "weighted")
 
 
 class FiniteCheck:
-    """Record the detached scalar value of each call of a penalty; raise
-    :class:`~gradreg.GradientError` for the first non-finite one as soon as it can be read
-    without a device sync."""
+    """Record, for each call of a penalty, whether its points, its outputs, its value and its
+    weighted value are finite; raise :class:`~gradreg.GradientError` for the first call with a
+    non-finite one as soon as it can be read without a device sync.
+
+    The points and outputs are reduced on their device to one flag each (``isfinite().all()``,
+    one elementwise pass), and the flags and the two values travel in one 4-element tensor: on
+    CUDA one asynchronous copy per call, read once an event says it has completed.
+    """
 
     def __init__(self) -> None:
         self._recorded: deque[_Recorded] = deque()
         self._calls = 0
 
-    def __call__(self, value: Tensor) -> None:
-        """Record ``value`` (this call's) and raise for any recorded value known not finite."""
+    def __call__(self, value: Tensor, *, points: tuple[Tensor, ...] = (),
+                 outputs: Tensor | None = None, weighted: Tensor | None = None,
+                 factor: float = 1.0) -> None:
+        """Record this call and raise for any recorded call known to be non-finite.
+
+        ``value``: the unweighted penalty; ``weighted``: what the call returns,
+        ``factor * value``; ``points`` and ``outputs``: the tensors it was computed from.
+        """
         self._calls += 1
+        entries = torch.stack([
+            _finite_flag(points, value),
+            _finite_flag(() if outputs is None else (outputs,), value),
+            value.detach().float().reshape(()),
+            (value if weighted is None else weighted).detach().float().reshape(()),
+        ])
         if value.device.type == "cuda":
-            host = value.detach().to("cpu", non_blocking=True)  # pinned, asynchronous
+            host = entries.to("cpu", non_blocking=True)  # pinned, asynchronous
             event = torch.cuda.Event()
             event.record()
-            self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize))
+            self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
+                                            factor))
         else:
-            self._recorded.append(_Recorded(self._calls, value.detach().cpu(), lambda: True,
-                                            lambda: None))
+            self._recorded.append(_Recorded(self._calls, entries.cpu(), lambda: True,
+                                            lambda: None, factor))
         self.settle(wait=False)
 
     def settle(self, wait: bool = True) -> None:
         """Read the recorded values in call order (all of them with ``wait``, which syncs; else
-        those already copied) and raise for the first that is NaN or Inf."""
+        those already copied) and raise for the first call that has a non-finite one."""
         while self._recorded and (wait or self._recorded[0].ready()):
             recorded = self._recorded.popleft()
             recorded.wait()
-            value = recorded.host_value.item()
-            if not math.isfinite(value):
+            values = recorded.host_value.reshape(-1).tolist()
+            if len(values) == 1:  # a bare value: the penalty
+                values = [0.0, 0.0, values[0], values[0]]
+            found = next((entry for entry, v in zip(ENTRIES, values, strict=True)
+                          if not math.isfinite(v)), None)
+            if found is not None:
                 self._recorded.clear()
                 late = "" if recorded.call == self._calls else (
                     f" (found at call {self._calls}: on a GPU the check reads the value "
                     "asynchronously, after that call's optimizer step)")
-                raise GradientError(
-                    f"the penalty of call {recorded.call} is {value} (not finite){late}: the "
-                    "outputs or the points contain NaN/Inf, or the model diverged. Check the "
-                    "batch with torch.isfinite(x).all(), lower the learning rate, or guard the "
-                    "step (check_finite=False lets the value through)."
-                )
+                raise GradientError(_message(found, recorded, values, late))
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with nothing pending (events cannot be copied)."""
         return {"_recorded": deque(), "_calls": self._calls}
+
+
+def _finite_flag(tensors: tuple[Tensor, ...], like: Tensor) -> Tensor:
+    """0 where every element of ``tensors`` is finite, NaN where one is not (on their device)."""
+    if not tensors:
+        return torch.zeros((), device=like.device)
+    finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
+    return torch.where(finite, 0.0, math.nan).to(like.device)
+
+
+def _message(found: str, recorded: _Recorded, values: list[float], late: str) -> str:
+    call = recorded.call
+    if found == "points":
+        return (
+            f"the points of call {call} contain NaN or Inf{late}: the penalty and every parameter "
+            "gradient it reaches would be NaN. Find the samples with "
+            "(~torch.isfinite(x)).flatten(1).any(1) and drop or repair them (a corrupt image, "
+            "a generator that diverged), or guard the step (check_finite=False lets it through)."
+        )
+    if found == "outputs":
+        return (
+            f"the outputs of call {call} contain NaN or Inf although the points are finite"
+            f"{late}: the model overflowed or diverged (a mean over an empty batch is NaN too). "
+            "Lower the learning rate, check the loss for empty batches, or guard the step "
+            "(check_finite=False lets it through)."
+        )
+    if found == "penalty":
+        return (
+            f"the penalty of call {call} is {values[2]} (not finite){late}: the "
+            "outputs or the points contain NaN/Inf, or the model diverged. Check the "
+            "batch with torch.isfinite(x).all(), lower the learning rate, or guard the "
+            "step (check_finite=False lets the value through)."
+        )
+    return (
+        f"the penalty of call {call} is {values[3]} after weighting (not finite){late}: its "
+        f"unweighted value {values[2]:.6g} times weight * every * gain = {recorded.factor:.6g} "
+        "overflows the value's dtype. Lower the weight, or compute the penalty in float32 "
+        "(outside autocast, or on a float32 model)."
+    )

@@ -49,6 +49,7 @@ from gradreg.autograd import (
     nth_derivative,
 )
 from gradreg.penalties import methods
+from gradreg.penalties.checks import check_per_sample
 from gradreg.penalties.finite import FiniteCheck
 from gradreg.penalties.norms import per_sample_norm, safe_sqrt
 
@@ -132,8 +133,10 @@ def gradient_penalty(
     ``inputs``: tensor(s) requiring grad that ``outputs`` was computed from, batch first.
     ``reduction``: ``"mean"``, ``"sum"`` or ``"none"`` (per-sample values, shape [B]); q = power.
     """
+    inputs = _as_tuple(inputs)
+    check_per_sample(outputs, inputs)
     squared = _squared(target, power, p)
-    norms = _norms(outputs, _as_tuple(inputs), p=p, squared=squared)
+    norms = _norms(outputs, inputs, p=p, squared=squared)
     return _penalty_from_norms(norms, target=target, one_sided=one_sided, power=power,
                                reduction=reduction, squared=squared)
 
@@ -145,11 +148,6 @@ def _squared(target: float | Tensor, power: float, p: float) -> bool:
 def _norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
            order: int = 1, per_sample: bool = True,
            loss_scale: float | Tensor | None = None) -> Tensor:
-    if per_sample and outputs.ndim > 0 and outputs.shape[0] == 0:
-        raise GradientError(
-            "empty batch: there are no samples to penalize. Skip the penalty for empty "
-            "batches (or use drop_last=True in the data loader)."
-        )
     if order == 1:
         grads = _unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
     else:
@@ -201,8 +199,9 @@ class GradientPenalty(nn.Module):
         projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"`` (module docstring).
         num_projections: random directions for ``"orthonormal"``.
         ema_decay: the running mean's decay for ``target="ema"``.
-        check_finite: raise :class:`~gradreg.GradientError` when the penalty is NaN or Inf
-            instead of letting it pass silently (:class:`~gradreg.penalties.finite.FiniteCheck`):
+        check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
+            passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead of
+            letting it pass silently (:class:`~gradreg.penalties.finite.FiniteCheck`):
             on the CPU at once, before the value is used; on CUDA without a host sync, at a later
             call (normally the next) that names the call, after that call's optimizer step;
             ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
@@ -341,6 +340,13 @@ class GradientPenalty(nn.Module):
         methods other than double backward, ``subsample`` and ``chunks`` run their own forward."""
         return self.method != "double_backward" or self.subsample < 1 or self.chunks > 1
 
+    @property
+    def steps_taken(self) -> int:
+        """How many times :meth:`due` was called: the training steps this penalty was considered
+        for (due or not), i.e. the steps of the optimizer it belongs to when the module calls
+        ``due()`` once per such step. Saved in checkpoints (the ``step`` buffer)."""
+        return self._steps
+
     def due(self) -> bool:
         """Advance the lazy counter one step; True on the steps where the penalty is computed.
 
@@ -406,14 +412,19 @@ class GradientPenalty(nn.Module):
                                 loss_scale)
         if self.reduction == "sum" and inputs[0].ndim > 0 and inputs[0].shape[0] < batch:
             value = value * (batch / inputs[0].shape[0])
+        factor = self.weight * self.every * self.gain
+        weighted = value * factor
         self.last_value = value.detach()
         if self.check_finite and loss_scale is None:
-            self.finite_check(self.last_value)
-        return value * (self.weight * self.every * self.gain)
+            self.finite_check(self.last_value, points=inputs, weighted=weighted, factor=factor,
+                              outputs=outputs if fn is None else None)
+        return weighted
 
     def _exact(self, outputs: Tensor, inputs: tuple[Tensor, ...],
                loss_scale: float | Tensor | None) -> Tensor:
         """The unweighted penalty, differentiable by double backward (``create_graph=True``)."""
+        if self.points != "parameters":
+            check_per_sample(outputs, inputs)
         squared = _squared(self.target, self.power, self.p) and self.target != "ema"
         if self.projection == "sum":
             norms = _norms(outputs, inputs, p=self.p, squared=squared, order=self.order,

@@ -44,6 +44,7 @@ from torch.func import functional_call, grad, grad_and_value
 
 from gradreg.autograd import GradientError, gradient
 from gradreg.graph import graph_leaves, graph_node_names, walk_backward_graph
+from gradreg.penalties.checks import check_per_sample
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = [
@@ -188,6 +189,7 @@ def finite_difference(
     (:func:`check_independent_samples`).
     """
     outputs = fn(*inputs)
+    check_per_sample(outputs, inputs)
     if check:
         check_smooth(outputs)
         check_independent_samples(outputs, "method='finite_difference'")

@@ -9,12 +9,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradreg.autograd import GradientError
+
 __all__ = ["as_points", "interpolate", "perturb_dragan"]
 
 
 def as_points(x: Tensor) -> Tensor:
     """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs)."""
+    _require_floating("as_points", x)
     return x.detach().requires_grad_()
+
+
+def _require_floating(who: str, *tensors: Tensor) -> None:
+    for x in tensors:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            what = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise GradientError(
+                f"{who} needs floating-point batches, got {what}: gradients exist for floating "
+                "point only. Convert the data first, e.g. images.float() / 255."
+            )
 
 
 def _per_sample_uniform(x: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -22,16 +35,55 @@ def _per_sample_uniform(x: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.rand(shape, generator=generator, dtype=x.dtype, device=x.device)
 
 
-def interpolate(real: Tensor, fake: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
-    r"""WGAN-GP's :math:`\hat x = x + u (\tilde x - x)`, one :math:`u \sim U[0, 1)` per sample."""
+def _coefficients(alpha: float | Tensor, like: Tensor) -> Tensor:
+    """``alpha`` as a tensor broadcastable to ``like`` with one value per sample (or one for all),
+    checked to lie in [0, 1] (on the CPU; on a GPU the check would wait for the device)."""
+    if not isinstance(alpha, Tensor):
+        alpha = torch.tensor(float(alpha), dtype=like.dtype, device=like.device)
+    if alpha.ndim == 1 and alpha.shape[0] == like.shape[0]:
+        alpha = alpha.view((-1,) + (1,) * (like.ndim - 1))
+    per_sample = alpha.ndim == like.ndim and alpha.shape[0] in (1, like.shape[0]) and all(
+        s == 1 for s in alpha.shape[1:])
+    if alpha.ndim != 0 and not per_sample:
+        raise GradientError(
+            f"alpha has shape {tuple(alpha.shape)}; it must be a number, one value per sample "
+            f"([{like.shape[0]}]) or a broadcastable [{like.shape[0]}{', 1' * (like.ndim - 1)}]."
+        )
+    if alpha.device.type == "cpu" and not bool(((alpha >= 0) & (alpha <= 1)).all()):
+        raise GradientError(
+            f"alpha must lie in [0, 1] (it is an interpolation coefficient), got values in "
+            f"[{float(alpha.min())}, {float(alpha.max())}]."
+        )
+    return alpha.to(like.dtype)
+
+
+def interpolate(real: Tensor, fake: Tensor, alpha: float | Tensor | None = None, *,
+                alpha_on: str = "fake", generator: torch.Generator | None = None) -> Tensor:
+    r"""WGAN-GP's points on the segments between real and fake samples, as detached leaves.
+
+    With ``alpha_on="fake"`` (default) :math:`\hat x = x + \alpha (\tilde x - x)`, the
+    WGAN-GP paper's code (``real + alpha * (fake - real)``; computed by ``torch.lerp``); with
+    ``alpha_on="real"`` :math:`\hat x = \alpha x + (1 - \alpha) \tilde x`, computed exactly as
+    StudioGAN, mmagic and most PyTorch scripts write it (``alpha * real + (1 - alpha) * fake``).
+    ``x`` = ``real``, :math:`\tilde x` = ``fake``. ``alpha``: ``None`` draws one
+    :math:`\alpha \sim U[0, 1)` per sample (from ``generator``); or a number in [0, 1], or one
+    value per sample (shape ``[B]`` or ``[B, 1, ..., 1]``), to reproduce a script's own draws.
+    """
     if real.shape != fake.shape:
         raise ValueError(
             f"interpolation needs real and fake batches of the same shape, got {tuple(real.shape)} "
             f"and {tuple(fake.shape)}: generate as many fakes as there are reals (or slice both "
             "to the smaller batch)."
         )
+    if alpha_on not in ("fake", "real"):
+        raise ValueError(f"alpha_on must be 'fake' or 'real' (the side alpha weighs), got "
+                         f"{alpha_on!r}.")
+    _require_floating("interpolate", real, fake)
     real, fake = real.detach(), fake.detach()
-    return as_points(torch.lerp(real, fake, _per_sample_uniform(real, generator)))
+    alpha = _per_sample_uniform(real, generator) if alpha is None else _coefficients(alpha, real)
+    if alpha_on == "fake":
+        return as_points(torch.lerp(real, fake, alpha))
+    return as_points(alpha * real + (1 - alpha) * fake)
 
 
 def perturb_dragan(real: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
@@ -42,6 +94,7 @@ def perturb_dragan(real: Tensor, *, generator: torch.Generator | None = None) ->
     sample, as in the reference implementation (Kodali et al. 2017:
     ``X + 0.5 * X.std() * np.random.random(X.shape)`` on numpy arrays).
     """
+    _require_floating("perturb_dragan", real)
     real = real.detach()
     noise = torch.rand(real.shape, generator=generator, dtype=real.dtype, device=real.device)
     perturbed = real + 0.5 * real.std(correction=0) * noise

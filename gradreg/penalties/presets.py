@@ -1,23 +1,15 @@
 """Named configurations of :class:`GradientPenalty`: the published penalties, nothing more.
 
-| preset            | formula                                             | points        |
-|-------------------|-----------------------------------------------------|---------------|
-| wgan_gp           | λ mean (‖∇D(x̂)‖ − 1)², x̂ interpolates              | interpolates  |
-| wgan_lp           | λ mean max(0, ‖∇D(x̂)‖ − 1)²                         | interpolates  |
-| r1 / r2           | γ/2 mean ‖∇D(x)‖² on reals / fakes                  | real / fake   |
-| dragan            | λ mean (‖∇D(x̃)‖ − 1)², x̃ perturbed reals           | perturbed     |
-| double_backprop   | λ mean ‖∇ₓ loss_i‖²                                 | inputs        |
-| intermediate      | λ mean ‖∇_h loss_i‖² over named activations h       | activations   |
-| jacobian          | λ mean ‖J‖_F², random orthonormal projections       | inputs        |
-| param_grad_norm   | λ ‖∇θ loss‖                                         | parameters    |
-| path_length       | w mean (‖J_wᵀ y‖ − a)², a an EMA, y ~ N(0, I)/√pix  | latents       |
-| derivative        | λ mean ‖∂ⁿ y/∂xⁿ‖²                                  | inputs        |
+Each preset is a dict of :class:`GradientPenalty` options (:data:`PRESETS`) and a function of the
+same name that builds it, taking the weight as its only positional argument:
+``wgan_gp(0.1)`` is ``wgan_gp(weight=0.1)`` is ``make_penalty("wgan_gp", weight=0.1)``; every
+other option is a keyword (``r1(1.0, every=16)``).
 """
 
 from __future__ import annotations
 
 import inspect
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 from gradreg.penalties.mechanism import GradientPenalty
@@ -40,6 +32,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "derivative": {"weight": 1.0, "order": 2, "points": "inputs"},
 }
 
+#: The formula of each preset, for its function's docstring.
+FORMULAS = {
+    "wgan_gp": "λ mean_i (‖∇D(x̂_i)‖ − 1)² at interpolates x̂ (Gulrajani et al. 2017)",
+    "wgan_lp": "λ mean_i max(0, ‖∇D(x̂_i)‖ − 1)² at interpolates x̂ (Petzka et al. 2018)",
+    "r1": "γ/2 mean_i ‖∇D(x_i)‖² at the reals (Mescheder et al. 2018)",
+    "r2": "γ/2 mean_i ‖∇D(x̃_i)‖² at the fakes (Mescheder et al. 2018)",
+    "dragan": "λ mean_i (‖∇D(x̃_i)‖ − 1)² at perturbed reals x̃ (Kodali et al. 2017)",
+    "double_backprop": "λ mean_i ‖∇_x loss_i‖² at the inputs (Drucker & LeCun 1992)",
+    "intermediate": "λ mean_i ‖∇_h loss_i‖² at the named activations h (``layers=[...]``)",
+    "jacobian": "λ mean_i ‖J_i‖_F², by random orthonormal projections (Hoffman et al. 2019)",
+    "param_grad_norm": "λ ‖∇_θ loss‖ over all parameters (Zhao, Zhang & Hu 2022)",
+    "path_length": "w mean_i (‖J_wᵀ y‖ − a)², a the running mean (Karras et al. 2020)",
+    "derivative": "λ mean_i ‖∂ⁿ y/∂xⁿ‖² at the inputs, n = ``order``",
+}
+
 _OPTIONS = tuple(inspect.signature(GradientPenalty).parameters)
 
 
@@ -55,14 +62,44 @@ def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
     return GradientPenalty(**{**PRESETS[name], **overrides})
 
 
-wgan_gp = partial(make_penalty, "wgan_gp")
-wgan_lp = partial(make_penalty, "wgan_lp")
-r1 = partial(make_penalty, "r1")
-r2 = partial(make_penalty, "r2")
-dragan = partial(make_penalty, "dragan")
-double_backprop = partial(make_penalty, "double_backprop")
-intermediate = partial(make_penalty, "intermediate")
-jacobian = partial(make_penalty, "jacobian")
-param_grad_norm = partial(make_penalty, "param_grad_norm")
-path_length = partial(make_penalty, "path_length")
-derivative = partial(make_penalty, "derivative")
+def _preset(name: str) -> Callable[..., GradientPenalty]:
+    """The function ``name(weight=<default>, **options)`` that builds the preset ``name``."""
+    default = PRESETS[name]["weight"]
+
+    def build(*args: float, **options: Any) -> GradientPenalty:
+        if len(args) > 1:
+            raise TypeError(
+                f"{name}() takes the weight as its only positional argument "
+                f"({name}(weight={default}, **options), e.g. {name}(0.1, every=16)); got "
+                f"{len(args)} positional arguments {args}: pass the other options by name."
+            )
+        if args and "weight" in options:
+            raise TypeError(f"{name}() got the weight twice: {args[0]} positionally and "
+                            f"weight={options['weight']}.")
+        return make_penalty(name, **dict(zip(("weight",), args, strict=False)), **options)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (
+        f"The ``{name}`` preset: {FORMULAS[name]}.\n\n"
+        f"``weight`` (default {default}) may be passed positionally; every other option of "
+        f":class:`GradientPenalty` by keyword. Preset options: {PRESETS[name]}."
+    )
+    build.__signature__ = inspect.Signature([
+        inspect.Parameter("weight", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                          annotation=float),
+        inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD, annotation=Any),
+    ], return_annotation=GradientPenalty)
+    return build
+
+
+wgan_gp = _preset("wgan_gp")
+wgan_lp = _preset("wgan_lp")
+r1 = _preset("r1")
+r2 = _preset("r2")
+dragan = _preset("dragan")
+double_backprop = _preset("double_backprop")
+intermediate = _preset("intermediate")
+jacobian = _preset("jacobian")
+param_grad_norm = _preset("param_grad_norm")
+path_length = _preset("path_length")
+derivative = _preset("derivative")

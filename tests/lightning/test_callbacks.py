@@ -275,8 +275,8 @@ def test_schedule_sets_and_logs_the_formula(tmp_path: Path) -> None:
     run = fit(tmp_path, module, [schedule], max_steps=6)
     expected = {t: 2.0 * min(t / 4, 1.0) for t in range(6)}  # 0, .5, 1, 1.5, 2, 2
     assert scalars(run, "penalty_weight/gp") == pytest.approx(expected)
-    assert module.gp.weight == schedule.weight == 2.0
-    assert schedule.step == 5
+    assert module.gp.weight == schedule.weights["gp"] == 2.0
+    assert schedule.optimizer_steps == {"gp": 5}
 
 
 class TwoPenalties(PlainClassifier):
@@ -305,15 +305,16 @@ def test_schedule_state_is_checkpointed_and_restored(tmp_path: Path) -> None:
     path = tmp_path / "schedule.ckpt"
     first.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)["callbacks"][schedule.state_key]
-    expected = {"kind": "cosine", "start": 1.0, "end": 0.0, "steps": 8, "begin": 0, "step": 2,
-                "weight": (1 + math.cos(math.pi * 2 / 8)) / 2}
-    assert saved == pytest.approx(expected)
+    weight = (1 + math.cos(math.pi * 2 / 8)) / 2
+    expected = {"kind": "cosine", "start": 1.0, "end": 0.0, "steps": 8, "begin": 0,
+                "optimizer_steps": {"gp": 2}, "weights": {"gp": pytest.approx(weight)}}
+    assert saved == expected
 
     restored = PenaltyWeightSchedule("cosine", start=1.0, end=0.0, steps=8)
     module = PlainClassifier()
     trainer(tmp_path, [restored], max_steps=3).fit(module, loader(), ckpt_path=path)
     assert restored.state_dict() == saved
-    assert module.gp.weight == pytest.approx(expected["weight"])  # the penalty's own state
+    assert module.gp.weight == pytest.approx(weight)  # the penalty's own state
 
 
 def test_schedule_warns_when_resumed_with_another_schedule(tmp_path: Path) -> None:

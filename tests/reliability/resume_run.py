@@ -40,7 +40,7 @@ def fit(directory: Path, *, ckpt_path: Path | None = None, kill: bool = False,
     L.seed_everything(0)
     model = gan(**PENALTIES)
     callbacks = [
-        PenaltyWeightSchedule("linear", start=0.0, end=10.0, steps=30, penalties=["penalties.gp"]),
+        PenaltyWeightSchedule("linear", start=0.0, end=10.0, steps=20, penalties=["penalties.gp"]),
         ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1),
         *([RandomState()] if random_state else []),
         *([KillAt(KILL_EPOCH, KILL_BATCH)] if kill else []),

@@ -1,8 +1,8 @@
 r"""Warm-up and anneal of penalty weights.
 
-With :math:`s = \operatorname{clip}\big((t - \text{begin}) / \text{steps}, 0, 1\big)` at optimizer
-step :math:`t` (``trainer.global_step``; in manual optimization every ``optimizer.step()``
-counts), the weight is
+With :math:`s = \operatorname{clip}\big((t - \text{begin}) / \text{steps}, 0, 1\big)` at step
+:math:`t` of the optimizer the penalty belongs to (what is counted: :class:`PenaltyWeightSchedule`),
+the weight is
 
 * ``constant``: :math:`w(t) = \text{end}`;
 * ``linear``:   :math:`w(t) = \text{start} + (\text{end} - \text{start})\, s`;
@@ -74,10 +74,24 @@ class WeightSchedule:
 class PenaltyWeightSchedule(pl.Callback):
     """Set ``.weight`` of the module's :class:`GradientPenalty` submodules to :math:`w(t)`.
 
+    What :math:`t` counts: the optimizer steps taken so far by the optimizer the penalty belongs
+    to, before the batch about to run.
+
+    * Automatic optimization: ``trainer.global_step`` (one per optimizer step, so with
+      ``accumulate_grad_batches=k`` one per ``k`` batches).
+    * Manual optimization (gradreg's GAN: ``n_critic`` critic steps per generator step): the
+      penalty's own step counter, advanced by each call of :meth:`GradientPenalty.due`, which the
+      module calls once per step of the penalty's optimizer: critic penalties count critic steps,
+      generator penalties (path length) generator steps. A 100-step ramp of WGAN-GP's weight
+      ends after exactly 100 critic steps, not after 100 steps of both networks. A penalty whose
+      counter never advances (a module that does not call ``due()``) is an error at the end of
+      the first epoch.
+
     Before each training batch the weight of every penalty (or of those named in ``penalties``,
-    dotted module paths such as ``"penalties.gp"``) becomes ``w(trainer.global_step)``; it is
-    logged as ``penalty_weight/<module path>``. The schedule and the last applied ``step`` and
-    ``weight`` are saved in checkpoints and restored on resume.
+    dotted module paths such as ``"penalties.gp"``) becomes :math:`w(t)`; it is logged as
+    ``penalty_weight/<module path>`` at Lightning's logging steps (x axis: ``global_step``, which
+    in the GAN counts the steps of both optimizers). The schedule and the last applied steps and
+    weights are saved in checkpoints and restored on resume.
 
     Args:
         kind, start, end, steps, begin: the :class:`WeightSchedule` (module docstring).
@@ -101,8 +115,8 @@ class PenaltyWeightSchedule(pl.Callback):
             )
         self.schedule = WeightSchedule(kind, start, end, steps, begin)
         self.penalties = None if penalties is None else tuple(penalties)
-        self.step: int | None = None
-        self.weight: float | None = None
+        self.optimizer_steps: dict[str, int] = {}
+        self.weights: dict[str, float] = {}
         self._targets: dict[str, GradientPenalty] = {}
 
     @property
@@ -125,26 +139,48 @@ class PenaltyWeightSchedule(pl.Callback):
         names = found if self.penalties is None else self.penalties
         self._targets = {name: found[name] for name in names}
 
+    @staticmethod
+    def counted_step(trainer: pl.Trainer, pl_module: pl.LightningModule,
+                       penalty: GradientPenalty) -> int:
+        """:math:`t` of ``penalty`` (class docstring): the global step, or in manual
+        optimization the penalty's own step counter."""
+        if pl_module.automatic_optimization:
+            return trainer.global_step
+        return penalty.steps_taken
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.step = trainer.global_step
-        self.weight = self.schedule(self.step)
-        for penalty in self._targets.values():
-            penalty.weight = self.weight
+        for name, penalty in self._targets.items():
+            self.optimizer_steps[name] = self.counted_step(trainer, pl_module, penalty)
+            self.weights[name] = penalty.weight = self.schedule(self.optimizer_steps[name])
         if logging_due(trainer):
-            tags = [f"{PENALTY_WEIGHT}/{name}" for name in self._targets]
-            log_scalars(trainer, dict.fromkeys(tags, self.weight))
+            log_scalars(trainer, {f"{PENALTY_WEIGHT}/{name}": weight
+                                  for name, weight in self.weights.items()})
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.automatic_optimization or trainer.global_step == 0:
+            return
+        idle = sorted(name for name, penalty in self._targets.items()
+                      if penalty.steps_taken == 0)
+        if idle:
+            raise ValueError(
+                f"PenaltyWeightSchedule: the step counter of {idle} did not advance over an epoch "
+                f"of {trainer.global_step} optimizer steps. In manual optimization the schedule "
+                "counts the steps of each penalty's own optimizer through penalty.due(): call "
+                "it once per step of that optimizer (and compute the penalty when it is True)."
+            )
 
     def state_dict(self) -> dict[str, Any]:
-        return {**asdict(self.schedule), "step": self.step, "weight": self.weight}
+        return {**asdict(self.schedule), "optimizer_steps": dict(self.optimizer_steps),
+                "weights": dict(self.weights)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = WeightSchedule(**{f.name: state_dict[f.name] for f in fields(WeightSchedule)})
         if saved != self.schedule:
             rank_zero_warn(
                 f"the checkpoint was trained with {saved}; resuming with {self.schedule} from "
-                f"step {state_dict['step']}."
+                f"optimizer steps {state_dict.get('optimizer_steps', state_dict.get('step'))}."
             )
-        self.step = state_dict["step"]
-        self.weight = state_dict["weight"]
+        self.optimizer_steps = dict(state_dict.get("optimizer_steps", {}))
+        self.weights = dict(state_dict.get("weights", {}))

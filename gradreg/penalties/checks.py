@@ -1,0 +1,42 @@
+"""What a penalty refuses before computing anything: batches it cannot penalize per sample.
+
+A per-sample penalty needs the outputs of each sample, ``[B]`` or ``[B, ...]`` for ``B`` points:
+the gradient of a batch *mean* w.r.t. sample :math:`x_i` is :math:`\\frac1B \\nabla f(x_i)`, so a
+squared-norm penalty of it is :math:`B^2` times too small, and a target of 1 (WGAN-GP) pulls the
+wrong norm. Nothing in the numbers shows it; only the shapes do.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from gradreg.autograd import GradientError
+
+__all__ = ["check_per_sample"]
+
+
+def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:
+    """Raise :class:`~gradreg.GradientError` for an empty batch, or for ``outputs`` that are not
+    one row per sample of the points ``inputs`` (a scalar such as ``D(x).mean()``, or another
+    batch size)."""
+    batch = inputs[0].shape[0] if inputs[0].ndim > 0 else 1
+    if batch == 0 or (outputs.ndim > 0 and outputs.shape[0] == 0):
+        raise GradientError(
+            "empty batch: there are no samples to penalize. Skip the penalty for empty "
+            "batches (or use drop_last=True in the data loader)."
+        )
+    if outputs.ndim > 0 and outputs.shape[0] not in (batch, 1):
+        raise GradientError(
+            f"the outputs have shape {tuple(outputs.shape)}, but the points are a batch of "
+            f"{batch} samples: pass the outputs computed from these points, one row per sample "
+            f"([{batch}] or [{batch}, ...])."
+        )
+    if batch > 1 and (outputs.ndim == 0 or outputs.shape[0] != batch):
+        raise GradientError(
+            f"the outputs have shape {tuple(outputs.shape)}, but the points are a batch of "
+            f"{batch} samples: pass the per-sample outputs, one row per sample ([{batch}] or "
+            f"[{batch}, ...]), e.g. D(x) rather than D(x).mean(), and per-sample losses "
+            "(F.cross_entropy(..., reduction='none')) rather than their mean. The gradient of a "
+            f"batch mean is 1/{batch} of each sample's, so the penalty would be {batch}² times "
+            "too small."
+        )
