@@ -16,9 +16,12 @@ Hydra, which the layering forbids (the core and the Lightning layer work without
 The penalties of a run are ``penalty`` (unless ``penalty=none``) plus the ``penalties`` dict,
 passed to the model as ``name -> GradientPenalty``.
 
-Errors: a configuration that cannot be built (unknown preset, negative weight, a critic penalty
-for a classifier, ``n_critic < 1`` ...) ends the run with exit status 2 and one line on stderr
-naming the config key and the valid values; ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+Errors: a configuration that cannot be built or used (unknown preset, negative weight, a critic
+penalty for a classifier, ``n_critic < 1``, ``seed=abc``, ``data.batch_size=0``, an output folder
+that cannot be written, a checkpoint that is missing or truncated ...) ends the run before
+training with exit status 2 and one line on stderr naming the config key and the valid values;
+``HYDRA_FULL_ERROR=1`` shows the traceback instead. The checks and the resume rules live in
+``scripts/train_app/``.
 Unknown group options (``penalty=foo``) are Hydra's own error, which lists the options (status 1).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
@@ -30,44 +33,37 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
-
-# Lightning exports no public name for the launcher that re-runs the script once per extra rank.
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from omegaconf import DictConfig
 
-# Run from a checkout without installing the package (with `pip install -e .` this changes nothing).
+# Run from a checkout without installing the package (with `pip install -e .` this changes
+# nothing), and find the app's own modules (scripts/train_app) however this file is run.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train_app import runtime
+from train_app.checks import (
+    ConfigError,
+    building,
+    check_values,
+    check_writable,
+    resolve_checkpoint,
+)
+from train_app.resume import ResumedWeights, weight_overrides
+
 from gradreg import GradientError
+from gradreg.lightning.compat import relaunches_script
 
 
-class ConfigError(Exception):
-    """A part of the configuration could not be built; the message starts with its key."""
-
-
-@contextmanager
-def building(key: str) -> Iterator[None]:
-    """Turn any error raised while building ``key`` into a ConfigError naming ``key``."""
-    try:
-        yield
-    except Exception as error:
-        while isinstance(error, InstantiationException) and error.__cause__ is not None:
-            error = error.__cause__  # Hydra's wrapper: report what the constructor said
-        raise ConfigError(f"{key}: {error}") from error
-
-
-def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
+def build(cfg: DictConfig, resuming: bool = False
+          ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """Data module, model (with its penalties) and trainer of the configuration ``cfg``."""
     with building("data"):
         datamodule = instantiate(cfg.data, _convert_="all")
@@ -84,8 +80,14 @@ def build(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule, L.
     with building("callbacks"):
         # a callback set to null in a config (or `callbacks.<name>=null`) is left out
         callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    if resuming:
+        explicit = weight_overrides(HydraConfig.get().overrides.task, cfg.penalty.name)
+        callbacks.append(ResumedWeights({k: p.weight for k, p in penalties.items()}, explicit))
     with building("trainer"):
-        trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+        trainer = instantiate(
+            cfg.trainer, logger=loggers or False, callbacks=callbacks,
+            enable_progress_bar=runtime.progress_bar(cfg.trainer.get("enable_progress_bar")),
+            use_distributed_sampler=not cfg.data.get("global_batch", False))
         check_launcher(trainer)
     return datamodule, model, trainer
 
@@ -97,7 +99,7 @@ def check_launcher(trainer: L.Trainer) -> None:
     output directories; ``ddp_spawn`` starts the ranks as processes of the current job instead.
     """
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    if multirun and isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher):
+    if multirun and relaunches_script(trainer):
         raise ValueError(
             f"strategy {type(trainer.strategy).__name__} re-launches scripts/train.py for each "
             "extra rank, which inside a multirun (-m) re-runs the whole sweep with its own output "
@@ -106,15 +108,17 @@ def check_launcher(trainer: L.Trainer) -> None:
         )
 
 
-def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path) -> None:
-    """Print the final metrics and where the logs and the checkpoint are; save metrics.json."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | None) -> None:
+    """Print the final metrics and where the logs and the checkpoint are; save metrics.json in
+    ``output_dir`` (None: nothing is written, as in ``debug=fast_dev_run``)."""
     width = max(map(len, metrics), default=0)
     print("\nfinal metrics:")
     for name, value in sorted(metrics.items()):
         print(f"  {name:<{width}}  {value:.4f}")
-    log_dir = getattr(trainer.logger, "log_dir", None)  # None without a logger, in fast_dev_run
+    if output_dir is None:
+        return
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    log_dir = getattr(trainer.logger, "log_dir", None)  # None without a logger
     checkpoint = trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path
     print(f"tensorboard logs: {Path(log_dir) if log_dir else '(none)'}")
     print(f"checkpoint:       {checkpoint or '(none)'}")
@@ -123,10 +127,20 @@ def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path) -> N
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    L.seed_everything(cfg.seed, workers=True)
     try:
-        datamodule, model, trainer = build(cfg)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        check_values(cfg)
+        fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
+        output_dir = None if fast_dev_run else Path(cfg.paths.output_dir)
+        if output_dir is not None:
+            check_writable(output_dir)
+        ckpt_path = resolve_checkpoint(cfg.get("ckpt_path"), Path(cfg.paths.runs),
+                                       Path(cfg.paths.output_dir))
+        runtime.configure(cfg.get("threads"))
+        L.seed_everything(cfg.seed, workers=True)
+        datamodule, model, trainer = build(cfg, resuming=ckpt_path is not None)
+        if ckpt_path is not None and trainer.is_global_zero:
+            print(f"resuming from {ckpt_path}", flush=True)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         trainer.test(model, datamodule=datamodule, verbose=False)
     except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
@@ -137,7 +151,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(2)
     metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
-        report(trainer, metrics, Path(cfg.paths.output_dir))
+        report(trainer, metrics, output_dir)
     return metrics
 
 

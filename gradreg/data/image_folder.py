@@ -19,16 +19,14 @@ from pathlib import Path
 from torch.utils.data import Subset
 
 from gradreg.data.splits import SplitDataModule, seeded_split
+from gradreg.models.torchvision_import import import_torchvision
 
-try:
-    from PIL import Image
-    from torchvision import transforms
-    from torchvision.datasets import ImageFolder
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "data=image_folder needs torchvision: pip install 'gradreg[vision]'"
-    ) from error
+import_torchvision("data=image_folder")
+
+from PIL import Image  # noqa: E402  (torchvision installs it)
+from torchvision import transforms  # noqa: E402
+from torchvision.datasets import ImageFolder  # noqa: E402
+from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
 
 
 def readable_image(path: str) -> bool:
@@ -68,8 +66,10 @@ class ImageFolderDataModule(SplitDataModule):
         test_fraction: float = 0.15,
         seed: int = 0,
         num_workers: int = 0,
+        global_batch: bool = False,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers)
+        super().__init__(batch_size=batch_size, num_workers=num_workers,
+                         global_batch=global_batch)
         channels, *size = (int(s) for s in shape)
         if channels not in (1, 3) or len(size) != 2 or size[0] != size[1]:
             raise ValueError(f"data.shape={list(shape)} must be [1 or 3, S, S]")

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 
 def seeded_split(n: int, val_fraction: float, test_fraction: float, seed: int
@@ -20,28 +29,65 @@ def seeded_split(n: int, val_fraction: float, test_fraction: float, seed: int
     return dict(zip(("test", "val", "train"), parts, strict=True))
 
 
+class RankSlices(Sampler[list[int]]):
+    """The batches of ``batches``, each cut into ``world`` contiguous slices (sizes differing by
+    at most one), of which this sampler yields slice ``rank``: the ranks together see exactly the
+    batches of one process, in its order."""
+
+    def __init__(self, batches: Sampler[list[int]], rank: int, world: int) -> None:
+        self.batches, self.rank, self.world = batches, rank, world
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            yield batch[len(batch) * self.rank // self.world:
+                        len(batch) * (self.rank + 1) // self.world]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class SplitDataModule(L.LightningDataModule):
     """Serves ``self.splits["train" | "val" | "test"]``; only the training split is shuffled.
 
     Subclasses fill ``self.splits`` in ``__init__``: the data sets here are small, built from a
     seed and need no download, so there is nothing to prepare per process.
+
+    Under DDP, ``batch_size`` is per rank by default (Lightning's ``DistributedSampler`` gives
+    each rank its own shuffled share of the data, so W ranks train on batches of W x
+    ``batch_size``). With ``global_batch=True`` it is the batch of the whole run: every rank
+    draws the single-process order (same seed) and takes its contiguous 1/W of each batch
+    (:class:`RankSlices`), so the ranks together train on the batches one process would; the
+    trainer needs ``use_distributed_sampler=False`` (the app sets it), and ``batch_size`` must be
+    a multiple of W. Validation and test run whole on every rank.
     """
 
     splits: dict[str, Dataset]
 
-    def __init__(self, *, batch_size: int, num_workers: int = 0) -> None:
+    def __init__(self, *, batch_size: int, num_workers: int = 0,
+                 global_batch: bool = False) -> None:
         super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.global_batch = global_batch
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        options = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        trainer = self.trainer
+        world = 1 if trainer is None else trainer.world_size
+        if split == "train" and self.global_batch and world > 1:
+            if self.batch_size % world:
+                raise ValueError(
+                    f"batch_size={self.batch_size} is the global batch (global_batch=True) and "
+                    f"must be a multiple of the {world} ranks")
+            sampler = RandomSampler(self.splits[split]) if shuffle else None
+            batches = BatchSampler(sampler or SequentialSampler(self.splits[split]),
+                                   self.batch_size, drop_last=False)
+            return DataLoader(self.splits[split], batch_sampler=RankSlices(
+                batches, trainer.global_rank, world), **options)
+        return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle,
+                          **options)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

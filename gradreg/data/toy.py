@@ -105,8 +105,10 @@ class ToyDataModule(SplitDataModule):
         batch_size: int = 256,
         seed: int = 0,
         num_workers: int = 0,
+        global_batch: bool = False,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers)
+        super().__init__(batch_size=batch_size, num_workers=num_workers,
+                         global_batch=global_batch)
         if name not in TOY_SETS:
             raise ValueError(f"data.name={name!r} is unknown; valid values: {sorted(TOY_SETS)}")
         self.save_hyperparameters()

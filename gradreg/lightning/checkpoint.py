@@ -38,9 +38,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     atomic within one file system. A process killed at any point of a save leaves the previous
     checkpoint at ``path`` intact (at worst a stray ``.*.tmp`` file, which no checkpoint pattern
     matches); a save that raises removes its temporary file. Use it as
-    ``Trainer(plugins=[AtomicCheckpointIO()])``. (Lightning's own save writes through an
-    ``fsspec`` transaction whose temporary file lives in the system temp dir; across file systems
-    its final move is a copy, and nothing is fsynced.)
+    ``Trainer(plugins=[AtomicCheckpointIO()])``. The file gets the mode a plain ``open()`` would
+    give it (0666 less the umask), not the temporary file's 0600. (Lightning's own save writes
+    through an ``fsspec`` transaction whose temporary file lives in the system temp dir; across
+    file systems its final move is a copy, and nothing is fsynced.)
     """
 
     def save_checkpoint(
@@ -56,6 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                                  dir=path.parent)
         try:
+            os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 -> what open() would give
             with os.fdopen(descriptor, "wb") as file:
                 torch.save(checkpoint, file)
                 file.flush()
@@ -65,6 +67,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(temporary).unlink(missing_ok=True)
             raise
         _fsync_directory(path.parent)
+
+
+def _umask() -> int:
+    """The process's file mode creation mask (reading it means setting it: set it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: Path) -> None:

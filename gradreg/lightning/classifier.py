@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradreg import capture, gradient
+from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import PRESETS, GradientPenalty, as_points
@@ -124,8 +125,16 @@ class Classifier(L.LightningModule):
         self.fgsm_eps = fgsm_eps
         self.pgd_steps = pgd_steps
         self.input_range = None if input_range is None else tuple(input_range)
-        if input_shape is not None:
-            self.example_input_array = torch.zeros(1, *input_shape)
+        self.input_shape = None if input_shape is None else tuple(input_shape)
+
+    @property
+    def example_input_array(self) -> Tensor | None:
+        """One zero sample for Lightning's model summary, in the dtype and on the device of the
+        parameters (so that ``precision="64-true"`` or a bf16 model summarizes too)."""
+        if self.input_shape is None:
+            return None
+        parameter = next(self.backbone.parameters())
+        return torch.zeros(1, *self.input_shape, dtype=parameter.dtype, device=parameter.device)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.backbone(x)
@@ -141,7 +150,7 @@ class Classifier(L.LightningModule):
         per_sample = F.cross_entropy(logits, y, reduction="none")
         loss = per_sample.mean()
         penalties = {}
-        scale = loss_scale(self._trainer)  # fp16 GradScaler: PyTorch's penalty recipe
+        scale = loss_scale(attached_trainer(self))  # fp16 GradScaler: PyTorch's penalty recipe
         for name, gp in due.items():
             if gp.points == "inputs":
                 outputs, fn_args = self._outputs(gp, x, logits, per_sample, y)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gradreg.data.toy import MIXTURES, TOY_SETS
 from gradreg.lightning.classifier import check_penalties, settle_finite_checks
+from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.metrics import energy_distance, mode_metrics
 from gradreg.lightning.precision import loss_scale
@@ -134,7 +135,7 @@ class GAN(L.LightningModule):
         real: Tensor,
     ) -> None:
         with self.toggled_optimizer(optimizer):
-            terms = terms_of(real, loss_scale(self._trainer))  # None unless fp16
+            terms = terms_of(real, loss_scale(attached_trainer(self)))  # None unless fp16
             optimizer.zero_grad(set_to_none=True)
             self.manual_backward(sum(terms.values()))
             optimizer.step()

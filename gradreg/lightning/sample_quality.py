@@ -48,7 +48,8 @@ class SampleScorer(nn.Module):
     Args:
         num_classes: classes of the real data.
         shape: ``[C, S, S]`` of one image.
-        cache: where the trained classifier is saved (and loaded from, when it exists).
+        cache: where the trained classifier is saved (and loaded from, when it exists); None:
+            trained in every run, nothing written.
         epochs, lr, channels: its training (Adam) and its two convolution widths.
         seed: seed of its initialization and shuffling.
     """
@@ -57,7 +58,7 @@ class SampleScorer(nn.Module):
         self,
         num_classes: int,
         shape: Sequence[int],
-        cache: str,
+        cache: str | None,
         *,
         epochs: int = 10,
         lr: float = 1e-3,
@@ -71,17 +72,18 @@ class SampleScorer(nn.Module):
             self.classifier = CNN(num_classes, in_channels=in_channels, image_size=size,
                                   channels=channels)
         self.num_classes = num_classes
-        self.cache = Path(cache)
+        self.cache = None if cache is None else Path(cache)
         self.epochs, self.lr, self.seed = epochs, lr, seed
         self.register_buffer("trained", torch.zeros((), dtype=torch.bool))
 
     def prepare(self, batches: Iterable[Sequence[Tensor]]) -> None:
         """Train on ``(x, y)`` batches, or load the cached classifier; then freeze it."""
         if not bool(self.trained):
-            if self.cache.is_file():
+            if self.cache is not None and self.cache.is_file():
                 self.classifier.load_state_dict(torch.load(self.cache, map_location="cpu"))
             else:
                 self._train(batches)
+            if self.cache is not None and not self.cache.is_file():
                 tmp = self.cache.with_suffix(f".tmp{os.getpid()}")
                 self.cache.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self.classifier.state_dict(), tmp)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-try:
-    from torchvision.models import resnet18 as torchvision_resnet18
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("model=resnet18 needs torchvision: pip install 'gradreg[vision]'") from error
+from gradreg.models.torchvision_import import import_torchvision
+
+torchvision_resnet18 = import_torchvision("model=resnet18").models.resnet18
 
 
 def resnet18(num_classes: int = 10, *, in_channels: int = 3, small_images: bool = True

@@ -45,8 +45,9 @@ def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Pa
     lines = dict(line.split(":", 1) for line in result.stdout.splitlines()[-3:])
     assert Path(lines["tensorboard logs"].strip()) == tmp_path / "tensorboard"
     assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert Path(lines["checkpoint"].strip()) == tmp_path / "checkpoints" / "epoch=0-step=3.ckpt"
-    assert (tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").is_file()
+    assert Path(lines["checkpoint"].strip()) == tmp_path / "checkpoints" / "epoch0-step3.ckpt"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "epoch0-step3.ckpt", "last.ckpt"]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert set(metrics) == CLASSIFIER_METRICS | {"train/loss", "train/total",
                                                  "train/penalty/double_backprop"}
@@ -56,18 +57,27 @@ def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Pa
         assert f"  {name}" in result.stdout and f"{value:.4f}" in result.stdout
 
 
+def printed_metrics(stdout: str) -> list[set[str]]:
+    """The metric names of each "final metrics:" block a run (or each job of a sweep) printed."""
+    blocks = stdout.split("final metrics:\n")[1:]
+    return [{line.split()[0] for line in block.splitlines()
+             if line.startswith("  ") and len(line.split()) == 2} for block in blocks]
+
+
 def test_every_experiment_runs_in_one_multirun(tmp_path: Path) -> None:
-    """``-m experiment=glob(*) debug=fast_dev_run``: one job per experiment config, each ends
-    with the metrics of its kind (classifier, GAN, GAN on a mixture)."""
+    """``-m experiment=glob(*) debug=fast_dev_run``: one job per experiment config, each prints
+    the metrics of its kind (classifier, GAN, GAN on a mixture) and, being a fast_dev_run,
+    writes no file but the sweep's multirun.yaml: no metrics.json, .hydra/, log, checkpoint or
+    scorer cache."""
     result = run_script("-m", "experiment=glob(*)", "debug=fast_dev_run",
                         "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     experiments = options("experiment")
     assert len(experiments) >= 6
-    for job, experiment in enumerate(experiments):  # Hydra sorts glob matches
-        job_dir = tmp_path / str(job)
-        assert (job_dir / ".hydra" / "overrides.yaml").read_text().count(experiment) == 1
-        metrics = set(json.loads((job_dir / "metrics.json").read_text()))
+    jobs = printed_metrics(result.stdout)
+    assert len(jobs) == len(experiments)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [tmp_path / "multirun.yaml"]
+    for metrics, experiment in zip(jobs, experiments, strict=True):  # Hydra sorts glob matches
         if experiment.startswith("gan_digits"):
             expected = GAN_METRICS | IMAGE_METRICS
         elif experiment.startswith("gan_"):
@@ -179,6 +189,22 @@ BAD_CONFIGS = {
     "penalty method the model refuses": (["+penalty.method=finite_difference"], 2, [
         "error: training: method='finite_difference' on a piecewise-linear model (Relu in its "
         "graph)"]),
+    # each of these was a traceback, a bare AssertionError, or a run that trained anyway
+    "seed not a number": (["seed=abc"], 2, ["error: seed: must be an integer, got 'abc'"]),
+    "max_epochs not a number": (["trainer.max_epochs=abc"], 2, [
+        "error: trainer.max_epochs: must be an integer >= 1", "got 'abc'"]),
+    "max_epochs -1 trains forever": (["trainer.max_epochs=-1"], 2, [
+        "error: trainer.max_epochs: must be an integer >= 1", "set trainer.max_steps instead",
+        "got -1"]),
+    "max_epochs 0 reports an untrained model": (["trainer.max_epochs=0"], 2, [
+        "0 would report the untrained model's metrics as results", "got 0"]),
+    "batch size 0": (["data.batch_size=0"], 2, [
+        "error: data.batch_size: must be an integer >= 1, got 0"]),
+    "unwritable output folder": (["paths.output_dir=/etc/passwd/out"], 2, [
+        "error: paths.output_dir: cannot write to '/etc/passwd/out' (Not a directory); choose a "
+        "folder you can write"]),
+    "missing checkpoint": (["ckpt_path=nowhere.ckpt"], 2, [
+        "error: ckpt_path: 'nowhere.ckpt' is not a file; pass a checkpoint"]),
 }
 
 

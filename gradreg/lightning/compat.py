@@ -1,0 +1,24 @@
+"""Every name of Lightning's that is not public API, in one place.
+
+Lightning exports no public name for these; each is pinned by ``tests/lightning/test_compat.py``,
+which fails with the name and this module when a Lightning release moves it.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+__all__ = ["attached_trainer", "relaunches_script"]
+
+
+def relaunches_script(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's strategy starts its extra ranks by re-running the command line
+    (``strategy="ddp"`` on CPUs or GPUs), rather than as processes of this one (``ddp_spawn``)."""
+    return isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+
+
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
+    """The trainer ``module`` is attached to, or None (``module.trainer`` raises when there is
+    none: a module called outside ``Trainer.fit``)."""
+    return module._trainer

@@ -1,0 +1,50 @@
+"""The process a run trains in: torch's CPU threads, and what Lightning and torch print.
+
+Threads: torch runs each CPU op on ``torch.get_num_threads()`` OpenMP threads (all cores by
+default), and every op waits for its slowest thread. The app's models are small, so each op is
+short and the wait dominates: when another process holds a core, the thread scheduled there
+stalls every op. Measured on 2 vCPUs with a second process busy: ``experiment=moons_jacobian``
+took 170 s with torch's 2 threads and 15 s with one. ``threads`` (default 1) sets the count.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import torch
+
+#: Warnings that say nothing about the run: they come from library internals or from settings
+#: the configs make on purpose (``find_unused_parameters``: GAN phases freeze a network).
+IGNORED_WARNINGS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"find_unused_parameters=True was specified in DDP constructor",
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
+)
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertisements ("💡 Tip: ... try installing ...")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def configure(threads: int | None) -> None:
+    """Set torch's CPU threads (None: torch's default) and silence what does not concern the
+    run."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    for message in IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).addFilter(_NoTips())
+    for handler in logging.getLogger("lightning.pytorch").handlers:
+        handler.addFilter(_NoTips())
+
+
+def progress_bar(configured: bool | None) -> bool:
+    """The progress bar: as configured, or (None) only where stdout is a terminal: redrawn bars
+    fill a log file or a CI log with thousands of lines."""
+    return sys.stdout.isatty() if configured is None else configured
