@@ -26,9 +26,18 @@ def building(key: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        while isinstance(error, InstantiationException) and error.__cause__ is not None:
-            error = error.__cause__  # Hydra's wrapper: report what the constructor said
+        while _hydra_wrapper(error):  # report what the constructor or the import said
+            error = error.__cause__
         raise ConfigError(f"{key}: {error or type(error).__name__}") from error
+
+
+def _hydra_wrapper(error: BaseException) -> bool:
+    """Whether ``error`` is Hydra's wrapper of another: an InstantiationException, or the
+    ImportError ("Error loading '<_target_>'") of a target whose module failed to import."""
+    if error.__cause__ is None:
+        return False
+    return isinstance(error, InstantiationException) or (
+        isinstance(error, ImportError) and str(error).startswith("Error loading"))
 
 
 def _is_int(value: Any) -> bool:

@@ -71,3 +71,15 @@ def test_process_killed_mid_save_keeps_the_previous_checkpoint(tmp_path: Path) -
 def test_storage_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="storage_options"):
         AtomicCheckpointIO().save_checkpoint(GOOD, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_checkpoints_get_the_mode_of_the_users_umask(tmp_path: Path, umask: int,
+                                                     mode: int) -> None:
+    """Before: always 0600, the temporary file's mode."""
+    previous = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint(GOOD, tmp_path / "last.ckpt")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == mode

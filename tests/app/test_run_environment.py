@@ -1,0 +1,84 @@
+"""What a run prints and how it runs: no progress-bar redraws or advertisements in a log, one
+CPU thread by default, float64 training, and a torchvision that cannot load said in one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .test_train import TINY, run_in_process, run_script
+
+
+def test_a_run_logged_to_a_file_has_no_progress_bars_tips_or_internal_warnings(
+        tmp_path: Path) -> None:
+    """stdout is a pipe here, as in CI or `> train.log`: no bar redraws (before: one line per
+    step), no '💡 Tip' advertisement, no deprecation warning from Lightning's internals."""
+    args = [arg for arg in TINY if "progress_bar" not in arg]
+    result = run_script(*args, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "it/s]" not in output and "Epoch 0:" not in output
+    assert "💡" not in output and "LeafSpec" not in output
+    assert "final metrics:" in result.stdout
+
+
+def test_precision_64_trains_in_float64(tmp_path: Path) -> None:
+    """Before: 'mat1 and mat2 must have the same dtype' (the model summary's float32 input)."""
+    result = run_script(*TINY, "+trainer.precision=64-true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state["backbone.fc1.weight"].dtype == torch.float64
+
+
+def test_the_app_runs_on_one_thread_unless_told_otherwise(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    try:
+        run_in_process(*TINY, "logger=none", "callbacks=none", tmp_path=tmp_path / "one")
+        assert torch.get_num_threads() == 1
+        run_in_process(*TINY, "logger=none", "callbacks=none", "threads=2",
+                       tmp_path=tmp_path / "two")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("failure", "message"), [
+    (RuntimeError("operator torchvision::nms does not exist"),
+     "error: model: model=resnet18: torchvision 0.28.0 cannot load with torch "),
+    (ModuleNotFoundError("No module named 'torchvision'"),
+     "error: model: model=resnet18 needs torchvision (the vision extra): pip install "
+     "torch==2.14.1 torchvision==0.29.1"),
+])
+def test_a_torchvision_that_cannot_load_is_one_line_naming_the_pair(
+    failure: Exception, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU-only torch with the package index's torchvision fails inside torchvision's import
+    ('operator torchvision::nms does not exist'): before, a traceback."""
+    import importlib
+
+    from gradreg.models import torchvision_import
+
+    real_import = importlib.import_module
+
+    def failing_import(name: str, *args: object) -> object:
+        if name == "torchvision":
+            raise failure
+        return real_import(name, *args)
+
+    monkeypatch.setattr(torchvision_import.importlib, "import_module", failing_import)
+    monkeypatch.setattr(torchvision_import.metadata, "version", lambda name: "0.28.0")
+    monkeypatch.delitem(sys.modules, "gradreg.models.resnet", raising=False)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process("model=resnet18", "model.input_shape=[1,16,16]", tmp_path=tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+    if isinstance(failure, RuntimeError):
+        assert "(operator torchvision::nms does not exist); they are not built for each " \
+               "other. Install a matching pair, e.g. pip install torch==2.14.1 " \
+               "torchvision==0.29.1" in err

@@ -1,0 +1,47 @@
+"""data.global_batch under DDP: the ranks together train on exactly the batches of one process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, SequentialSampler
+
+from gradreg.data import DigitsDataModule
+from gradreg.data.splits import RankSlices
+
+
+def test_rank_slices_cut_every_batch_into_contiguous_parts() -> None:
+    batches = BatchSampler(SequentialSampler(range(11)), 4, drop_last=False)
+    parts = [list(RankSlices(batches, rank, 2)) for rank in (0, 1)]
+    assert parts == [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [9, 10]]]
+    assert len(RankSlices(batches, 0, 2)) == 3
+
+
+def batches(module: DigitsDataModule, rank: int, world: int) -> list[torch.Tensor]:
+    module.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+    torch.manual_seed(7)  # every rank is seeded alike (seed_everything)
+    return [x for x, _ in module.train_dataloader()]
+
+
+def test_global_batches_sliced_over_two_ranks_are_the_single_process_batches() -> None:
+    module = DigitsDataModule(shape=(64,), batch_size=64, global_batch=True)
+    single = batches(module, 0, 1)
+    rank0, rank1 = batches(module, 0, 2), batches(module, 1, 2)
+    assert len(single) == len(rank0) == len(rank1) == 20
+    for whole, first, second in zip(single, rank0, rank1, strict=True):
+        assert torch.equal(torch.cat([first, second]), whole)
+    assert {len(x) for x in rank0[:-1]} == {32}
+
+
+def test_a_global_batch_must_divide_over_the_ranks() -> None:
+    module = DigitsDataModule(shape=(64,), batch_size=63, global_batch=True)
+    with pytest.raises(ValueError, match="batch_size=63 is the global batch .* multiple of the 2"):
+        batches(module, 0, 2)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5, True])
+def test_batch_size_must_be_a_positive_integer(size: object) -> None:
+    with pytest.raises(ValueError, match=f"batch_size must be an integer >= 1, got {size!r}"):
+        DigitsDataModule(batch_size=size)
