@@ -45,9 +45,10 @@ class FiniteCheck:
     weighted value are finite; raise :class:`~gradreg.GradientError` for the first call with a
     non-finite one as soon as it can be read without a device sync.
 
-    The points and outputs are reduced on their device to one flag each (``isfinite().all()``,
-    one elementwise pass), and the flags and the two values travel in one 4-element tensor: on
-    CUDA one asynchronous copy per call, read once an event says it has completed.
+    The points and the outputs are each reduced on their device to one sum, which is finite
+    exactly when all their elements are; the two sums and the two values travel in one
+    4-element tensor: on CUDA one asynchronous copy per call, read once an event says it has
+    completed.
     """
 
     def __init__(self) -> None:
@@ -64,8 +65,7 @@ class FiniteCheck:
         """
         self._calls += 1
         entries = torch.stack([
-            _finite_flag(points, value),
-            _finite_flag(() if outputs is None else (outputs,), value),
+            _sum(points, value), _sum(() if outputs is None else (outputs,), value),
             value.detach().float().reshape(()),
             (value if weighted is None else weighted).detach().float().reshape(()),
         ])
@@ -76,8 +76,8 @@ class FiniteCheck:
             self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
                                             factor))
         else:
-            self._recorded.append(_Recorded(self._calls, entries.cpu(), lambda: True,
-                                            lambda: None, factor))
+            self._recorded.append(_Recorded(self._calls, entries, lambda: True, lambda: None,
+                                            factor))
         self.settle(wait=False)
 
     def settle(self, wait: bool = True) -> None:
@@ -103,12 +103,13 @@ class FiniteCheck:
         return {"_recorded": deque(), "_calls": self._calls}
 
 
-def _finite_flag(tensors: tuple[Tensor, ...], like: Tensor) -> Tensor:
-    """0 where every element of ``tensors`` is finite, NaN where one is not (on their device)."""
+def _sum(tensors: tuple[Tensor, ...], like: Tensor) -> Tensor:
+    """The sum of every element of ``tensors`` in float32 (on their device): finite exactly when
+    every element is (a NaN or an Inf makes any sum NaN or Inf), short of an overflow that needs
+    values near 1e38. One reduction per tensor, no elementwise mask."""
     if not tensors:
         return torch.zeros((), device=like.device)
-    finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
-    return torch.where(finite, 0.0, math.nan).to(like.device)
+    return sum(t.detach().sum(dtype=torch.float32) for t in tensors)
 
 
 def _message(found: str, recorded: _Recorded, values: list[float], late: str) -> str:
