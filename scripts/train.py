@@ -86,6 +86,8 @@ def build(cfg: DictConfig, resuming: bool = False
     with building("trainer"):
         trainer = instantiate(
             cfg.trainer, logger=loggers or False, callbacks=callbacks,
+            strategy=runtime.ddp_strategy(cfg.trainer.get("strategy", "auto"),
+                                          not model.automatic_optimization),
             enable_progress_bar=runtime.progress_bar(cfg.trainer.get("enable_progress_bar")),
             use_distributed_sampler=not cfg.data.get("global_batch", False))
         check_launcher(trainer)

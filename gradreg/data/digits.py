@@ -36,7 +36,7 @@ class DigitsDataModule(SplitDataModule):
         global_batch: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers,
-                         global_batch=global_batch)
+                         global_batch=global_batch, shuffle_seed=seed)
         shape = tuple(int(s) for s in shape)
         if shape != (64,) and not (len(shape) == 3 and shape[0] == 1 and shape[1] == shape[2] >= 8):
             raise ValueError(f"data.shape={list(shape)} must be [64], [1, 8, 8] or [1, S, S] "

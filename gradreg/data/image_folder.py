@@ -69,7 +69,7 @@ class ImageFolderDataModule(SplitDataModule):
         global_batch: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers,
-                         global_batch=global_batch)
+                         global_batch=global_batch, shuffle_seed=seed)
         channels, *size = (int(s) for s in shape)
         if channels not in (1, 3) or len(size) != 2 or size[0] != size[1]:
             raise ValueError(f"data.shape={list(shape)} must be [1 or 3, S, S]")

@@ -10,7 +10,6 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     Dataset,
-    RandomSampler,
     Sampler,
     SequentialSampler,
 )
@@ -29,13 +28,35 @@ def seeded_split(n: int, val_fraction: float, test_fraction: float, seed: int
     return dict(zip(("test", "val", "train"), parts, strict=True))
 
 
+class SeededShuffle(Sampler[int]):
+    """A random order of ``range(n)`` drawn from ``seed + epoch`` alone (not from the global
+    random state), the same in every process; Lightning sets the epoch (``set_epoch``)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 class RankSlices(Sampler[list[int]]):
     """The batches of ``batches``, each cut into ``world`` contiguous slices (sizes differing by
     at most one), of which this sampler yields slice ``rank``: the ranks together see exactly the
     batches of one process, in its order."""
 
-    def __init__(self, batches: Sampler[list[int]], rank: int, world: int) -> None:
+    def __init__(self, batches: BatchSampler, rank: int, world: int) -> None:
         self.batches, self.rank, self.world = batches, rank, world
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batches.sampler, "set_epoch"):
+            self.batches.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.batches:
@@ -54,38 +75,41 @@ class SplitDataModule(L.LightningDataModule):
 
     Under DDP, ``batch_size`` is per rank by default (Lightning's ``DistributedSampler`` gives
     each rank its own shuffled share of the data, so W ranks train on batches of W x
-    ``batch_size``). With ``global_batch=True`` it is the batch of the whole run: every rank
-    draws the single-process order (same seed) and takes its contiguous 1/W of each batch
-    (:class:`RankSlices`), so the ranks together train on the batches one process would; the
+    ``batch_size``). With ``global_batch=True`` it is the batch of a whole step, and the training
+    order is drawn from ``shuffle_seed`` and the epoch alone (:class:`SeededShuffle`): every rank
+    draws that order and takes its contiguous 1/W of each batch (:class:`RankSlices`), so W ranks
+    train on exactly the batches that one process with ``global_batch=True`` trains on. The
     trainer needs ``use_distributed_sampler=False`` (the app sets it), and ``batch_size`` must be
     a multiple of W. Validation and test run whole on every rank.
     """
 
     splits: dict[str, Dataset]
 
-    def __init__(self, *, batch_size: int, num_workers: int = 0,
-                 global_batch: bool = False) -> None:
+    def __init__(self, *, batch_size: int, num_workers: int = 0, global_batch: bool = False,
+                 shuffle_seed: int = 0) -> None:
         super().__init__()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.global_batch = global_batch
+        self.shuffle_seed = shuffle_seed
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         options = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
         trainer = self.trainer
         world = 1 if trainer is None else trainer.world_size
-        if split == "train" and self.global_batch and world > 1:
+        if split == "train" and self.global_batch:
             if self.batch_size % world:
                 raise ValueError(
                     f"batch_size={self.batch_size} is the global batch (global_batch=True) and "
                     f"must be a multiple of the {world} ranks")
-            sampler = RandomSampler(self.splits[split]) if shuffle else None
-            batches = BatchSampler(sampler or SequentialSampler(self.splits[split]),
-                                   self.batch_size, drop_last=False)
-            return DataLoader(self.splits[split], batch_sampler=RankSlices(
-                batches, trainer.global_rank, world), **options)
+            data = self.splits[split]
+            order = SeededShuffle(len(data), self.shuffle_seed) if shuffle else None
+            batches = BatchSampler(order or SequentialSampler(data), self.batch_size,
+                                   drop_last=False)
+            rank = 0 if trainer is None else trainer.global_rank
+            return DataLoader(data, batch_sampler=RankSlices(batches, rank, world), **options)
         return DataLoader(self.splits[split], batch_size=self.batch_size, shuffle=shuffle,
                           **options)
 

@@ -108,7 +108,7 @@ class ToyDataModule(SplitDataModule):
         global_batch: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers,
-                         global_batch=global_batch)
+                         global_batch=global_batch, shuffle_seed=seed)
         if name not in TOY_SETS:
             raise ValueError(f"data.name={name!r} is unknown; valid values: {sorted(TOY_SETS)}")
         self.save_hyperparameters()

@@ -52,7 +52,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_epochs": (lambda v: v is None or (_is_int(v) and v >= 1),
                            "an integer >= 1 (0 would report the untrained model's metrics as "
                            "results; -1, training without end, is not offered: set "
-                           "trainer.max_steps instead)"),
+                           "+trainer.max_steps=<N> instead)"),
     "trainer.max_steps": (lambda v: _is_int(v) and (v == -1 or v >= 1),
                           "an integer >= 1, or -1 for no step limit"),
     "data.batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),

@@ -15,12 +15,11 @@ import warnings
 
 import torch
 
-#: Warnings that say nothing about the run: they come from library internals or from settings
-#: the configs make on purpose (``find_unused_parameters``: GAN phases freeze a network).
+#: Warnings that say nothing about the run: library internals, and facts the app documents.
 IGNORED_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-    r"find_unused_parameters=True was specified in DDP constructor",
     r"The number of training batches \(\d+\) is smaller than the logging interval",
+    r"The dirpath has changed from",  # a resumed run writes to a folder of its own
 )
 
 
@@ -48,3 +47,13 @@ def progress_bar(configured: bool | None) -> bool:
     """The progress bar: as configured, or (None) only where stdout is a terminal: redrawn bars
     fill a log file or a CI log with thousands of lines."""
     return sys.stdout.isatty() if configured is None else configured
+
+
+def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
+    """``"ddp"`` / ``"ddp_spawn"`` with DDP's ``find_unused_parameters`` for modules with manual
+    optimization, whose phases leave a network without gradient (plain DDP stops them at their
+    second step); unchanged otherwise (where it finds no unused parameter, torch warns once per
+    rank that the search slows every step)."""
+    if manual_optimization and strategy in ("ddp", "ddp_spawn"):
+        return f"{strategy}_find_unused_parameters_true"
+    return strategy

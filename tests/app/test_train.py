@@ -194,7 +194,7 @@ BAD_CONFIGS = {
     "max_epochs not a number": (["trainer.max_epochs=abc"], 2, [
         "error: trainer.max_epochs: must be an integer >= 1", "got 'abc'"]),
     "max_epochs -1 trains forever": (["trainer.max_epochs=-1"], 2, [
-        "error: trainer.max_epochs: must be an integer >= 1", "set trainer.max_steps instead",
+        "error: trainer.max_epochs: must be an integer >= 1", "set +trainer.max_steps=<N>",
         "got -1"]),
     "max_epochs 0 reports an untrained model": (["trainer.max_epochs=0"], 2, [
         "0 would report the untrained model's metrics as results", "got 0"]),

@@ -26,13 +26,28 @@ def batches(module: DigitsDataModule, rank: int, world: int) -> list[torch.Tenso
 
 
 def test_global_batches_sliced_over_two_ranks_are_the_single_process_batches() -> None:
+    """The order comes from the data seed and the epoch, not from the global random state (which
+    Lightning's DDP re-seeds after the model is built)."""
     module = DigitsDataModule(shape=(64,), batch_size=64, global_batch=True)
     single = batches(module, 0, 1)
+    torch.manual_seed(123)  # another global state: the same order
     rank0, rank1 = batches(module, 0, 2), batches(module, 1, 2)
     assert len(single) == len(rank0) == len(rank1) == 20
     for whole, first, second in zip(single, rank0, rank1, strict=True):
         assert torch.equal(torch.cat([first, second]), whole)
     assert {len(x) for x in rank0[:-1]} == {32}
+
+
+def test_the_global_batch_order_changes_with_the_epoch_lightning_sets() -> None:
+    module = DigitsDataModule(shape=(64,), batch_size=64, global_batch=True)
+    module.trainer = SimpleNamespace(world_size=1, global_rank=0)
+    loader = module.train_dataloader()
+    first = [y for _, y in loader]
+    loader.batch_sampler.set_epoch(1)
+    second = [y for _, y in loader]
+    loader.batch_sampler.set_epoch(0)
+    assert not torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first, [y for _, y in loader], strict=True))
 
 
 def test_a_global_batch_must_divide_over_the_ranks() -> None:
