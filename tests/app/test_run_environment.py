@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from .conftest import train_script
 from .test_train import TINY, run_in_process, run_script
+
+ddp_strategy = train_script()["runtime"].ddp_strategy
 
 
 def test_a_run_logged_to_a_file_has_no_progress_bars_tips_or_internal_warnings(
@@ -82,3 +85,14 @@ def test_a_torchvision_that_cannot_load_is_one_line_naming_the_pair(
         assert "(operator torchvision::nms does not exist); they are not built for each " \
                "other. Install a matching pair, e.g. pip install torch==2.14.1 " \
                "torchvision==0.29.1" in err
+
+
+@pytest.mark.parametrize(("strategy", "manual", "expected"), [
+    ("ddp", True, "ddp_find_unused_parameters_true"),
+    ("ddp_spawn", True, "ddp_spawn_find_unused_parameters_true"),
+    ("ddp", False, "ddp"), ("auto", True, "auto")])
+def test_find_unused_parameters_only_for_manual_optimization(strategy: str, manual: bool,
+                                                             expected: str) -> None:
+    """The GAN's phases leave a network without gradient; the classifier uses every parameter,
+    where the search finds nothing and torch warned on every rank."""
+    assert ddp_strategy(strategy, manual) == expected

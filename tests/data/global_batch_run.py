@@ -1,0 +1,34 @@
+"""Three steps of the digits classifier with data.global_batch, in one process or on two gloo
+ranks (``ddp_spawn``): ``python -m tests.data.global_batch_run <devices> <out.pt>`` saves the
+parameters of rank 0."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import torch
+
+from gradreg.data import DigitsDataModule
+from gradreg.lightning.classifier import Classifier
+from gradreg.models import MLP
+from gradreg.penalties import double_backprop
+
+
+def main(devices: int, out: str) -> None:
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    model = Classifier(MLP(64, 10, hidden=[32]), {"db": double_backprop(0.1)}, pgd_steps=0)
+    data = DigitsDataModule(shape=[64], batch_size=64, global_batch=True)
+    ddp = {"strategy": "ddp_spawn", "devices": 2} if devices == 2 else {}
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        inference_mode=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        use_distributed_sampler=False, **ddp)
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        torch.save({k: v.detach() for k, v in model.backbone.state_dict().items()}, out)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
