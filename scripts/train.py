@@ -41,7 +41,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Run from a checkout without installing the package (with `pip install -e .` this changes
 # nothing), and find the app's own modules (scripts/train_app) however this file is run.
@@ -125,6 +125,9 @@ def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | Non
     print(f"tensorboard logs: {Path(log_dir) if log_dir else '(none)'}")
     print(f"checkpoint:       {checkpoint or '(none)'}")
     print(f"metrics:          {output_dir / 'metrics.json'}")
+
+
+OmegaConf.register_new_resolver("run_folder_suffix", runtime.run_folder_suffix, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")

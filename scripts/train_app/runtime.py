@@ -57,3 +57,18 @@ def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
     if manual_optimization and strategy in ("ddp", "ddp_spawn"):
         return f"{strategy}_find_unused_parameters_true"
     return strategy
+
+
+def run_folder_suffix(overrides: str, limit: int = 120) -> str:
+    """``_<overrides>`` for a run folder, from Hydra's ``override_dirname`` (``key:value`` joined
+    by ``+``, configs/train.yaml; sorted by key): ``/`` and ``,`` inside values become ``_`` (a
+    folder name, and a value ``ckpt_path=`` accepts without quotes); whole overrides past
+    ``limit`` characters are left out (``+...``); ``""`` without overrides."""
+    if not overrides:
+        return ""
+    kept = ""
+    for item in overrides.replace("/", "_").replace(",", "_").split("+"):
+        if len(kept) + len(item) + 1 > limit:
+            return f"_{kept}+..."
+        kept = f"{kept}+{item}" if kept else item
+    return f"_{kept}"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.data.images import write_image_folder
 
-from .conftest import QUIET, ROOT, SCRIPT, options
+from .conftest import QUIET, ROOT, SCRIPT, options, train_script
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
                       for name in ("loss", "acc", "acc_fgsm", "acc_pgd", "input_grad_norm")}
@@ -281,3 +281,22 @@ def test_multirun_refuses_a_launcher_that_reruns_the_script(
     assert err.startswith("error: trainer: strategy DDPStrategy re-launches scripts/train.py")
     assert "use trainer=ddp_spawn_cpu" in err
     assert not (tmp_path / "0" / "metrics.json").exists()
+
+
+def test_run_folders_are_named_after_the_overrides(tmp_path: Path) -> None:
+    """Before: runs were <date>/<time> and sweep jobs 0, 1: nothing said which was which."""
+    result = run_script("penalty=none", "seed=1", *TINY, f"paths.runs={tmp_path}",
+                        "logger=none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    (folder,) = tmp_path.glob("*/*")
+    assert "+penalty:none+seed:1" in folder.name and "logger:none" in folder.name
+    assert len(folder.name) <= 9 + 120 + 4
+
+
+def test_run_folder_names_keep_whole_overrides_and_no_slashes() -> None:
+    suffix = train_script()["runtime"].run_folder_suffix
+    assert suffix("") == ""
+    assert suffix("data.root:~_pets+penalty:none") == "_data.root:~_pets+penalty:none"
+    assert suffix("a:x_y,z+b:c_d") == "_a:x_y_z+b:c_d"
+    assert suffix("model.input_shape:[1,16,16]+seed:1") == "_model.input_shape:[1_16_16]+seed:1"
+    assert suffix("a:1+b:2+c:3", limit=7) == "_a:1+b:2+..."
