@@ -14,6 +14,7 @@ import sys
 import warnings
 
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 #: Warnings that say nothing about the run: library internals, and facts the app documents.
 IGNORED_WARNINGS = (
@@ -59,16 +60,29 @@ def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
     return strategy
 
 
-def run_folder_suffix(overrides: str, limit: int = 120) -> str:
+def swept_keys(argv: list[str]) -> set[str]:
+    """The keys a multirun command line sweeps (``penalty=none,double_backprop``,
+    ``seed=range(3)``, ``experiment=glob(*)``), as Hydra's ``override_dirname`` writes them."""
+    parser = OverridesParser.create()
+    overrides = parser.parse_overrides([arg for arg in argv[1:] if not arg.startswith("-")])
+    return {override.key_or_group for override in overrides
+            if override.is_sweep_override()}
+
+
+def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:
     """``_<overrides>`` for a run folder, from Hydra's ``override_dirname`` (``key:value`` joined
-    by ``+``, configs/train.yaml; sorted by key): ``/`` and ``,`` inside values become ``_`` (a
-    folder name, and a value ``ckpt_path=`` accepts without quotes); whole overrides past
-    ``limit`` characters are left out (``+...``); ``""`` without overrides."""
-    if not overrides:
-        return ""
+    by ``+``, configs/train.yaml; sorted by key). ``only_swept``: just the keys the command line
+    sweeps (the folder of a sweep's job: what tells it from its siblings; the sweep's own folder
+    is the time it started). ``/`` and ``,`` inside values become ``_`` (a folder name, and a
+    value ``ckpt_path=`` accepts without quotes); whole overrides past ``limit`` characters are
+    left out (``+...``); ``""`` without overrides."""
+    items = [item for item in overrides.replace("/", "_").replace(",", "_").split("+") if item]
+    if only_swept:
+        keys = swept_keys(sys.argv)
+        items = [item for item in items if item.split(":", 1)[0] in keys]
     kept = ""
-    for item in overrides.replace("/", "_").replace(",", "_").split("+"):
+    for item in items:
         if len(kept) + len(item) + 1 > limit:
             return f"_{kept}+..."
         kept = f"{kept}+{item}" if kept else item
-    return f"_{kept}"
+    return f"_{kept}" if kept else ""

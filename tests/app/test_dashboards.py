@@ -16,14 +16,15 @@ from tests.tensorboard_server import poll
 
 from .test_train import run_script
 
-RUNS = ["0/tensorboard", "1/tensorboard"]  # penalty=none, penalty=double_backprop
+# the runs are named after the swept key: which run had which penalty is in its name
+RUNS = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]
 # what each tab must show once rendered: the runs, the penalty charts, the hparams table ...
 TABS = {
     # the Time Series tab opens the first tag group; the others are listed by name and size
     "scalars": [*RUNS, "tag: grad_2.0_norm/backbone.fc1.weight", "input_grad 2", "penalty",
                 "test 5", "train 3", "val 5"],
     "custom_scalars": [*RUNS, "task loss", "penalties", "input gradient norm",
-                       "penalty/penalties.double_backprop (1/tensorboard)"],
+                       "penalty/penalties.double_backprop (1_penalty:double_backprop/tensorboard)"],
     "hparams": ["TABLE VIEW", *RUNS, "penalty", "none", "double_backprop", "hp/test/acc_pgd",
                 "Number of matching session groups: 2"],
     "images": [*RUNS, "saliency"],

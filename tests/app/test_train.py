@@ -293,8 +293,15 @@ def test_run_folders_are_named_after_the_overrides(tmp_path: Path) -> None:
     assert len(folder.name) <= 9 + 120 + 4
 
 
-def test_run_folder_names_keep_whole_overrides_and_no_slashes() -> None:
-    suffix = train_script()["runtime"].run_folder_suffix
+def test_run_folder_names_keep_whole_overrides_and_no_slashes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = train_script()["runtime"]
+    suffix = runtime.run_folder_suffix
+    monkeypatch.setattr(runtime.sys, "argv", ["train.py", "-m", "penalty=none,r1", "seed=1",
+                                              "+x=range(2)"])
+    assert runtime.swept_keys(runtime.sys.argv) == {"penalty", "x"}
+    assert suffix("penalty:r1+seed:1++x:0", only_swept=True) == "_penalty:r1+x:0"
+    assert suffix("seed:1", only_swept=True) == ""
     assert suffix("") == ""
     assert suffix("data.root:~_pets+penalty:none") == "_data.root:~_pets+penalty:none"
     assert suffix("a:x_y,z+b:c_d") == "_a:x_y_z+b:c_d"
