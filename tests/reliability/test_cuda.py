@@ -185,7 +185,7 @@ def test_check_finite_needs_no_host_sync() -> None:
         penalty_value(gp, model, x_nan)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(GradientError, match=r"penalty of call 5 is nan"):
+    with pytest.raises(GradientError, match=r"points of call 5 contain NaN or Inf"):
         gp.finite_check.settle()
 
 
