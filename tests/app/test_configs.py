@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -139,3 +140,21 @@ def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
     assert isinstance(model.backbone, SqueezeNet)
     x, _ = next(iter(datamodule.test_dataloader()))
     assert model(x).shape == (len(x), 3)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["penalty=none", "callbacks=dashboards"],
+     {"penalty": "none", "weight": 0.0, "lr": 0.001, "hidden": [128, 128], "channels": None,
+      "activation": "relu", "batch_size": 64, "max_epochs": 10, "seed": 0}),
+    (["experiment=gan_8gaussians_wgan_gp", "data.batch_size=128"],
+     {"penalty": "wgan_gp", "weight": 0.1, "n_critic": 5, "loss": "wgan", "generator_lr": 1e-4,
+      "critic_lr": 1e-4, "hidden": [512, 512, 512], "width": None, "batch_size": 128,
+      "max_epochs": 20, "seed": 0}),
+])
+def test_the_hparams_table_has_what_a_sweep_varies(overrides: list[str], expected: dict,
+                                                    tmp_path: Path) -> None:
+    """Before: only the penalty's name and the seed (no learning rate, widths, batch size or
+    epochs; penalty=none had a blank weight)."""
+    cfg = compose_config(overrides, tmp_path)
+    logger = instantiate(cfg.callbacks.hparams, _convert_="all")
+    assert logger.hparams == expected

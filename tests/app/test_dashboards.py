@@ -69,7 +69,8 @@ def test_tensorboard_has_every_dashboard_of_the_sweep(sweep: Path, serve) -> Non
     assert all(set(images[run]) == {"saliency"} for run in RUNS)
     experiment = hparams_experiment(url)
     names = {info["name"] for info in experiment["hparamInfos"]}
-    assert {"penalty", "seed", "fgsm_eps", "pgd_steps"} <= names
+    assert {"penalty", "weight", "lr", "hidden", "activation", "batch_size", "max_epochs",
+            "seed", "fgsm_eps", "pgd_steps"} <= names
     metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
     assert metrics == {f"hp/{name}" for name in ("val/acc", "test/acc", "test/acc_fgsm",
                                                  "test/acc_pgd", "test/input_grad_norm")}

@@ -74,7 +74,12 @@ def test_a_torchvision_that_cannot_load_is_one_line_naming_the_pair(
 
     monkeypatch.setattr(torchvision_import.importlib, "import_module", failing_import)
     monkeypatch.setattr(torchvision_import.metadata, "version", lambda name: "0.28.0")
+    import gradreg.models
+
+    # a fresh import of the model's module (Hydra finds an imported one as the package's
+    # attribute): the torchvision that is installed is never reached
     monkeypatch.delitem(sys.modules, "gradreg.models.resnet", raising=False)
+    monkeypatch.delattr(gradreg.models, "resnet", raising=False)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process("model=resnet18", "model.input_shape=[1,16,16]", tmp_path=tmp_path)
