@@ -38,10 +38,10 @@ def configure(threads: int | None) -> None:
         torch.set_num_threads(threads)
     for message in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).addFilter(_NoTips())
-    for handler in logging.getLogger("lightning.pytorch").handlers:
-        handler.addFilter(_NoTips())
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    for target in [*loggers, *loggers[0].handlers]:  # records logged there, or passed on to it
+        if not any(isinstance(f, _NoTips) for f in target.filters):
+            target.addFilter(_NoTips())
 
 
 def progress_bar(configured: bool | None) -> bool:
