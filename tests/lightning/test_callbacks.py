@@ -206,8 +206,8 @@ def test_monitor_logs_each_optimizers_own_parameters(tmp_path: Path) -> None:
     # d(sum_i w.x_i + b)/dw = sum_i x_i and d/db = BATCH, for each layer.
     x, _ = data()
     expected = math.sqrt(float(x.sum(0).square().sum()) + BATCH**2)
-    for index in (0, 1):
-        logged = scalars(run, f"grad_2.0_norm_total/optimizer_{index}")
+    for owner in ("first", "second"):  # named after the submodule each optimizer updates
+        logged = scalars(run, f"grad_2.0_norm_total/{owner}")
         assert list(logged.values()) == [pytest.approx(expected, rel=1e-5)]
     tags = events(run).Tags()["scalars"]
     assert {"grad_2.0_norm/first.weight", "grad_2.0_norm/second.weight"} <= set(tags)

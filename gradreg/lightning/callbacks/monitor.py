@@ -5,7 +5,8 @@ Every ``log_every_n_steps`` optimizer steps (or ``every_n_steps``) the monitor w
 * ``grad_{p}_norm/<param>`` and ``grad_{p}_norm_total``: Lightning's :func:`grad_norm` of the
   gradients an optimizer is about to apply, :math:`\lVert\partial L/\partial\theta\rVert_p` per
   parameter and over all of them; with several optimizers each logs its own parameters and the
-  total gets the suffix ``/optimizer_<i>``;
+  total gets the suffix ``/<owner>``: the submodule that holds all of that optimizer's
+  parameters (``critic``, ``generator``), or ``optimizer_<i>`` where no one submodule does;
 * ``input_grad/norm_mean``, ``input_grad/norm_max`` and the histogram ``input_grad/norm``: the
   per-sample norms :math:`\lVert\nabla_{x_i}\ell(f(x_i), y_i)\rVert_p` on the training batch,
   after its optimizer step, with the module in eval mode (one extra forward and backward);
@@ -89,32 +90,30 @@ class GradientNormMonitor(pl.Callback):
         self.norm_type = p
         self.loss_fn = loss_fn
         self.every_n_steps = every_n_steps
-        self._optimizers: dict[int, tuple[int, _Parameters]] = {}
+        self._optimizers: dict[int, tuple[str, _Parameters]] = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.loss_fn is not None:
             warn_without_tensorboard(trainer, "GradientNormMonitor", "the input_grad histogram")
         names = {param: name for name, param in pl_module.named_parameters()}
-        self._optimizers = {
-            id(optimizer): (index, _Parameters([
-                (names[param], param)
-                for group in optimizer.param_groups
-                for param in group["params"]
-                if param in names
-            ]))
-            for index, optimizer in enumerate(trainer.optimizers)
-        }
+        self._optimizers = {}
+        for index, optimizer in enumerate(trainer.optimizers):
+            named = [(names[param], param) for group in optimizer.param_groups
+                     for param in group["params"] if param in names]
+            owners = {name.split(".", 1)[0] for name, _ in named}
+            label = owners.pop() if len(owners) == 1 else f"optimizer_{index}"
+            self._optimizers[id(optimizer)] = (label, _Parameters(named))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if not logging_due(trainer, self.every_n_steps):
             return
-        index, parameters = self._optimizers[id(optimizer)]
+        label, parameters = self._optimizers[id(optimizer)]
         norms = grad_norm(parameters, self.norm_type)
         total = f"grad_{self.norm_type}_norm_total"
         if len(self._optimizers) > 1 and total in norms:
-            norms[f"{total}/optimizer_{index}"] = norms.pop(total)
+            norms[f"{total}/{label}"] = norms.pop(total)
         log_scalars(trainer, norms)
 
     def on_train_batch_end(
