@@ -26,6 +26,7 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
 
 ``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
+for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
 (:func:`~gradreg.penalties.chunks.in_chunks`).
 
 A method is chosen once, when the penalty is built (:func:`choose`), as a callable from one
