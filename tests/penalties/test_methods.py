@@ -20,6 +20,8 @@ from gradreg.penalties import (
     methods,
 )
 from gradreg.tf32 import EmulatedTF32
+from gradreg.torch_compat import dynamo_supported
+from tests.penalties.parameter_gradients import value_and_grad
 from tests.residual_net import ResidualNet
 
 
@@ -35,15 +37,6 @@ def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Seque
 def points(dtype: torch.dtype = torch.float64, batch: int = 32, n_in: int = 8) -> Tensor:
     torch.manual_seed(1)
     return torch.randn(batch, n_in, dtype=dtype).requires_grad_()
-
-
-def value_and_grad(penalty: GradientPenalty, model: nn.Module, fn: object,
-                   x: Tensor) -> tuple[Tensor, Tensor]:
-    model.zero_grad(set_to_none=True)
-    value = penalty(fn, x)
-    value.backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
-    return value.detach(), torch.cat([g.flatten() for g in grads])
 
 
 def relative_error(estimate: Tensor, exact: Tensor) -> float:
@@ -241,7 +234,7 @@ def test_compiled_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> 
     torch.testing.assert_close(fallback, exact, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported")
+@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
 def test_compiled_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Traced by dynamo and aot_autograd through torch.func, as with inductor, minus inductor's
     C++ code generation (half a minute cold on CPU; the benchmark's full run exercises it)."""
@@ -261,7 +254,7 @@ class FirstLogit(nn.Module):
         return self.model(x)[:, 0]
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported")
+@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
 def test_compiled_takes_eval_batchnorm_and_refuses_training_batchnorm(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """BatchNorm in eval mode (fixed statistics) compiles and is exact; in training mode its
