@@ -1,0 +1,216 @@
+r"""Exact gradient penalties on FSDP2-sharded modules: :func:`penalty_step` around the step.
+
+A penalty such as R1, :math:`P = \operatorname{mean}_i \lVert \nabla_{x_i} D_\theta(x_i)
+\rVert^2`, is differentiated twice: the inner ``torch.autograd.grad(create_graph=True)`` builds
+the graph of :math:`g_i = \nabla_{x_i} D_\theta(x_i)`, which saves the unsharded parameters
+:math:`\theta`; the outer ``backward()`` differentiates it w.r.t. :math:`\theta`. FSDP2
+(``fully_shard``) ties its parameter traffic to single backward passes, so on its own:
+
+- by default the inner gradient's post-backward hooks reshard (free) the parameters that the
+  outer backward then reads: ``setStorage: ... out of bounds for storage of size 0``;
+- with the parameters kept unsharded (``reshard_after_forward=False``,
+  ``set_reshard_after_backward(False)``), the post-backward reduce-scatter runs after the inner
+  gradient, which gave the parameters nothing, and not after the outer backward: every
+  parameter's ``.grad`` stays None, the whole update is lost without an error.
+
+:func:`penalty_step` makes both exact with FSDP's own machinery. Inside it every FSDP2 module of
+the tree keeps its parameters unsharded once gathered (no reshard after forward or backward)
+and does not reduce gradients, so any number of forwards, inner gradients and backwards
+accumulate the exact full gradient on the unsharded parameters, as in one process. On leaving
+it, FSDP's post-backward runs once per parameter group: the same reduce-scatter (mean over the
+ranks, in the policy's ``reduce_dtype``) into the sharded ``.grad`` as a plain backward would
+do, then the reshard the module was configured with. So ``.grad`` equals that of the unsharded
+module in one process up to the order of float summation, for any penalty (double backward,
+finite differences, in chunks, with a task loss or alone)::
+
+    with gradreg.sharding.penalty_step(critic):
+        loss = task_loss + r1(critic(real), real)
+        loss.backward()
+    optimizer.step()
+
+Memory: during the step each rank holds the full parameters of the sharded module and their
+full gradients (the memory of parameters and gradients of the unsharded module, as DDP would);
+the optimizer state and, between steps, the parameters stay sharded. The double-backward graph
+saves the parameters of every layer until the outer backward, so the parameters cannot be freed
+layer by layer during the step as FSDP does for a first-order loss.
+
+Layouts not supported (refused on entering, before any computation): torch older than 2.6
+(FSDP2's ``fully_shard`` is public from 2.6), hybrid sharding (a 2-D mesh) and CPU offload
+(not verified). On those, or to keep the parameters sharded during the step, use a method with no
+double backward, which FSDP2 supports as it is: ``method="finite_difference"``.
+
+The step also checks its outcome: a parameter that got a gradient during the step and has no
+sharded ``.grad`` after it raises :class:`~gradreg.autograd.GradientError` instead of a silent
+loss of the update; so does a step in which no parameter that requires grad got a gradient
+(the ``backward()`` must run inside the ``with`` block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradreg.autograd import GradientError
+
+__all__ = ["FSDP_MIN_TORCH", "is_sharded", "penalty_step", "sharded_modules"]
+
+#: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
+FSDP_MIN_TORCH = (2, 6)
+
+_APPROXIMATE = "method='finite_difference' (no double backward, FSDP2 supports it as it is)"
+
+
+def _fsdp_module_type() -> type | None:
+    """FSDP2's module class on this torch, or None where it has none (before 2.4)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def sharded_modules(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules (``fully_shard`` applied) of ``module``'s tree, itself included."""
+    fsdp_type = _fsdp_module_type()
+    if fsdp_type is None:
+        return []
+    return [m for m in module.modules() if isinstance(m, fsdp_type)]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or one of its submodules."""
+    return bool(sharded_modules(module))
+
+
+def _groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state: a list from torch 2.10, one group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+@dataclass
+class _Saved:
+    """One parameter group's settings, restored on leaving the step."""
+
+    group: Any
+    post_forward_mesh_info: Any
+    reshard_after_backward: bool
+    reduce_grads: bool
+    all_reduce_grads: bool
+
+
+def _check_layout(modules: list[nn.Module]) -> None:
+    if _torch_version() < FSDP_MIN_TORCH:
+        raise GradientError(
+            f"exact gradient penalties on fully_shard modules need torch >= "
+            f"{'.'.join(map(str, FSDP_MIN_TORCH))} (torch {torch.__version__} has FSDP2 only "
+            f"as a private API). Upgrade torch, or use {_APPROXIMATE}."
+        )
+    for module in modules:
+        state = module._get_fsdp_state()
+        for group in _groups(state):
+            if group.mesh_info.mesh.ndim != 1:
+                raise GradientError(
+                    f"penalty_step supports fully_shard on a 1-D device mesh; "
+                    f"{type(module).__name__} is sharded on a {group.mesh_info.mesh.ndim}-D mesh "
+                    f"(hybrid sharding), where the exact step is not verified. Use a 1-D mesh, "
+                    f"or {_APPROXIMATE}."
+                )
+            if any(p.offload_to_cpu for p in group.fsdp_params):
+                raise GradientError(
+                    f"penalty_step does not support CPUOffloadPolicy ({type(module).__name__} "
+                    f"offloads its parameters), where the exact step is not verified. Remove "
+                    f"the offload policy, or use {_APPROXIMATE}."
+                )
+
+
+def _received_gradient(fsdp_param: Any) -> bool:
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return (getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+            or (unsharded is not None and unsharded.grad is not None))
+
+
+@contextmanager
+def penalty_step(module: nn.Module) -> Iterator[None]:
+    """Run the block (forwards, penalties, ``backward()``) as one exact step of ``module``.
+
+    ``module``: the module whose parameters the step differentiates, sharded by ``fully_shard``
+    (it or its submodules); the root of the sharded tree. On a module that is not sharded (one
+    process, DDP) it does nothing, so one training loop serves all. See the module docstring
+    for what it does, its memory, the layouts it refuses and the checks on leaving.
+    """
+    modules = sharded_modules(module)
+    if not modules:
+        yield
+        return
+    _check_layout(modules)
+    states = [m._get_fsdp_state() for m in modules]
+    if any(getattr(s, "_gradreg_in_penalty_step", False) for s in states):
+        raise GradientError("penalty_step is already active on this module: do not nest it.")
+    saved = [_Saved(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads,
+                    g.all_reduce_grads) for s in states for g in _groups(s)]
+    auto_reshard = [s._auto_reshard_after_forward for s in states]
+    for state in states:
+        state._gradreg_in_penalty_step = True
+    module.set_reshard_after_forward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+    completed = False
+    try:
+        yield
+        completed = True
+    finally:
+        for state, auto in zip(states, auto_reshard, strict=True):
+            state._auto_reshard_after_forward = auto
+            state._gradreg_in_penalty_step = False
+        for s in saved:
+            s.group.post_forward_mesh_info = s.post_forward_mesh_info
+            s.group.reshard_after_backward = s.reshard_after_backward
+            s.group.reduce_grads, s.group.all_reduce_grads = s.reduce_grads, s.all_reduce_grads
+    if completed:
+        _reduce_once(module, saved)
+
+
+def _reduce_once(module: nn.Module, saved: list[_Saved]) -> None:
+    """FSDP's post-backward for every group, once, after all of the step's backwards: the
+    reduce-scatter of the accumulated unsharded gradients into the sharded ``.grad`` (where
+    gradient sync is on) and the reshard the group is configured with; then the check."""
+    received = [[p for p in s.group.fsdp_params if _received_gradient(p)] for s in saved]
+    trainable = [p for s in saved for p in s.group.fsdp_params if p.sharded_param.requires_grad]
+    for s in reversed(saved):  # backward order, as FSDP's own final callback
+        s.group.post_backward()
+        s.group._training_state = type(s.group._training_state).IDLE
+    root = module._get_fsdp_state()
+    if root._state_ctx.is_last_backward:
+        for s in saved:
+            s.group.finalize_backward()
+    if trainable and not any(received):
+        raise GradientError(
+            f"no parameter of the sharded {type(module).__name__} received a gradient inside "
+            "penalty_step: call backward() inside the `with` block (the step reduces the "
+            "gradients once, when the block ends)."
+        )
+    lost = [p._param_fqn for s, got in zip(saved, received, strict=True) if s.reduce_grads
+            for p in got if p.sharded_param.grad is None]
+    if lost:
+        raise GradientError(
+            f"the gradients of {', '.join(map(str, lost))} were computed but not reduced into "
+            "the sharded parameters' .grad: this torch's FSDP2 differs from the one "
+            f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
+        )
