@@ -39,6 +39,10 @@ Layouts not supported (refused on entering, before any computation): torch older
 (not verified). On those, or to keep the parameters sharded during the step, use a method with no
 double backward, which FSDP2 supports as it is: ``method="finite_difference"``.
 
+Outside the step, :func:`check_penalty_graph` refuses a penalty whose graph runs through an
+FSDP2 module that no :func:`penalty_step` holds, before anything is differentiated (the
+penalty mechanism can call it on the outputs it differentiates).
+
 The step also checks its outcome: a parameter that got a gradient during the step and has no
 sharded ``.grad`` after it raises :class:`~gradreg.autograd.GradientError` instead of a silent
 loss of the update; so does a step in which no parameter that requires grad got a gradient
@@ -47,22 +51,28 @@ loss of the update; so does a step in which no parameter that requires grad got 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
+from gradreg.graph import walk_backward_graph
 
-__all__ = ["FSDP_MIN_TORCH", "is_sharded", "penalty_step", "sharded_modules"]
+__all__ = ["FSDP_MIN_TORCH", "check_penalty_graph", "is_sharded", "penalty_step",
+           "sharded_modules"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
 
 _APPROXIMATE = "method='finite_difference' (no double backward, FSDP2 supports it as it is)"
+#: FSDP2's autograd node on a sharded module's inputs, which runs its post-backward
+_POST_BACKWARD_NODE = "RegisterPostBackwardFunctionBackward"
+_HELD: weakref.WeakSet = weakref.WeakSet()  # the parameter groups inside a penalty_step
 
 
 def _fsdp_module_type() -> type | None:
@@ -168,6 +178,7 @@ def penalty_step(module: nn.Module) -> Iterator[None]:
     auto_reshard = [s._auto_reshard_after_forward for s in states]
     for state in states:
         state._gradreg_in_penalty_step = True
+    _HELD.update(s.group for s in saved)
     module.set_reshard_after_forward(False)
     module.set_reshard_after_backward(False)
     module.set_requires_gradient_sync(False)
@@ -180,6 +191,7 @@ def penalty_step(module: nn.Module) -> Iterator[None]:
             state._auto_reshard_after_forward = auto
             state._gradreg_in_penalty_step = False
         for s in saved:
+            _HELD.discard(s.group)
             s.group.post_forward_mesh_info = s.post_forward_mesh_info
             s.group.reshard_after_backward = s.reshard_after_backward
             s.group.reduce_grads, s.group.all_reduce_grads = s.reduce_grads, s.all_reduce_grads
@@ -213,4 +225,25 @@ def _reduce_once(module: nn.Module, saved: list[_Saved]) -> None:
             f"the gradients of {', '.join(map(str, lost))} were computed but not reduced into "
             "the sharded parameters' .grad: this torch's FSDP2 differs from the one "
             f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
+        )
+
+
+def check_penalty_graph(outputs: Tensor) -> None:
+    """Raise where the graph of ``outputs`` (what a penalty differentiates with
+    ``create_graph=True``) runs through an FSDP2-sharded module outside :func:`penalty_step`:
+    there FSDP2 either fails in the outer backward or leaves every ``.grad`` None. Cheap where
+    no process group is initialized (one process: nothing to walk)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    unheld = {getattr(node, "param_group", None) for node in walk_backward_graph([outputs]).nodes
+              if type(node).__name__ == _POST_BACKWARD_NODE}
+    unheld = {group for group in unheld if group is not None and group not in _HELD}
+    if unheld:
+        names = sorted(str(getattr(g, "_module_fqn", None) or "the root") for g in unheld)
+        raise GradientError(
+            f"a double-backward penalty through fully_shard modules ({', '.join(names)}) "
+            "outside gradreg.sharding.penalty_step: FSDP2 would free the parameters the outer "
+            "backward needs, or reduce the gradients before they exist (every .grad None). Run "
+            "the forward, the penalty and backward() inside `with "
+            f"gradreg.sharding.penalty_step(module):`, or use {_APPROXIMATE}."
         )

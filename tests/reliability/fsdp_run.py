@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gradreg.sharding import penalty_step
+from gradreg.sharding import check_penalty_graph, penalty_step
 
 
 def shard(model: nn.Module, layout: str, **options: object) -> nn.Module:
@@ -82,6 +82,20 @@ def backward_outside(case: Case, rank: int) -> object:
     return full_grads(model)
 
 
+def check_graph(case: Case, rank: int, around: Callable) -> str:
+    """What :func:`check_penalty_graph` says of the critic's outputs at the points."""
+    model = shard(critic(case.dtype), case.layout)
+    x = data(rank, case.dtype).requires_grad_()
+    try:
+        with around(model):
+            outputs = model(x)
+            check_penalty_graph(outputs)
+            outputs.sum().backward()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "passed"
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -98,6 +112,8 @@ def main(out: Path) -> None:
         model = shard(critic(torch.float32), layout)
         train(Case("wgan_gp", layout=layout), model, rank, penalty_step)
         results[f"train:{layout}"] = [p.full_tensor() for p in model.parameters()]
+    results["graph_outside"] = check_graph(r1, rank, around=plain)
+    results["graph_inside"] = check_graph(r1, rank, around=penalty_step)
     results["backward_outside"] = backward_outside(r1, rank)
     results["nested"] = run(r1, rank, around=nested)
     hsdp = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))

@@ -95,6 +95,15 @@ def test_fsdp2_alone_loses_the_update_when_parameters_stay_gathered(sharded: dic
     assert sharded["raw:no_reshard_after_forward"] == [None] * 6
 
 
+def test_a_penalty_graph_through_a_sharded_module_is_refused_outside_the_step(
+    sharded: dict,
+) -> None:
+    error = sharded["graph_outside"]
+    assert isinstance(error, str) and error.startswith("GradientError")
+    assert "outside gradreg.sharding.penalty_step" in error and APPROXIMATE in error
+    assert sharded["graph_inside"] == "passed"
+
+
 def test_a_backward_outside_the_step_is_refused(sharded: dict) -> None:
     error = sharded["backward_outside"]
     assert isinstance(error, str) and error.startswith("GradientError")
