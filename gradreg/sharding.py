@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
 
-__all__ = ["FSDP_MIN_TORCH", "check_penalty_graph", "is_sharded", "penalty_step",
+__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "is_sharded", "penalty_step",
            "sharded_modules"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
@@ -156,6 +156,93 @@ def _received_gradient(fsdp_param: Any) -> bool:
             or (unsharded is not None and unsharded.grad is not None))
 
 
+@dataclass
+class _Saved:
+    """One parameter group's settings, restored on leaving the step."""
+
+    group: Any
+    post_forward_mesh_info: Any
+    reshard_after_backward: bool
+    reduce_grads: bool
+    all_reduce_grads: bool
+
+
+class HeldStep:
+    """The settings of :func:`penalty_step` held on a sharded module until :meth:`release`,
+    for loops that call backward themselves (a trainer): call :meth:`reduce` after every
+    ``backward()``, before the optimizer step. ``module`` must be sharded
+    (:func:`is_sharded`); its layout is checked here, before any computation."""
+
+    def __init__(self, module: nn.Module) -> None:
+        modules = sharded_modules(module)
+        _check_layout(modules)
+        self.module = module
+        self.states = [m._get_fsdp_state() for m in modules]
+        self.saved = [_Saved(g, g.post_forward_mesh_info, g.reshard_after_backward,
+                             g.reduce_grads, g.all_reduce_grads)
+                      for s in self.states for g in _groups(s)]
+        if any(s.group in _HELD for s in self.saved):
+            raise GradientError("penalty_step is already active on this module: do not nest it.")
+        self.auto_reshard = [s._auto_reshard_after_forward for s in self.states]
+        self._hold()
+
+    def _hold(self) -> None:
+        _HELD.update(s.group for s in self.saved)
+        self.module.set_reshard_after_forward(False)
+        self.module.set_reshard_after_backward(False)
+        self.module.set_requires_gradient_sync(False)
+
+    def _restore(self) -> None:
+        for state, auto in zip(self.states, self.auto_reshard, strict=True):
+            state._auto_reshard_after_forward = auto
+        for s in self.saved:
+            _HELD.discard(s.group)
+            s.group.post_forward_mesh_info = s.post_forward_mesh_info
+            s.group.reshard_after_backward = s.reshard_after_backward
+            s.group.reduce_grads, s.group.all_reduce_grads = s.reduce_grads, s.all_reduce_grads
+
+    def release(self) -> None:
+        """Give the module its own settings back (no reduction)."""
+        self._restore()
+
+    def reduce(self) -> None:
+        """FSDP's post-backward for every group, once, after the step's backwards: the
+        reduce-scatter of the accumulated unsharded gradients into the sharded ``.grad`` (where
+        gradient sync is on) and the reshard the group is configured with; then the check of
+        the outcome (module docstring). The hold goes on."""
+        self._restore()
+        try:
+            self._reduce_once()
+        finally:
+            self._hold()
+
+    def _reduce_once(self) -> None:
+        received = [[p for p in s.group.fsdp_params if _received_gradient(p)]
+                    for s in self.saved]
+        trainable = [p for s in self.saved for p in s.group.fsdp_params
+                     if p.sharded_param.requires_grad]
+        for s in reversed(self.saved):  # backward order, as FSDP's own final callback
+            s.group.post_backward()
+            s.group._training_state = type(s.group._training_state).IDLE
+        if self.module._get_fsdp_state()._state_ctx.is_last_backward:
+            for s in self.saved:
+                s.group.finalize_backward()
+        if trainable and not any(received):
+            raise GradientError(
+                f"no parameter of the sharded {type(self.module).__name__} received a gradient "
+                "inside penalty_step: call backward() inside the `with` block (the step "
+                "reduces the gradients once, when the block ends)."
+            )
+        lost = [p._param_fqn for s, got in zip(self.saved, received, strict=True)
+                if s.reduce_grads for p in got if p.sharded_param.grad is None]
+        if lost:
+            raise GradientError(
+                f"the gradients of {', '.join(map(str, lost))} were computed but not reduced "
+                "into the sharded parameters' .grad: this torch's FSDP2 differs from the one "
+                f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
+            )
+
+
 @contextmanager
 def penalty_step(module: nn.Module) -> Iterator[None]:
     """Run the block (forwards, penalties, ``backward()``) as one exact step of ``module``.
@@ -165,67 +252,15 @@ def penalty_step(module: nn.Module) -> Iterator[None]:
     process, DDP) it does nothing, so one training loop serves all. See the module docstring
     for what it does, its memory, the layouts it refuses and the checks on leaving.
     """
-    modules = sharded_modules(module)
-    if not modules:
+    if not is_sharded(module):
         yield
         return
-    _check_layout(modules)
-    states = [m._get_fsdp_state() for m in modules]
-    if any(getattr(s, "_gradreg_in_penalty_step", False) for s in states):
-        raise GradientError("penalty_step is already active on this module: do not nest it.")
-    saved = [_Saved(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads,
-                    g.all_reduce_grads) for s in states for g in _groups(s)]
-    auto_reshard = [s._auto_reshard_after_forward for s in states]
-    for state in states:
-        state._gradreg_in_penalty_step = True
-    _HELD.update(s.group for s in saved)
-    module.set_reshard_after_forward(False)
-    module.set_reshard_after_backward(False)
-    module.set_requires_gradient_sync(False)
-    completed = False
+    held = HeldStep(module)
     try:
         yield
-        completed = True
+        held.reduce()
     finally:
-        for state, auto in zip(states, auto_reshard, strict=True):
-            state._auto_reshard_after_forward = auto
-            state._gradreg_in_penalty_step = False
-        for s in saved:
-            _HELD.discard(s.group)
-            s.group.post_forward_mesh_info = s.post_forward_mesh_info
-            s.group.reshard_after_backward = s.reshard_after_backward
-            s.group.reduce_grads, s.group.all_reduce_grads = s.reduce_grads, s.all_reduce_grads
-    if completed:
-        _reduce_once(module, saved)
-
-
-def _reduce_once(module: nn.Module, saved: list[_Saved]) -> None:
-    """FSDP's post-backward for every group, once, after all of the step's backwards: the
-    reduce-scatter of the accumulated unsharded gradients into the sharded ``.grad`` (where
-    gradient sync is on) and the reshard the group is configured with; then the check."""
-    received = [[p for p in s.group.fsdp_params if _received_gradient(p)] for s in saved]
-    trainable = [p for s in saved for p in s.group.fsdp_params if p.sharded_param.requires_grad]
-    for s in reversed(saved):  # backward order, as FSDP's own final callback
-        s.group.post_backward()
-        s.group._training_state = type(s.group._training_state).IDLE
-    root = module._get_fsdp_state()
-    if root._state_ctx.is_last_backward:
-        for s in saved:
-            s.group.finalize_backward()
-    if trainable and not any(received):
-        raise GradientError(
-            f"no parameter of the sharded {type(module).__name__} received a gradient inside "
-            "penalty_step: call backward() inside the `with` block (the step reduces the "
-            "gradients once, when the block ends)."
-        )
-    lost = [p._param_fqn for s, got in zip(saved, received, strict=True) if s.reduce_grads
-            for p in got if p.sharded_param.grad is None]
-    if lost:
-        raise GradientError(
-            f"the gradients of {', '.join(map(str, lost))} were computed but not reduced into "
-            "the sharded parameters' .grad: this torch's FSDP2 differs from the one "
-            f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
-        )
+        held.release()
 
 
 def check_penalty_graph(outputs: Tensor) -> None:
