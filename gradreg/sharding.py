@@ -45,8 +45,8 @@ layer by layer during the step as FSDP does for a first-order loss. Measured on 
 first-order step of the same critic.
 
 FSDP2 internals: the step sets and restores the parameter groups' reshard and reduce settings and
-calls their ``post_backward``/``finalize_backward``, which are not public API (torch 2.6-2.9
-keep one group per module, later versions a list; both are read). Verified on torch 2.13 by the
+calls their ``post_backward``/``finalize_backward``, which are not public API (older releases
+keep one group per module, newer ones a list; both are read). Verified on torch 2.13 by the
 parity tests; a torch whose FSDP2 no longer reduces here raises (the outcome check below).
 
 Layouts not supported (refused on entering, before any computation): torch older than 2.6
@@ -121,23 +121,12 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def _groups(state: Any) -> list[Any]:
-    """The parameter groups of one FSDP2 state: a list from torch 2.10, one group before."""
+    """The parameter groups of one FSDP2 state: a list in newer torch, one group in older."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
-
-
-@dataclass
-class _Saved:
-    """One parameter group's settings, restored on leaving the step."""
-
-    group: Any
-    post_forward_mesh_info: Any
-    reshard_after_backward: bool
-    reduce_grads: bool
-    all_reduce_grads: bool
 
 
 def _check_layout(modules: list[nn.Module]) -> None:
@@ -171,15 +160,33 @@ def _received_gradient(fsdp_param: Any) -> bool:
             or (unsharded is not None and unsharded.grad is not None))
 
 
+#: The settings the step holds, on FSDP2's parameter groups and on its states: no reshard after
+#: forward (``post_forward_mesh_info`` None) or backward, no gradient reduction (read where this
+#: torch has them; ``set_reshard_after_forward`` and friends are not public in every release).
+_GROUP_HOLD = {"post_forward_mesh_info": None, "reshard_after_backward": False,
+               "reduce_grads": False, "all_reduce_grads": False}
+_STATE_HOLD = {"_auto_reshard_after_forward": False}
+
+
 @dataclass
 class _Saved:
-    """One parameter group's settings, restored on leaving the step."""
+    """One FSDP2 object's own values of the settings the step holds (those it has)."""
 
-    group: Any
-    post_forward_mesh_info: Any
-    reshard_after_backward: bool
-    reduce_grads: bool
-    all_reduce_grads: bool
+    target: Any
+    held: dict[str, Any]
+    own: dict[str, Any]
+
+    @classmethod
+    def of(cls, target: Any, held: dict[str, Any]) -> _Saved:
+        return cls(target, held, {k: getattr(target, k) for k in held if hasattr(target, k)})
+
+    def hold(self) -> None:
+        for key in self.own:
+            setattr(self.target, key, self.held[key])
+
+    def restore(self) -> None:
+        for key, value in self.own.items():
+            setattr(self.target, key, value)
 
 
 class HeldStep:
@@ -192,29 +199,25 @@ class HeldStep:
         modules = sharded_modules(module)
         _check_layout(modules)
         self.module = module
-        self.states = [m._get_fsdp_state() for m in modules]
-        self.saved = [_Saved(g, g.post_forward_mesh_info, g.reshard_after_backward,
-                             g.reduce_grads, g.all_reduce_grads)
-                      for s in self.states for g in _groups(s)]
-        if any(s.group in _HELD for s in self.saved):
+        states = [m._get_fsdp_state() for m in modules]
+        self.groups = [g for s in states for g in _groups(s)]
+        if any(g in _HELD for g in self.groups):
             raise GradientError("penalty_step is already active on this module: do not nest it.")
-        self.auto_reshard = [s._auto_reshard_after_forward for s in self.states]
+        self.saved = ([_Saved.of(g, _GROUP_HOLD) for g in self.groups]
+                      + [_Saved.of(s, _STATE_HOLD) for s in states])
+        self.reduces = [g.reduce_grads for g in self.groups]
         self._hold()
 
     def _hold(self) -> None:
-        _HELD.update(s.group for s in self.saved)
-        self.module.set_reshard_after_forward(False)
-        self.module.set_reshard_after_backward(False)
-        self.module.set_requires_gradient_sync(False)
+        _HELD.update(self.groups)
+        for saved in self.saved:
+            saved.hold()
 
     def _restore(self) -> None:
-        for state, auto in zip(self.states, self.auto_reshard, strict=True):
-            state._auto_reshard_after_forward = auto
-        for s in self.saved:
-            _HELD.discard(s.group)
-            s.group.post_forward_mesh_info = s.post_forward_mesh_info
-            s.group.reshard_after_backward = s.reshard_after_backward
-            s.group.reduce_grads, s.group.all_reduce_grads = s.reduce_grads, s.all_reduce_grads
+        for saved in self.saved:
+            saved.restore()
+        for group in self.groups:
+            _HELD.discard(group)
 
     def release(self) -> None:
         """Give the module its own settings back (no reduction)."""
@@ -232,24 +235,23 @@ class HeldStep:
             self._hold()
 
     def _reduce_once(self) -> None:
-        received = [[p for p in s.group.fsdp_params if _received_gradient(p)]
-                    for s in self.saved]
-        trainable = [p for s in self.saved for p in s.group.fsdp_params
+        received = [[p for p in g.fsdp_params if _received_gradient(p)] for g in self.groups]
+        trainable = [p for g in self.groups for p in g.fsdp_params
                      if p.sharded_param.requires_grad]
-        for s in reversed(self.saved):  # backward order, as FSDP's own final callback
-            s.group.post_backward()
-            s.group._training_state = type(s.group._training_state).IDLE
+        for group in reversed(self.groups):  # backward order, as FSDP's own final callback
+            group.post_backward()
+            group._training_state = type(group._training_state).IDLE
         if self.module._get_fsdp_state()._state_ctx.is_last_backward:
-            for s in self.saved:
-                s.group.finalize_backward()
+            for group in self.groups:
+                group.finalize_backward()
         if trainable and not any(received):
             raise GradientError(
                 f"no parameter of the sharded {type(self.module).__name__} received a gradient "
                 "inside penalty_step: call backward() inside the `with` block (the step "
                 "reduces the gradients once, when the block ends)."
             )
-        lost = [p._param_fqn for s, got in zip(self.saved, received, strict=True)
-                if s.reduce_grads for p in got if p.sharded_param.grad is None]
+        lost = [p._param_fqn for reduces, got in zip(self.reduces, received, strict=True)
+                if reduces for p in got if p.sharded_param.grad is None]
         if lost:
             raise GradientError(
                 f"the gradients of {', '.join(map(str, lost))} were computed but not reduced "
