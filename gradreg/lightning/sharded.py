@@ -20,10 +20,12 @@ from functools import partial
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
+from gradreg import GradientError, sharding
 from gradreg.sharding import HeldStep, is_sharded
 
 __all__ = ["ShardedPenaltyStrategy"]
@@ -51,6 +53,14 @@ class ShardedPenaltyStrategy(ModelParallelStrategy):
         self._held: list[HeldStep] = []
 
     def connect(self, model: L.LightningModule) -> None:
+        """Refuse a torch without public FSDP2 (when fitting starts: the trainer itself builds on
+        any torch), then supply ``configure_model`` where the module has none."""
+        if sharding._torch_version() < sharding.FSDP_MIN_TORCH:
+            raise GradientError(
+                f"ShardedPenaltyStrategy needs torch >= "
+                f"{'.'.join(map(str, sharding.FSDP_MIN_TORCH))} (public FSDP2); torch "
+                f"{torch.__version__} has not: use DDP (trainer=ddp_cpu) or upgrade torch."
+            )
         super().connect(model)
         if not is_overridden("configure_model", model):
             model.configure_model = partial(self._configure_model, model)
