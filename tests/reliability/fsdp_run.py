@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gradreg.sharding import check_penalty_graph, penalty_step
+from gradreg.sharding import check_penalty_graph, penalty_step, sharded_modules
 
 
 def shard(model: nn.Module, layout: str, **options: object) -> nn.Module:
@@ -82,6 +82,13 @@ def backward_outside(case: Case, rank: int) -> object:
     return full_grads(model)
 
 
+def settings(model: nn.Module) -> list[object]:
+    """What ``penalty_step`` changes on each FSDP2 module while it holds it."""
+    return [(m._get_fsdp_state()._auto_reshard_after_forward, g.post_forward_mesh_info is None,
+             g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+            for m in sharded_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
 def check_graph(case: Case, rank: int, around: Callable) -> str:
     """What :func:`check_penalty_graph` says of the critic's outputs at the points."""
     model = shard(critic(case.dtype), case.layout)
@@ -112,6 +119,12 @@ def main(out: Path) -> None:
         model = shard(critic(torch.float32), layout)
         train(Case("wgan_gp", layout=layout), model, rank, penalty_step)
         results[f"train:{layout}"] = [p.full_tensor() for p in model.parameters()]
+    for layout in LAYOUTS:  # the module's own settings and sharded parameters come back
+        model = shard(critic(torch.float32), layout)
+        before = settings(model)
+        step(r1, model, data(rank, torch.float32), rank, penalty_step)
+        results[f"restored:{layout}"] = (settings(model) == before,
+                                         all(hasattr(p, "to_local") for p in model.parameters()))
     results["graph_outside"] = check_graph(r1, rank, around=plain)
     results["graph_inside"] = check_graph(r1, rank, around=penalty_step)
     results["backward_outside"] = backward_outside(r1, rank)

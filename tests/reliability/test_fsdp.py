@@ -101,6 +101,12 @@ def test_sharded_training_ends_with_the_parameters_of_one_process(sharded: dict,
     assert max_difference(grads_of(sharded, f"train:{layout}"), expected) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_step_gives_the_module_its_settings_and_shards_back(sharded: dict,
+                                                                layout: str) -> None:
+    assert sharded[f"restored:{layout}"] == (True, True)
+
+
 def test_fsdp2_alone_fails_loudly_by_default(sharded: dict) -> None:
     error = sharded["raw:default"]
     assert isinstance(error, str) and "setStorage" in error and "storage of size 0" in error
