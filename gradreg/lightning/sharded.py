@@ -10,7 +10,9 @@ left out would train on its rank's data alone. It then holds them as
 fit, and after every backward, before the optimizer step, runs FSDP's gradient reduction once:
 so every penalty's parameter gradient is that of the unsharded module, with the memory
 stated in :mod:`gradreg.sharding` (the parameters gathered during the step; the optimizer state
-and, between steps, the parameters sharded). Runs on the CPU with gloo.
+and, between steps, the parameters sharded). Tested on the CPU with gloo (2 processes, torch
+2.13); not yet run on a GPU. Under a Hydra multirun it is refused like ``ddp``: its extra
+ranks re-run the command line.
 """
 
 from __future__ import annotations
