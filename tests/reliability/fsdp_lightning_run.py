@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradreg.lightning.sharded import ShardedPenaltyStrategy
 
-RUNS = ("classifier_double_backprop", "gan_wgan_gp_r1")
+RUNS = ("classifier_double_backprop", "gan_wgan_gp_r1", "penalty_only")
 
 
 def train_sharded(scenario: str) -> dict[str, Tensor]:
