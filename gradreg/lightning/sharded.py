@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from gradreg import GradientError, sharding
+from gradreg.lightning.compat import data_parallel_over_all_ranks
 from gradreg.sharding import HeldStep, is_sharded
 
 __all__ = ["ShardedPenaltyStrategy"]
@@ -68,8 +69,7 @@ class ShardedPenaltyStrategy(ModelParallelStrategy):
             model.configure_model = partial(self._configure_model, model)
 
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        data_parallel_over_all_ranks(self)
         super().setup_environment()
 
     def _configure_model(self, model: L.LightningModule) -> None:

@@ -8,6 +8,7 @@ import pytest
 from torch import nn
 
 from gradreg import GradientError, sharding
+from gradreg.lightning.compat import data_parallel_over_all_ranks
 from gradreg.lightning.sharded import ShardedPenaltyStrategy
 
 
@@ -26,3 +27,14 @@ def test_torch_without_public_fsdp2_is_refused_when_fitting_starts(
     strategy = ShardedPenaltyStrategy()  # the app's trainer builds on any torch
     with pytest.raises(GradientError, match=r"needs torch >= 2\.6.*trainer=ddp_cpu"):
         strategy.connect(L.LightningModule())
+
+
+def test_the_data_parallel_size_it_sets_is_lightnings() -> None:
+    """``ModelParallelStrategy._data_parallel_size`` (private; gradreg.lightning.compat)."""
+    strategy = ShardedPenaltyStrategy()
+    assert strategy._data_parallel_size == "auto", (
+        f"Lightning {L.__version__} keeps no ModelParallelStrategy._data_parallel_size: update "
+        "gradreg/lightning/compat.py")
+    strategy.num_nodes, strategy.parallel_devices = 2, ["cpu", "cpu", "cpu"]
+    data_parallel_over_all_ranks(strategy)
+    assert strategy._data_parallel_size == 6
