@@ -87,8 +87,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "digits_mlp,critic_wgan_gp; kinds: mlp, digits_mlp, cnn, "
                              "critic_wgan_gp, critic_r1; with --suite gpu: resnet18, bn_cnn, "
                              "dcgan_wgan_gp, dcgan_r1, mlp")
+    parser.add_argument("--sharded", action="store_true",
+                        help="memory per rank of an FSDP2-sharded critic, 2 gloo ranks "
+                             "(benchmarking/sharded.py)")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = parser.parse_args(argv)
+    if args.sharded:
+        from benchmarking.sharded import main as sharded
+
+        return sharded(args.out, args.quick)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     threads = args.threads or (1 if args.quick else None)
     if threads:

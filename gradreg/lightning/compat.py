@@ -7,9 +7,10 @@ which fails with the name and this module when a Lightning release moves it.
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-__all__ = ["attached_trainer", "relaunches_script"]
+__all__ = ["attached_trainer", "data_parallel_over_all_ranks", "relaunches_script"]
 
 
 def relaunches_script(trainer: pl.Trainer) -> bool:
@@ -22,3 +23,11 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The trainer ``module`` is attached to, or None (``module.trainer`` raises when there is
     none: a module called outside ``Trainer.fit``)."""
     return module._trainer
+
+
+def data_parallel_over_all_ranks(strategy: ModelParallelStrategy) -> None:
+    """Where ``strategy``'s data-parallel size was left ``"auto"`` (which Lightning resolves to
+    the number of nodes), make it every rank: ``num_nodes * num_processes``. Call before its
+    ``setup_environment`` builds the device mesh."""
+    if strategy._data_parallel_size == "auto":
+        strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes

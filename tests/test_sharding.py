@@ -1,0 +1,39 @@
+"""gradreg.sharding in one process: nothing to do on an unsharded module, and the clear error
+of a torch without public FSDP2. The 2-rank tests are in tests/reliability/test_fsdp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradreg import GradientError, sharding
+from gradreg.penalties import as_points, r1
+
+
+def critic() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def r1_grads(model: nn.Module, step: bool) -> list[torch.Tensor]:
+    x = as_points(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+    with sharding.penalty_step(model) if step else torch.enable_grad():
+        outputs = model(x)
+        sharding.check_penalty_graph(outputs)
+        (outputs.mean() + r1(1.0)(outputs, x)).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_an_unsharded_module_steps_as_without_the_step() -> None:
+    model = critic()
+    assert not sharding.is_sharded(model) and sharding.sharded_modules(model) == []
+    with_step, without = r1_grads(critic(), step=True), r1_grads(critic(), step=False)
+    for a, b in zip(with_step, without, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_torch_without_public_fsdp2_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharding, "_torch_version", lambda: (2, 5))
+    with pytest.raises(GradientError, match=r"need torch >= 2\.6.*method='finite_difference'"):
+        sharding._check_layout([])
