@@ -23,12 +23,15 @@ histogram ``interpolates/grad_norm``       interpolates: mean, the target 1, dis
 ``saliency``                               image: inputs over :math:`\lvert\nabla_x\ell\rvert`
 ``critic_landscape/score|grad_norm``       images: critic scores, :math:`\lVert\nabla_x D\rVert`
 ``samples``                                image: a grid of generated images of fixed latents
-``autograd_graph``                         image: the backward graph of the penalized loss
+``graph/autograd``                         image: the backward graph of the penalized loss
 ``autograd_graph/text|dot``                text: the same graph, to search and to paste
 =========================================  ========================================================
 
 The modules' own ``self.log`` tags (``train/loss``, ``train/critic/adversarial``, ``val/acc``, ...)
-are left as they are; the HParams table takes its metrics from them.
+are left as they are; the HParams table takes its metrics from them. TensorBoard's Time Series tab
+shows tag groups (the part before the first ``/``) in alphabetical order, the first open: the
+names above put the scalars of ``grad_norm`` (or a GAN's critic landscape) first, and
+:class:`TensorBoardLogger` leaves out the ``epoch`` scalar that Lightning adds to every step.
 
 The figures are drawn on :class:`matplotlib.figure.Figure` objects (Agg, no pyplot state), so they
 render headless and in threads. TensorBoard shows an image scaled to its card (about 280 px wide
@@ -45,6 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -54,6 +58,7 @@ __all__ = [
     "CHARTS",
     "CRITIC_LANDSCAPE",
     "GRAD_NORM",
+    "GRAPH_PICTURE",
     "INPUT_GRAD",
     "INTERPOLATES",
     "LOSS_TOTAL",
@@ -64,6 +69,7 @@ __all__ = [
     "SALIENCY",
     "SAMPLES",
     "TASK_LOSS",
+    "TensorBoardLogger",
     "critic_landscape_figure",
     "custom_scalars_layout",
     "figure_title",
@@ -82,7 +88,8 @@ INTERPOLATES = "interpolates"
 SALIENCY = "saliency"
 CRITIC_LANDSCAPE = "critic_landscape"
 SAMPLES = "samples"
-AUTOGRAD_GRAPH = "autograd_graph"
+AUTOGRAD_GRAPH = "autograd_graph"  # the text; the picture is GRAPH_PICTURE
+GRAPH_PICTURE = "graph/autograd"
 
 CATEGORY = "gradreg"
 # the modules' training task losses: the classifier's (and a user's) train/loss, the GAN's
@@ -104,6 +111,16 @@ CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "interpolates": ("critic gradient norm ‖∇D(x̂)‖ at interpolates: mean and target",
                      (rf"{INTERPOLATES}/grad_norm_(mean|target)$",)),
 }
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` without the ``epoch`` scalar that Lightning adds to the
+    metrics of every logged step (the chart TensorBoard's Time Series tab would open on, which
+    says nothing the step axis does not)."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        super().log_metrics({tag: value for tag, value in metrics.items() if tag != "epoch"},
+                            step)
 
 
 def custom_scalars_layout(
@@ -143,7 +160,7 @@ def figure_title(step: int, weights: Mapping[str, float]) -> str:
 
 # type sizes (points) of the figures: at TensorBoard's default card width an image is shown at
 # about half its size, so labels are drawn at twice the usual size
-TITLE, LABEL, TICK = 17, 15, 13
+TITLE, LABEL, TICK = 18, 16, 13
 
 
 def saliency_figure(
@@ -166,19 +183,21 @@ def saliency_figure(
     columns = min(columns, n)
     rows = -(-n // columns)
     vmax = float(saliency.max()) if vmax is None else vmax
-    fig = Figure(figsize=(1.6 * columns + 1.4, 3.3 * rows + 0.8), dpi=100)
-    grid = fig.add_gridspec(2 * rows, columns + 1, width_ratios=[1] * columns + [0.12],
-                            left=0.03, right=0.86, top=1 - 0.7 / fig.get_figheight(),
-                            bottom=0.06, hspace=0.45, wspace=0.08)
+    fig = Figure(figsize=(1.55 * columns + 1.5, 3.6 * rows + 0.7), dpi=100)
+    # per row of samples: inputs, maps, a gap
+    grid = fig.add_gridspec(3 * rows - 1, columns + 1, width_ratios=[1] * columns + [0.12],
+                            height_ratios=([1, 1, 0.42] * rows)[:-1], left=0.02, right=0.84,
+                            top=1 - 0.8 / fig.get_figheight(), bottom=0.07, hspace=0.12,
+                            wspace=0.08)
     norms = np.sqrt((saliency.reshape(n, -1) ** 2).sum(1))
     shown = None
     for k in range(n):
         row, col = divmod(k, columns)
-        top, bottom = fig.add_subplot(grid[2 * row, col]), fig.add_subplot(grid[2 * row + 1, col])
+        top, bottom = fig.add_subplot(grid[3 * row, col]), fig.add_subplot(grid[3 * row + 1, col])
         top.imshow(images[k], cmap="gray_r" if images.ndim == 3 else None, vmin=0, vmax=1)
         shown = bottom.imshow(saliency[k], cmap="magma", vmin=0, vmax=vmax)
         top.set_title(f"y={labels[k]}" if labels is not None else "", fontsize=LABEL)
-        bottom.set_xlabel(f"{norms[k]:.2g}", fontsize=LABEL)
+        bottom.set_xlabel(f"{norms[k]:.2g}", fontsize=LABEL, labelpad=2)
         for ax in (top, bottom):
             ax.set_xticks([])
             ax.set_yticks([])

@@ -317,3 +317,12 @@ def test_snapshot_draws_the_logged_run(tmp_path: Path) -> None:
     height, width = imread(path).shape[:2]
     assert (height, width) == (pytest.approx(figure.bbox.height, abs=1),
                                pytest.approx(figure.bbox.width, abs=1))
+
+
+def test_the_logger_leaves_out_lightnings_epoch_scalar(tmp_path: Path) -> None:
+    logger = dashboards.TensorBoardLogger(tmp_path, default_hp_metric=False)
+    run = fit(tmp_path, PlainClassifier(), [], logger=logger)
+    tags = events(run).Tags()["scalars"]
+    assert "train/loss" in tags and "epoch" not in tags
+    plain = fit(tmp_path / "plain", PlainClassifier(), [])
+    assert "epoch" in events(plain).Tags()["scalars"]  # what Lightning's own logger writes

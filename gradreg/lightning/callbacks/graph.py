@@ -12,7 +12,7 @@ backward runs records the node being differentiated under the metadata key ``par
 :data:`ANOMALY_PARENT_KEY` names; pinned by the tests). Those are exactly the nodes of the
 gradient's graph. Anomaly mode costs a stack trace per node, on that one batch only.
 
-Tags: the image ``autograd_graph`` (leaves labelled with the module's parameter names,
+Tags: the image ``graph/autograd`` (leaves labelled with the module's parameter names,
 double-backward nodes in orange) and the text ``autograd_graph/text`` and ``autograd_graph/dot``
 (Text tab, to search and to paste into Graphviz). TensorBoard's Graphs tab draws TorchScript
 traces of a forward pass (``add_graph``), which has no notion of a gradient's graph, so the
@@ -36,7 +36,7 @@ from gradreg.lightning.callbacks._logging import (
     warn_without_tensorboard,
 )
 from gradreg.lightning.callbacks.graph_figure import graph_figure
-from gradreg.lightning.dashboards import AUTOGRAD_GRAPH
+from gradreg.lightning.dashboards import AUTOGRAD_GRAPH, GRAPH_PICTURE
 
 # torch's metadata key of the node that was being differentiated when a node was created
 # (anomaly mode only): torch/csrc/autograd/python_anomaly_mode.h, ANOMALY_PARENT_KEY
@@ -111,9 +111,9 @@ class AutogradGraphLogger(pl.Callback):
         step = logging_step(trainer)
         parameters = {id(param): name for name, param in pl_module.named_parameters()}
         names, kinds, labels, edges = node_kinds(loss, parameters)
-        title = (f"backward graph of the loss at step {step}: {len(names)} nodes, "
+        title = (f"backward graph of the loss, step {step}: {len(names)} nodes,\n"
                  f"{kinds.count('double_backward')} of them double backward")
-        writer.add_figure(AUTOGRAD_GRAPH, graph_figure(names, kinds, edges, labels, title),
+        writer.add_figure(GRAPH_PICTURE, graph_figure(names, kinds, edges, labels, title),
                           step, close=True)
         graph = autograd_graph(loss)
         writer.add_text(f"{AUTOGRAD_GRAPH}/text", _code_block(graph.to_text()), step)

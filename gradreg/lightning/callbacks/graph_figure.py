@@ -71,24 +71,26 @@ def graph_figure(
     labels = labels or {}
     rows = layers(len(names), edges)
     width = max(len(row) for row in rows)
-    fig = Figure(figsize=(max(2.1 * width, 9.0), 0.75 * len(rows) + 2.0), dpi=80)
-    ax = fig.add_axes((0.0, 0.0, 1.0, 1.0 - 1.5 / fig.get_figheight()))
+    present = [kind for kind in KINDS if kind in set(kinds)]
+    top = 0.5 + 0.3 * len(present)  # inches above the drawing: title and legend
+    fig = Figure(figsize=(max(1.75 * width, 5.0), 0.62 * len(rows) + top + 0.2), dpi=80)
+    ax = fig.add_axes((0.0, 0.0, 1.0, 1.0 - top / fig.get_figheight()))
     xy = {node: ((k + 0.5) / len(row) * width, -depth)
           for depth, row in enumerate(rows) for k, node in enumerate(row)}
     ax.add_collection(LineCollection([(xy[e.source], xy[e.target]) for e in edges],
                                      colors="#888888", linewidths=0.8, zorder=1))
     for node, (x, y) in xy.items():
         ax.text(x, y, labels.get(node, short_name(names[node])), ha="center", va="center",
-                fontsize=11, zorder=2,
-                bbox={"boxstyle": "round,pad=0.3", "facecolor": KINDS[kinds[node]][0],
+                fontsize=12, zorder=2,
+                bbox={"boxstyle": "round,pad=0.25", "facecolor": KINDS[kinds[node]][0],
                       "edgecolor": "#555555"})
-    ax.set_xlim(-0.2, width + 0.2)
-    ax.set_ylim(-len(rows) + 0.4, 0.6)
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(-len(rows) + 0.5, 0.5)
     ax.axis("off")
-    present = [kind for kind in KINDS if kind in set(kinds)]
     fig.legend(handles=[Patch(facecolor=KINDS[k][0], edgecolor="#555555", label=KINDS[k][1])
                         for k in present],
-               loc="upper center", ncols=2, fontsize=12, frameon=False,
-               bbox_to_anchor=(0.5, 1.0 - 0.45 / fig.get_figheight()))
-    fig.suptitle(title, fontsize=15, y=1.0 - 0.05 / fig.get_figheight(), va="top")
+               loc="upper left", fontsize=12, frameon=False,
+               bbox_to_anchor=(0.0, 1.0 - 0.4 / fig.get_figheight()))
+    fig.suptitle(title, fontsize=13, x=0.02, y=1.0 - 0.05 / fig.get_figheight(), ha="left",
+                 va="top")
     return fig
