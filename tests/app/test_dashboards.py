@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -149,11 +150,13 @@ TABS = {
     "images": [*SWEEP, "graph/autograd", "critic_landscape/grad_norm", "saliency"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
+    "histograms&tagFilter=param_grad": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
     "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0"],
 }
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
-               "images": "dashboard_images.png", "histograms": "dashboard_histograms.png"}
+               "images": "dashboard_images.png",
+               "histograms&tagFilter=param_grad": "dashboard_histograms.png"}
 
 
 @pytest.mark.skipif(executable() is None,
@@ -169,6 +172,7 @@ def test_the_tabs_render_in_a_browser(logs: Path, serve, tmp_path: Path) -> None
             if tab == "timeseries":
                 assert "epoch" not in text.split()
             if tab in SCREENSHOTS:
+                time.sleep(2)  # the charts' drawing animations
                 browser.screenshot(shots / SCREENSHOTS[tab])
     finally:
         browser.close()
