@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from matplotlib.image import imread
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
+from torch import Tensor, nn
 
 from gradreg.lightning import dashboards
 from gradreg.lightning.callbacks import (
@@ -25,6 +26,7 @@ from gradreg.lightning.callbacks import (
     InterpolatesGradientNorm,
     PenaltyWeightSchedule,
     SaliencyMaps,
+    SampleGrid,
 )
 from gradreg.lightning.callbacks import figures as figures_module
 from gradreg.lightning.callbacks.hparams import tensorboard_values
@@ -326,3 +328,35 @@ def test_the_logger_leaves_out_lightnings_epoch_scalar(tmp_path: Path) -> None:
     assert "train/loss" in tags and "epoch" not in tags
     plain = fit(tmp_path / "plain", PlainClassifier(), [])
     assert "epoch" in events(plain).Tags()["scalars"]  # what Lightning's own logger writes
+
+
+class ImageGenerator(pl.LightningModule):
+    """A generator of 2x2 gray images, trained on nothing (lr = 0): its samples never change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.latent_dim = 3
+        self.generator = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Unflatten(1, (1, 2, 2)))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.generator(torch.randn(len(batch), self.latent_dim)).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(("every", "steps"), [(1, [0, 1, 2]), (2, [1, 2]), (100, [2])])
+def test_sample_grids_at_the_interval_and_at_the_end(every: int, steps: list[int],
+                                                     tmp_path: Path) -> None:
+    module = ImageGenerator()
+    run = fit(tmp_path, module, [SampleGrid(4, every_n_steps=every)])
+    images = events(run).Images("samples")
+    assert [image.step for image in images] == steps
+    # the grid of G(z) for the seeded latents, as 8-bit gray levels
+    latents = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    expected = (module.generator(latents).detach() * 255).round()
+    grid = imread(io.BytesIO(images[-1].encoded_image_string), format="png")
+    assert grid.shape[:2] == (2, 8)  # one row of four 2x2 images
+    tiles = [grid[:, c:c + 2, 0] for c in (0, 2, 4, 6)]
+    np.testing.assert_allclose(np.stack(tiles) * 255, expected[:, 0].numpy(), atol=1.0)
