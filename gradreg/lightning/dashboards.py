@@ -19,7 +19,8 @@ out when there is one optimizer; ``<path>`` a penalty's module path, ``penalties
                                            \cdot P`: the term the loss got at that call
 ``penalty/weight/<path>``                  :math:`\lambda`, at every logged step
 ``interpolates/grad_norm_mean|target``,    :math:`\lVert\nabla D(\hat x)\rVert_2` at WGAN-GP's
-histogram ``interpolates/grad_norm``       interpolates: mean, the target 1, distribution
+histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's target (1),
+                                           distribution
 ``saliency``                               image: inputs over :math:`\lvert\nabla_x\ell\rvert`
 ``critic_landscape/score|grad_norm``       images: critic scores, :math:`\lVert\nabla_x D\rVert`
 ``samples``                                image: a grid of generated images of fixed latents

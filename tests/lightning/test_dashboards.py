@@ -25,6 +25,7 @@ from gradreg.lightning.callbacks import (
     SaliencyMaps,
 )
 from gradreg.lightning.callbacks.hparams import tensorboard_values
+from gradreg.penalties import r1
 from tests.lightning.helpers import (
     BATCH,
     WEIGHT,
@@ -181,6 +182,21 @@ def test_interpolates_gradient_norm_is_logged_next_to_its_target(tmp_path: Path)
                     max_steps=4, log_every_n_steps=2)
     again.fit(PlainGan(lr=0.0), real_points())
     assert torch.equal(torch.get_rng_state(), after_probe)
+
+
+def test_the_target_is_that_of_the_penalty_at_the_interpolates(tmp_path: Path) -> None:
+    module = PlainGan(lr=0.0)
+    module.gp = r1()  # the norm at the reals towards 0: no target at the interpolates
+    run = trainer(tmp_path, [InterpolatesGradientNorm(critic="discriminator")], max_steps=4,
+                  log_every_n_steps=2)
+    run.fit(module, real_points())
+    tags = events(run).Tags()["scalars"]
+    assert "interpolates/grad_norm_mean" in tags and "interpolates/grad_norm_target" not in tags
+    given = trainer(tmp_path / "given", [InterpolatesGradientNorm(critic="discriminator",
+                                                                  target=0.5)],
+                    max_steps=4, log_every_n_steps=2)
+    given.fit(PlainGan(lr=0.0), real_points())
+    assert scalars(given, "interpolates/grad_norm_target") == {1: 0.5}
 
 
 def test_interpolates_gradient_norm_names_a_missing_attribute(tmp_path: Path) -> None:
