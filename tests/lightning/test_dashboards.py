@@ -125,14 +125,14 @@ def test_hparams_are_declared_with_default_columns_and_the_metrics_own_tags(tmp_
     start = hparams_plugin_data(run, "session_start_info").session_start_info
     assert start.hparams["weight"].number_value == WEIGHT
     assert start.hparams["lr"].number_value == 0.1
-    assert start.hparams["penalty_weight/gp"].number_value == WEIGHT
+    assert start.hparams["penalty/weight/gp"].number_value == WEIGHT
     assert start.hparams["sweep"].string_value == "a"
     experiment = hparams_plugin_data(run, "experiment").experiment
     assert [info.name.tag for info in experiment.metric_infos] == ["val/acc", "test/acc"]
     # the columns are declared (n_critic although this run has none) and marked to be shown
     infos = {info.name: info.differs for info in experiment.hparam_infos}
     assert infos == {"lr": True, "n_critic": True, "weight": False,
-                     "penalty_weight/gp": False, "sweep": False}
+                     "penalty/weight/gp": False, "sweep": False}
     # the table's values are the metrics' own latest scalars; nothing is logged twice
     tags = events(run).Tags()["scalars"]
     assert not [tag for tag in tags if tag.startswith("hp")]

@@ -8,7 +8,8 @@ per run directory at the start of fit (or test):
 
 * the values: the module's ``hparams`` (``save_hyperparameters``), the weight of every
   :class:`~gradreg.penalties.GradientPenalty` submodule at the start as
-  ``penalty_weight/<module path>``, and the ``hparams`` given here (e.g. a flattened config);
+  ``penalty/weight/<module path>`` (the name of its weight's tag), and the ``hparams`` given
+  here (e.g. a flattened config);
 * the experiment: a column for each of those and for each name in ``columns``, and the metric
   tags ``metrics``. Runs of different module kinds in one log folder keep their columns when
   every run declares the same ``hparams`` keys and ``metrics`` (the app's configs do);
@@ -31,6 +32,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summaries
 from gradreg.lightning.callbacks._logging import tensorboard, warn_without_tensorboard
 from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.compat import event_file_writer
+from gradreg.lightning.dashboards import PENALTY_WEIGHT
 
 Value = bool | int | float | str
 
@@ -84,7 +86,7 @@ class HParamsLogger(pl.Callback):
         writer = tensorboard(trainer)
         if writer is None or writer.log_dir in self._declared:
             return
-        weights = {f"penalty_weight/{name}": weight
+        weights = {f"{PENALTY_WEIGHT}/{name}": weight
                    for name, weight in penalty_weights(pl_module).items()}
         params = tensorboard_values({**pl_module.hparams, **weights, **self.hparams})
         experiment, start, end = hparams_summaries(params, dict.fromkeys(self.metrics, 0.0))
