@@ -12,7 +12,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
-__all__ = ["attached_trainer", "event_file_writer", "relaunches_script"]
+__all__ = ["attached_trainer", "relaunches_script"]
 
 
 def relaunches_script(trainer: pl.Trainer) -> bool:
@@ -21,13 +21,13 @@ def relaunches_script(trainer: pl.Trainer) -> bool:
     return isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
 
 
-def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
-    """The trainer ``module`` is attached to, or None (``module.trainer`` raises when there is
-    none: a module called outside ``Trainer.fit``)."""
-    return module._trainer
-
-
 def event_file_writer(writer: SummaryWriter) -> FileWriter:
     """The writer's event file, for summaries it has no ``add_*`` method for (the HParams
     plugin's); reopened if the writer was closed (Lightning closes it at the end of fit)."""
     return writer._get_file_writer()
+
+
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
+    """The trainer ``module`` is attached to, or None (``module.trainer`` raises when there is
+    none: a module called outside ``Trainer.fit``)."""
+    return module._trainer
