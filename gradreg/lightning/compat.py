@@ -1,6 +1,7 @@
-"""Every name of Lightning's that is not public API, in one place.
+"""Every name of Lightning's (and torch's ``SummaryWriter``'s) that is not public API, in one
+place.
 
-Lightning exports no public name for these; each is pinned by ``tests/lightning/test_compat.py``,
+Neither exports a public name for these; each is pinned by ``tests/lightning/test_compat.py``,
 which fails with the name and this module when a Lightning release moves it.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.writer import FileWriter
 
 __all__ = ["attached_trainer", "data_parallel_over_all_ranks", "relaunches_script"]
 
@@ -17,6 +20,12 @@ def relaunches_script(trainer: pl.Trainer) -> bool:
     """Whether the trainer's strategy starts its extra ranks by re-running the command line
     (``strategy="ddp"`` on CPUs or GPUs), rather than as processes of this one (``ddp_spawn``)."""
     return isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+
+
+def event_file_writer(writer: SummaryWriter) -> FileWriter:
+    """The writer's event file, for summaries it has no ``add_*`` method for (the HParams
+    plugin's); reopened if the writer was closed (Lightning closes it at the end of fit)."""
+    return writer._get_file_writer()
 
 
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:

@@ -1,24 +1,43 @@
-r"""TensorBoard dashboards for gradient penalties: tags, the custom-scalars layout, the figures.
+r"""TensorBoard dashboards for gradient penalties: one tag scheme, the custom-scalars layout, the
+figures.
 
-Tag vocabulary (what the callbacks in :mod:`gradreg.lightning.callbacks` write):
+One tag scheme for classifiers and GANs (what the callbacks in :mod:`gradreg.lightning.callbacks`
+write; ``<owner>`` is the submodule an optimizer updates, ``critic`` or ``generator``, and is left
+out when there is one optimizer; ``<path>`` a penalty's module path, ``penalties.wgan_gp``):
 
-=================================  ===============================================================
-``grad_{p}_norm/<param>``          :math:`\lVert\partial L/\partial\theta\rVert_p` per parameter
-                                   (Lightning's ``grad_norm``); ``grad_{p}_norm_total`` over all
-``input_grad/norm_mean|max``       mean / max over the batch of the per-sample norms
-                                   :math:`\lVert\nabla_{x_i}\ell_i\rVert_p`; their histogram is
-                                   ``input_grad/norm``
-``penalty/<module path>``          ``GradientPenalty.last_value``: the unweighted penalty
-``penalty_weight/<module path>``   the weight a ``PenaltyWeightSchedule`` set
-``saliency``                       image: inputs over :math:`\lvert\nabla_x\ell\rvert`
-``critic_landscape``               image: critic scores, :math:`\lVert\nabla_x D\rVert`, samples
-``samples``                        image: a grid of generated images of fixed latents
-``autograd_graph/text|dot``        text: the backward graph of the penalized loss
-``hp/<metric>``                    final metrics, shown with the hyperparameters (HParams tab)
-=================================  ===============================================================
+=========================================  ========================================================
+``loss/total[/<owner>]``                   the loss backpropagated before an optimizer step: task
+                                           loss + the weighted penalties
+``grad_norm/total[/<owner>]``              :math:`\lVert\partial L/\partial\theta\rVert_p` over the
+                                           optimizer's parameters
+``param_grad/<layer>`` (histogram)         the entries of :math:`\partial L/\partial\theta` of one
+                                           layer's parameters (weight and bias together)
+``input_grad/norm_mean|max``, histogram    per-sample :math:`\lVert\nabla_{x_i}\ell_i\rVert_p`:
+``input_grad/norm``                        batch mean, max and distribution
+``penalty/unweighted/<path>``              the penalty :math:`P` of its last call
+``penalty/weighted/<path>``                :math:`\lambda \cdot \text{every} \cdot \text{gain}
+                                           \cdot P`: the term the loss got at that call
+``penalty/weight/<path>``                  :math:`\lambda`, at every logged step
+``interpolates/grad_norm_mean|target``,    :math:`\lVert\nabla D(\hat x)\rVert_2` at WGAN-GP's
+histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's target (1),
+                                           distribution
+``saliency``                               image: inputs over :math:`\lvert\nabla_x\ell\rvert`
+``critic_landscape/score|grad_norm``       images: critic scores, :math:`\lVert\nabla_x D\rVert`
+``samples``                                image: a grid of generated images of fixed latents
+``graph/autograd``                         image: the backward graph of the penalized loss
+``autograd_graph/text|dot``                text: the same graph, to search and to paste
+=========================================  ========================================================
+
+The modules' own ``self.log`` tags (``train/loss``, ``train/critic/adversarial``, ``val/acc``, ...)
+are left as they are; the HParams table takes its metrics from them. TensorBoard's Time Series tab
+shows tag groups (the part before the first ``/``) in alphabetical order, the first open: the
+names above put the scalars of ``grad_norm`` (or a GAN's critic landscape) first, and
+:class:`TensorBoardLogger` leaves out the ``epoch`` scalar that Lightning adds to every step.
 
 The figures are drawn on :class:`matplotlib.figure.Figure` objects (Agg, no pyplot state), so they
-render headless and in threads; :func:`snapshot` renders a logged run as one static picture.
+render headless and in threads. TensorBoard shows an image scaled to its card (about 280 px wide
+at the default size), so each figure is one near-square panel with large type, and a colour scale
+that stays fixed over training. :func:`snapshot` renders a logged run as one static picture.
 """
 
 from __future__ import annotations
@@ -26,132 +45,211 @@ from __future__ import annotations
 import io
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 __all__ = [
     "AUTOGRAD_GRAPH",
+    "CHARTS",
     "CRITIC_LANDSCAPE",
-    "HPARAM_METRIC",
+    "GRAD_NORM",
+    "GRAPH_PICTURE",
     "INPUT_GRAD",
-    "PENALTY",
+    "INTERPOLATES",
+    "LOSS_TOTAL",
+    "PARAM_GRAD",
+    "PENALTY_UNWEIGHTED",
     "PENALTY_WEIGHT",
+    "PENALTY_WEIGHTED",
     "SALIENCY",
     "SAMPLES",
+    "TASK_LOSS",
+    "TensorBoardLogger",
     "critic_landscape_figure",
     "custom_scalars_layout",
+    "figure_title",
     "saliency_figure",
     "snapshot",
 ]
 
-PENALTY = "penalty"
-PENALTY_WEIGHT = "penalty_weight"
+LOSS_TOTAL = "loss/total"
+GRAD_NORM = "grad_norm"
+PARAM_GRAD = "param_grad"
 INPUT_GRAD = "input_grad"
+PENALTY_UNWEIGHTED = "penalty/unweighted"
+PENALTY_WEIGHTED = "penalty/weighted"
+PENALTY_WEIGHT = "penalty/weight"
+INTERPOLATES = "interpolates"
 SALIENCY = "saliency"
 CRITIC_LANDSCAPE = "critic_landscape"
 SAMPLES = "samples"
-AUTOGRAD_GRAPH = "autograd_graph"
-HPARAM_METRIC = "hp"
+AUTOGRAD_GRAPH = "autograd_graph"  # the text; the picture is GRAPH_PICTURE
+GRAPH_PICTURE = "graph/autograd"
 
 CATEGORY = "gradreg"
+# the modules' training task losses: the classifier's (and a user's) train/loss, the GAN's
+# adversarial terms train/critic/adversarial and train/generator/adversarial
+TASK_LOSS = (r"train/loss$", r"train/[^/]+/adversarial$")
+
+# chart key -> (title, regexes); a regex matches a tag from its start (re.match). "task_loss"
+# takes the caller's regexes. The order is the layout's.
+CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "task_loss": ("task loss (train)", TASK_LOSS),
+    "loss_total": ("loss + penalty (train): what is backpropagated", (rf"{LOSS_TOTAL}(/.*)?$",)),
+    "penalty_unweighted": ("penalties, unweighted P", (rf"{PENALTY_UNWEIGHTED}/.*",)),
+    "penalty_weighted": ("penalties, weighted: λ·P as added to the loss",
+                         (rf"{PENALTY_WEIGHTED}/.*",)),
+    "penalty_weight": ("penalty weights λ", (rf"{PENALTY_WEIGHT}/.*",)),
+    "grad_norm": ("parameter gradient norm ‖∂L/∂θ‖ per optimizer", (rf"{GRAD_NORM}/total(/.*)?$",)),
+    "input_grad": ("input gradient norm ‖∇x ℓ‖: batch mean and max",
+                   (rf"{INPUT_GRAD}/norm_(mean|max)$",)),
+    "interpolates": ("critic gradient norm ‖∇D(x̂)‖ at interpolates: mean and target",
+                     (rf"{INTERPOLATES}/grad_norm_(mean|target)$",)),
+}
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` without the ``epoch`` scalar that Lightning adds to the
+    metrics of every logged step (the chart TensorBoard's Time Series tab would open on, which
+    says nothing the step axis does not)."""
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        super().log_metrics({tag: value for tag, value in metrics.items() if tag != "epoch"},
+                            step)
 
 
 def custom_scalars_layout(
-    loss: Sequence[str] = (r".*loss.*",), category: str = CATEGORY
+    loss: Sequence[str] = TASK_LOSS, charts: Iterable[str] | None = None,
+    category: str = CATEGORY,
 ) -> dict[str, dict[str, list]]:
-    """The layout for ``SummaryWriter.add_custom_scalars``: loss, penalties and norms side by side.
+    """The layout for ``SummaryWriter.add_custom_scalars``: the ``charts`` of :data:`CHARTS`.
 
     Each chart is ``["Multiline", [regex, ...]]``; TensorBoard draws every scalar tag that a regex
-    matches from its start (``re.match``). ``loss`` are the regexes of the task-loss tags (the
-    module's own ``self.log`` names). Penalties match both the monitor's ``penalty/...`` and a
-    module's ``<stage>/penalty/...``.
+    matches from its start (``re.match``). ``loss`` are the regexes of the training task-loss tags
+    (the module's own ``self.log`` names); ``charts`` the keys of :data:`CHARTS` to include (all
+    by default), drawn in :data:`CHARTS`' order. TensorBoard merges the layouts of the runs of a
+    log folder, keeping one copy of equal charts: runs of both module kinds with the default
+    ``loss`` get one chart of each title.
     """
-    return {
-        category: {
-            "task loss": ["Multiline", list(loss)],
-            "penalties": ["Multiline", [rf"(.*/)?{PENALTY}/.*"]],
-            "penalty weights": ["Multiline", [rf"{PENALTY_WEIGHT}/.*"]],
-            "parameter gradient norm (total)": ["Multiline", [r"grad_.*_norm_total.*"]],
-            "input gradient norm": ["Multiline", [rf"{INPUT_GRAD}/norm_(mean|max)"]],
-        }
-    }
+    keys = set(CHARTS if charts is None else charts)
+    unknown = sorted(keys - set(CHARTS))
+    if unknown:
+        raise ValueError(f"unknown charts {unknown}; the charts are {list(CHARTS)}")
+    return {category: {
+        title: ["Multiline", list(loss if key == "task_loss" else regexes)]
+        for key, (title, regexes) in CHARTS.items() if key in keys
+    }}
+
+
+def figure_title(step: int, weights: Mapping[str, float]) -> str:
+    """``step 120 · λ = 0.1`` (one penalty) or ``step 120 · λ r1 = 10, r2 = 1``; no λ without
+    penalties."""
+    if not weights:
+        return f"step {step}"
+    if len(weights) == 1:
+        return f"step {step} · λ = {next(iter(weights.values())):.3g}"
+    listed = ", ".join(f"{name.rsplit('.', 1)[-1]} = {value:.3g}"
+                       for name, value in weights.items())
+    return f"step {step} · λ {listed}"
+
+
+# type sizes (points) of the figures: at TensorBoard's default card width an image is shown at
+# about half its size, so labels are drawn at twice the usual size
+TITLE, LABEL, TICK = 18, 16, 13
 
 
 def saliency_figure(
-    images: np.ndarray, saliency: np.ndarray, labels: Sequence[int] | None = None
+    images: np.ndarray,
+    saliency: np.ndarray,
+    labels: Sequence[int] | None = None,
+    *,
+    vmax: float | None = None,
+    title: str = "",
+    columns: int = 4,
 ) -> Figure:
-    r"""Inputs (top row) over :math:`\lvert\nabla_{x_i}\ell_i\rvert` (bottom row), one column each.
+    r"""Inputs over :math:`\lvert\nabla_{x_i}\ell_i\rvert`: each sample's input, its map under it.
 
     ``images``: ``[N, H, W]`` (gray) or ``[N, H, W, 3]`` in [0, 1]; ``saliency``: ``[N, H, W]``,
-    >= 0. Each map is scaled to its own maximum, to show *where* the loss is sensitive; under it
-    is the sample's :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`, the *how much* that runs with and
-    without a penalty compare by.
+    >= 0, drawn on one colour scale ``[0, vmax]`` (default: the largest value shown; a caller
+    that keeps ``vmax`` fixed over training makes the frames comparable). Under each map is the
+    sample's :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`; ``columns`` samples per row.
     """
-    n, _, width = saliency.shape
-    fig = Figure(figsize=(0.75 * n + 1.2, 2.7), dpi=80)
-    fig.subplots_adjust(left=0.04, right=0.96, top=0.9, bottom=0.1, hspace=0.5)
-    top, bottom = fig.subplots(2, 1)
-    top.imshow(_mosaic(images), cmap="gray_r" if images.ndim == 3 else None)
-    peaks = saliency.reshape(n, -1).max(1).reshape(n, 1, 1)
-    bottom.imshow(_mosaic(saliency / np.where(peaks > 0, peaks, 1.0)), cmap="magma", vmin=0, vmax=1)
-    centers = (width + 1) * np.arange(n) + (width - 1) / 2
+    n = len(saliency)
+    columns = min(columns, n)
+    rows = -(-n // columns)
+    vmax = float(saliency.max()) if vmax is None else vmax
+    fig = Figure(figsize=(1.55 * columns + 1.5, 3.6 * rows + 0.7), dpi=100)
+    # per row of samples: inputs, maps, a gap
+    grid = fig.add_gridspec(3 * rows - 1, columns + 1, width_ratios=[1] * columns + [0.12],
+                            height_ratios=([1, 1, 0.42] * rows)[:-1], left=0.02, right=0.84,
+                            top=1 - 0.8 / fig.get_figheight(), bottom=0.07, hspace=0.12,
+                            wspace=0.08)
     norms = np.sqrt((saliency.reshape(n, -1) ** 2).sum(1))
-    for ax, title, ticks in (
-        (top, "input", [f"y={y}" for y in labels] if labels is not None else [""] * n),
-        (bottom, r"$|\nabla_x \ell|$ / its max; below: $\|\nabla_x \ell\|$",
-         [f"{v:.2g}" for v in norms]),
-    ):
-        ax.set_title(title, fontsize=9)
-        ax.set_xticks(centers, ticks, fontsize=7)
-        ax.set_yticks([])
-        ax.tick_params(length=0)
+    shown = None
+    for k in range(n):
+        row, col = divmod(k, columns)
+        top, bottom = fig.add_subplot(grid[3 * row, col]), fig.add_subplot(grid[3 * row + 1, col])
+        top.imshow(images[k], cmap="gray_r" if images.ndim == 3 else None, vmin=0, vmax=1)
+        shown = bottom.imshow(saliency[k], cmap="magma", vmin=0, vmax=vmax)
+        top.set_title(f"y={labels[k]}" if labels is not None else "", fontsize=LABEL)
+        bottom.set_xlabel(f"{norms[k]:.2g}", fontsize=LABEL, labelpad=2)
+        for ax in (top, bottom):
+            ax.set_xticks([])
+            ax.set_yticks([])
+    bar = fig.colorbar(shown, cax=fig.add_subplot(grid[:, columns]))
+    bar.ax.tick_params(labelsize=TICK)
+    bar.set_label(r"$|\nabla_x \ell|$ (under each: $\|\nabla_x \ell\|$)", fontsize=LABEL)
+    fig.suptitle(title, fontsize=TITLE)
     return fig
-
-
-def _mosaic(tiles: np.ndarray) -> np.ndarray:
-    """``[N, H, W(, C)]`` tiles side by side with a one-pixel blank column between them."""
-    gap = np.full_like(tiles[0][:, :1], np.nan if tiles.ndim == 3 else 1.0)
-    return np.concatenate([part for tile in tiles for part in (tile, gap)][:-1], axis=1)
 
 
 def critic_landscape_figure(
     xs: np.ndarray,
     ys: np.ndarray,
-    scores: np.ndarray,
-    grad_norms: np.ndarray,
+    field: np.ndarray,
     real: np.ndarray,
     fake: np.ndarray,
+    *,
+    kind: str,
+    vmin: float,
+    vmax: float,
+    title: str = "",
 ) -> Figure:
-    r"""The critic's scores :math:`D(x)` and gradient norms :math:`\lVert\nabla_x D(x)\rVert_2`.
+    r"""One field over the plane, the real and fake samples on it: the critic's scores
+    :math:`D(x)` (``kind="score"``) or its gradient norm :math:`\lVert\nabla_x D(x)\rVert_2`
+    (``kind="grad_norm"``, with the level 1, WGAN-GP's target, dashed where the field crosses it).
 
-    Two panels, the real and fake samples on both. ``xs``, ``ys``: the grid axes (``[W]``,
-    ``[H]``); ``scores`` and ``grad_norms``: ``[H, W]`` on that grid; ``real``, ``fake``: ``[N, 2]``
-    samples (dots and crosses; those outside the grid are cut off). The right panel draws the level
-    :math:`\lVert\nabla D\rVert = 1`, WGAN-GP's target, where the field crosses it.
+    ``xs``, ``ys``: the grid axes (``[W]``, ``[H]``); ``field``: ``[H, W]`` on that grid, drawn on
+    the colour scale ``[vmin, vmax]`` (values beyond are clipped to its ends); ``real``, ``fake``:
+    ``[N, 2]`` samples (dots and crosses; those outside the grid are cut off).
     """
-    fig = Figure(figsize=(9.0, 4.0), dpi=80)
-    fig.subplots_adjust(left=0.05, right=0.94, top=0.9, bottom=0.08, wspace=0.2)
-    left, right = fig.subplots(1, 2, sharex=True, sharey=True)
+    if kind not in ("score", "grad_norm"):
+        raise ValueError(f"kind must be 'score' or 'grad_norm', got {kind!r}")
+    fig = Figure(figsize=(5.6, 5.0), dpi=100)
+    fig.subplots_adjust(left=0.1, right=0.86, top=0.86, bottom=0.08)
+    ax = fig.add_subplot()
     extent = (xs[0], xs[-1], ys[0], ys[-1])
-    for ax, field, cmap, label in (
-        (left, scores, "RdBu_r", "critic D(x)"),
-        (right, grad_norms, "viridis", r"gradient norm $\|\nabla_x D(x)\|$"),
-    ):
-        shown = ax.imshow(field, origin="lower", extent=extent, cmap=cmap, aspect="auto")
-        fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02)
-        ax.scatter(real[:, 0], real[:, 1], s=6, c="black", label="real")
-        ax.scatter(fake[:, 0], fake[:, 1], s=10, c="tab:orange", marker="x", label="fake")
-        ax.set_title(label, fontsize=10)
-        ax.set_xlim(extent[:2])
-        ax.set_ylim(extent[2:])
-    if grad_norms.min() < 1.0 < grad_norms.max():
-        right.contour(xs, ys, grad_norms, levels=[1.0], colors="white", linestyles="dashed")
-    left.legend(loc="upper right", fontsize=8)
+    cmap, label = (("RdBu_r", "critic D(x)") if kind == "score"
+                   else ("viridis", r"$\|\nabla_x D(x)\|$"))
+    shown = ax.imshow(field, origin="lower", extent=extent, cmap=cmap, aspect="auto",
+                      vmin=vmin, vmax=vmax)
+    bar = fig.colorbar(shown, ax=ax, fraction=0.06, pad=0.02)
+    bar.ax.tick_params(labelsize=TICK)
+    ax.scatter(real[:, 0], real[:, 1], s=10, c="black", label="real")
+    ax.scatter(fake[:, 0], fake[:, 1], s=18, c="tab:orange", marker="x", label="fake")
+    if kind == "grad_norm" and field.min() < 1.0 < field.max():
+        ax.contour(xs, ys, field, levels=[1.0], colors="white", linestyles="dashed")
+    ax.set_xlim(extent[:2])
+    ax.set_ylim(extent[2:])
+    ax.tick_params(labelsize=TICK)
+    ax.legend(loc="upper right", fontsize=TICK, markerscale=1.5)
+    fig.suptitle(f"{label}\n{title}", fontsize=TITLE)
     return fig
 
 
@@ -159,7 +257,7 @@ def snapshot(
     runs: Mapping[str, str | Path],
     *,
     layout: Mapping[str, Mapping[str, list]] | None = None,
-    images: Sequence[str] = (SALIENCY, CRITIC_LANDSCAPE),
+    images: Sequence[str] = (SALIENCY, f"{CRITIC_LANDSCAPE}/grad_norm"),
 ) -> Figure:
     """A static picture of what TensorBoard shows for ``runs`` (name -> run directory).
 

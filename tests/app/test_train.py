@@ -122,7 +122,7 @@ def test_image_gan_experiments_train_score_and_show_samples(
     assert "samples" in tags["images"]
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= tags["hparams"]
     assert {"autograd_graph/text/text_summary", "autograd_graph/dot/text_summary"} == tags["text"]
-    assert "hp/test/kl" in tags["scalars"]
+    assert "test/kl" in tags["scalars"]
 
 
 def test_resnet18_on_an_image_folder_with_three_penalties(tmp_path: Path) -> None:

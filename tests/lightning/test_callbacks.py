@@ -1,9 +1,4 @@
-"""The callbacks on plain user modules, checked against hand-derived values in the event files.
-
-The plain modules here are what a user writes (no gradreg LightningModule); the other callback
-and dashboard tests import them. With ``lr=0`` the parameters never move, so every logged value
-is the same closed-form number at every step.
-"""
+"""The callbacks on plain user modules, checked against hand-derived values in the event files."""
 
 from __future__ import annotations
 
@@ -14,10 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import TensorBoardLogger
-from tensorboard.backend.event_processing import event_accumulator as ea
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch import Tensor
+from torch.utils.data import DataLoader
 
 from gradreg import autograd_graph
 from gradreg.lightning.callbacks import (
@@ -26,120 +19,27 @@ from gradreg.lightning.callbacks import (
     PenaltyWeightSchedule,
     WeightSchedule,
 )
+from gradreg.lightning.callbacks.graph import node_kinds
 from gradreg.penalties import as_points, double_backprop
-
-FEATURES, CLASSES, BATCH = 4, 3, 8
-WEIGHT = 0.5
-
-
-def data() -> tuple[Tensor, Tensor]:
-    inputs = torch.randn(BATCH, FEATURES, generator=torch.Generator().manual_seed(0))
-    return inputs, torch.arange(BATCH) % CLASSES
-
-
-def loader(batch_size: int = BATCH) -> DataLoader:
-    return DataLoader(TensorDataset(*data()), batch_size=batch_size)
-
-
-class PlainClassifier(pl.LightningModule):
-    """A linear classifier with a double-backprop penalty, written as a user would."""
-
-    def __init__(self, weight: float = WEIGHT, lr: float = 0.0) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.net = nn.Linear(FEATURES, CLASSES)
-        self.gp = double_backprop(weight=weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
-
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
-        x = as_points(x)
-        per_sample = F.cross_entropy(self(x), y, reduction="none")
-        return per_sample.mean() + self.gp(per_sample, x)
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        self.log("train/loss", F.cross_entropy(self(x), y))
-        return self.loss(x, y)
-
-    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    def test_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
-
-    def _evaluate(self, batch: list[Tensor], stage: str) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log(f"{stage}/loss", F.cross_entropy(logits, y))
-        self.log(f"{stage}/acc", (logits.argmax(1) == y).float().mean())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
-
-
-class ManualClassifier(PlainClassifier):
-    """The same model trained in manual optimization, with the usual zero_grad/backward/step."""
-
-    def __init__(self, **kwargs: float) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(self.loss(*batch))
-        optimizer.step()
-
-
-def trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: object) -> pl.Trainer:
-    options = {
-        "max_steps": 3,
-        "log_every_n_steps": 1,
-        "limit_val_batches": 0,
-        "logger": TensorBoardLogger(tmp_path, default_hp_metric=False),
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        **kwargs,
-    }
-    return pl.Trainer(callbacks=callbacks, **options)
-
-
-def fit(tmp_path: Path, module: pl.LightningModule, callbacks: list[pl.Callback],
-        **kwargs: object) -> pl.Trainer:
-    run = trainer(tmp_path, callbacks, **kwargs)
-    run.fit(module, loader(), loader())
-    return run
-
-
-def events(run: pl.Trainer) -> ea.EventAccumulator:
-    """Everything TensorBoard would read from the run's directory (all files, nothing dropped)."""
-    kinds = (ea.SCALARS, ea.HISTOGRAMS, ea.IMAGES, ea.TENSORS, ea.COMPRESSED_HISTOGRAMS, ea.AUDIO)
-    accumulator = ea.EventAccumulator(run.logger.log_dir, size_guidance=dict.fromkeys(kinds, 0))
-    accumulator.Reload()
-    return accumulator
-
-
-def scalars(run: pl.Trainer, tag: str) -> dict[int, float]:
-    return {event.step: event.value for event in events(run).Scalars(tag)}
-
-
-def hand_input_gradients(weight: Tensor, bias: Tensor) -> Tensor:
-    r"""Closed-form input gradients of the :func:`data` batch, one row per sample.
-
-    :math:`\nabla_{x_i} \mathrm{CE}(W x_i + b, y_i) = W^\top(\mathrm{softmax}(W x_i + b) - e_{y_i})`
-    """
-    x, y = data()
-    return (torch.softmax(x @ weight.T + bias, dim=1) - F.one_hot(y, CLASSES)) @ weight
-
+from tests.lightning.helpers import (
+    BATCH,
+    WEIGHT,
+    ManualClassifier,
+    PlainClassifier,
+    TwoOptimizers,
+    data,
+    events,
+    fit,
+    hand_input_gradients,
+    loader,
+    scalars,
+    trainer,
+)
 
 # --- GradientNormMonitor -------------------------------------------------------------------------
 
 
-def test_monitor_logs_hand_computed_gradient_norms_and_penalty(tmp_path: Path) -> None:
+def test_monitor_logs_hand_computed_losses_norms_histograms_and_penalty(tmp_path: Path) -> None:
     module = PlainClassifier()
     run = fit(tmp_path, module, [GradientNormMonitor()])
 
@@ -148,57 +48,48 @@ def test_monitor_logs_hand_computed_gradient_norms_and_penalty(tmp_path: Path) -
     bias = module.net.bias.detach().clone().requires_grad_()
     x, y = data()
     input_grads = hand_input_gradients(weight, bias)
-    loss = F.cross_entropy(x @ weight.T + bias, y) + WEIGHT * input_grads.square().sum(1).mean()
+    penalty = input_grads.square().sum(1).mean()
+    loss = F.cross_entropy(x @ weight.T + bias, y) + WEIGHT * penalty
     grad_weight, grad_bias = torch.autograd.grad(loss, [weight, bias])
     norms = input_grads.detach().norm(dim=1)
 
     expected = {
-        "grad_2.0_norm/net.weight": grad_weight.norm(),
-        "grad_2.0_norm/net.bias": grad_bias.norm(),
-        "grad_2.0_norm_total": torch.cat([grad_weight.flatten(), grad_bias]).norm(),
+        "loss/total": loss.detach(),
+        "grad_norm/total": torch.cat([grad_weight.flatten(), grad_bias]).norm(),
         "input_grad/norm_mean": norms.mean(),
         "input_grad/norm_max": norms.max(),
-        "penalty/gp": norms.square().mean(),
+        "penalty/unweighted/gp": penalty,
+        "penalty/weighted/gp": WEIGHT * penalty,
+        "penalty/weight/gp": WEIGHT,  # logged although no schedule runs
     }
     for tag, value in expected.items():
         logged = scalars(run, tag)
         assert sorted(logged) == [0, 1, 2], tag
         assert all(v == pytest.approx(float(value), rel=1e-5) for v in logged.values()), tag
+    accumulator = events(run)
+    assert not [tag for tag in accumulator.Tags()["scalars"] if tag.startswith("grad_2")]
 
-    histograms = events(run).Histograms("input_grad/norm")
+    histograms = accumulator.Histograms("input_grad/norm")
     assert [h.step for h in histograms] == [0, 1, 2]
     histogram = histograms[0].histogram_value
     assert histogram.num == BATCH
     assert histogram.sum == pytest.approx(float(norms.sum()), rel=1e-5)
     assert histogram.max == pytest.approx(float(norms.max()), rel=1e-5)
+    # One histogram per layer: net.weight's 12 and net.bias's 3 gradient entries together.
+    assert set(accumulator.Tags()["histograms"]) == {"input_grad/norm", "param_grad/net"}
+    (first, *_) = accumulator.Histograms("param_grad/net")
+    entries = torch.cat([grad_weight.flatten(), grad_bias])
+    assert (first.step, first.histogram_value.num) == (0, 15)
+    assert first.histogram_value.sum == pytest.approx(float(entries.sum()), rel=1e-4, abs=1e-6)
+    assert first.histogram_value.min == pytest.approx(float(entries.min()), rel=1e-5)
+    assert first.histogram_value.max == pytest.approx(float(entries.max()), rel=1e-5)
 
 
 def test_monitor_follows_every_n_steps(tmp_path: Path) -> None:
     run = fit(tmp_path, PlainClassifier(), [GradientNormMonitor(every_n_steps=2)], max_steps=5)
-    assert sorted(scalars(run, "grad_2.0_norm_total")) == [1, 3]
-    assert sorted(scalars(run, "penalty/gp")) == [1, 3]
-
-
-class TwoOptimizers(pl.LightningModule):
-    """Manual optimization with two optimizers, like a GAN's critic and generator."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        torch.manual_seed(0)
-        self.first = nn.Linear(FEATURES, 1)
-        self.second = nn.Linear(FEATURES, 1)
-
-    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
-        x, _ = batch
-        for optimizer, layer in zip(self.optimizers(), (self.first, self.second), strict=True):
-            optimizer.zero_grad()
-            self.manual_backward(layer(x).sum())
-            optimizer.step()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD(self.first.parameters(), lr=0.0),
-                torch.optim.SGD(self.second.parameters(), lr=0.0)]
+    assert sorted(scalars(run, "grad_norm/total")) == [1, 3]
+    assert sorted(scalars(run, "penalty/unweighted/gp")) == [1, 3]
+    assert [h.step for h in events(run).Histograms("param_grad/net")] == [1, 3]
 
 
 def test_monitor_logs_each_optimizers_own_parameters(tmp_path: Path) -> None:
@@ -206,11 +97,13 @@ def test_monitor_logs_each_optimizers_own_parameters(tmp_path: Path) -> None:
     # d(sum_i w.x_i + b)/dw = sum_i x_i and d/db = BATCH, for each layer.
     x, _ = data()
     expected = math.sqrt(float(x.sum(0).square().sum()) + BATCH**2)
+    module = TwoOptimizers()  # the same seeded initial weights; lr = 0
     for owner in ("first", "second"):  # named after the submodule each optimizer updates
-        logged = scalars(run, f"grad_2.0_norm_total/{owner}")
-        assert list(logged.values()) == [pytest.approx(expected, rel=1e-5)]
-    tags = events(run).Tags()["scalars"]
-    assert {"grad_2.0_norm/first.weight", "grad_2.0_norm/second.weight"} <= set(tags)
+        assert scalars(run, f"grad_norm/total/{owner}") == {0: pytest.approx(expected, rel=1e-5)}
+        # the loss each optimizer's backward got: sum_i (w.x_i + b)
+        value = float(getattr(module, owner)(x).sum())
+        assert scalars(run, f"loss/total/{owner}") == {0: pytest.approx(value, rel=1e-5)}
+    assert set(events(run).Tags()["histograms"]) == {"param_grad/first", "param_grad/second"}
 
 
 @pytest.mark.parametrize("norm_type", [0, -1.0, "two", None])
@@ -269,12 +162,12 @@ def test_schedule_rejects_bad_values(kwargs: dict, message: str) -> None:
         PenaltyWeightSchedule(**kwargs)
 
 
-def test_schedule_sets_and_logs_the_formula(tmp_path: Path) -> None:
+def test_schedule_sets_the_formula_and_the_monitor_logs_it(tmp_path: Path) -> None:
     module = PlainClassifier()
     schedule = PenaltyWeightSchedule("linear", start=0.0, end=2.0, steps=4)
-    run = fit(tmp_path, module, [schedule], max_steps=6)
+    run = fit(tmp_path, module, [schedule, GradientNormMonitor()], max_steps=6)
     expected = {t: 2.0 * min(t / 4, 1.0) for t in range(6)}  # 0, .5, 1, 1.5, 2, 2
-    assert scalars(run, "penalty_weight/gp") == pytest.approx(expected)
+    assert scalars(run, "penalty/weight/gp") == pytest.approx(expected)
     assert module.gp.weight == schedule.weights["gp"] == 2.0
     assert schedule.optimizer_steps == {"gp": 5}
 
@@ -341,6 +234,9 @@ def logged_text(run: pl.Trainer, tag: str) -> str:
 def test_graph_logger_logs_the_graph_of_the_penalized_loss_once(tmp_path: Path) -> None:
     module = ManualClassifier()
     run = fit(tmp_path, module, [AutogradGraphLogger()], max_steps=2)
+    (image,) = events(run).Images("graph/autograd")  # the picture, once
+    assert image.step == 0 and image.width >= 400
+    assert not torch.is_anomaly_enabled()  # the mode is restored after the logged batch
     graph = autograd_graph(module.loss(*data()))  # lr=0: the same graph at every step
     assert logged_text(run, "autograd_graph/text") == graph.to_text()
     assert logged_text(run, "autograd_graph/dot") == graph.to_dot()
@@ -375,3 +271,28 @@ def test_graph_logger_warns_when_backward_bypasses_lightning(tmp_path: Path) -> 
 def test_graph_logger_rejects_bad_step() -> None:
     with pytest.raises(ValueError, match="at_step must be an int >= 0"):
         AutogradGraphLogger(at_step=-1)
+
+
+def test_the_picture_marks_the_gradients_graph_and_names_the_parameters() -> None:
+    """Oracle: the double-backward nodes are those reachable from the gradient that the forward
+    graph does not have (walked separately, without anomaly mode); TBackward0 is in both (the
+    forward's W^T and the gradient's own transpose), so it is counted once more."""
+    module = PlainClassifier()
+    x, y = data()
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        points = as_points(x)
+        per_sample = F.cross_entropy(module(points), y, reduction="none")
+        (grad,) = torch.autograd.grad(per_sample.sum(), points, create_graph=True)
+        loss = per_sample.mean() + grad.square().sum(1).mean()
+    parameters = {id(p): name for name, p in module.named_parameters()}
+    names, kinds, labels, _ = node_kinds(loss, parameters)
+
+    forward = autograd_graph(per_sample).names()
+    of_gradient = autograd_graph(grad).names()
+    new = sorted(name for name in of_gradient if name not in forward)
+    marked = sorted(name for name, kind in zip(names, kinds, strict=True)
+                    if kind == "double_backward")
+    assert marked == sorted([*new, "TBackward0"])
+    assert new == ["LogSoftmaxBackwardDataBackward0", "MmBackward0", "NllLossBackwardBackward0"]
+    assert sorted(labels.values()) == ["leaf [8, 4]", "net.bias", "net.weight"]
+    assert (kinds.count("parameter"), kinds.count("leaf")) == (2, 1)

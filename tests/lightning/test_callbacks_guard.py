@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from gradreg import GradientError, gradient
 from gradreg.lightning.callbacks import AccumulationGuard
 from gradreg.lightning.callbacks.guard import _nonfinite
-from tests.lightning.test_callbacks import trainer
+from tests.lightning.helpers import trainer
 
 BATCH, STEPS = 4, 4
 

@@ -7,11 +7,21 @@ import importlib
 
 import lightning.pytorch as pl
 import pytest
+from torch.utils.tensorboard import SummaryWriter
 
-from gradreg.lightning.compat import attached_trainer, relaunches_script
+from gradreg.lightning.compat import attached_trainer, event_file_writer, relaunches_script
 
 PRIVATE_NAMES = [("lightning.pytorch.strategies.launchers.subprocess_script",
                   "_SubprocessScriptLauncher")]
+
+
+def test_a_summary_writer_hands_out_its_event_file_also_after_close(tmp_path) -> None:
+    writer = SummaryWriter(tmp_path)
+    assert event_file_writer(writer) is writer.file_writer
+    writer.close()
+    reopened = event_file_writer(writer)
+    assert reopened is writer.file_writer and reopened.get_logdir() == str(tmp_path)
+    writer.close()
 
 
 @pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES)

@@ -1,92 +1,99 @@
-"""Dashboards as a user sees them: layout, HParams, figures and the snapshot, read from events."""
+"""Dashboards as a user sees them: the layout, the HParams table, the critic's gradient norm at the
+interpolates, the snapshot and the logger, read from the event files."""
 
 from __future__ import annotations
 
-import io
 import re
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.image import imread
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.hparams import plugin_data_pb2
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from gradreg.lightning import dashboards
 from gradreg.lightning.callbacks import (
-    CriticLandscape,
     CustomScalarsLayout,
     GradientNormMonitor,
     HParamsLogger,
+    InterpolatesGradientNorm,
     PenaltyWeightSchedule,
     SaliencyMaps,
 )
-from gradreg.lightning.callbacks import figures as figures_module
 from gradreg.lightning.callbacks.hparams import tensorboard_values
-from gradreg.penalties import interpolate, wgan_gp
-from tests.lightning.test_callbacks import (
+from gradreg.penalties import r1
+from tests.lightning.helpers import (
     BATCH,
     WEIGHT,
     PlainClassifier,
-    data,
+    PlainGan,
     events,
     fit,
-    hand_input_gradients,
     loader,
+    real_points,
     scalars,
     trainer,
 )
 
-
-def record_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[Any, ...]]:
-    """Record the arguments of every call of ``figures.<name>`` (still drawing the figure)."""
-    calls: list[tuple[Any, ...]] = []
-    draw = getattr(figures_module, name)
-
-    def recording(*args: Any) -> Any:
-        calls.append(args)
-        return draw(*args)
-
-    monkeypatch.setattr(figures_module, name, recording)
-    return calls
-
-
 # --- custom scalars ------------------------------------------------------------------------------
 
 
-def test_layout_is_logged_and_every_chart_matches_logged_tags(tmp_path: Path) -> None:
-    callbacks = [CustomScalarsLayout(), GradientNormMonitor(), PenaltyWeightSchedule(steps=2)]
-    run = fit(tmp_path, PlainClassifier(), callbacks)
+def layout_charts(run: pl.Trainer) -> dict[str, list[str]]:
+    """The custom-scalars layout as TensorBoard's plugin reads it: title -> regexes."""
     accumulator = events(run)
-    # As TensorBoard's plugin reads it: the tag is the plugin's, the layout is the tensor.
     assert list(accumulator.PluginTagToContent("custom_scalars")) == ["custom_scalars__config__"]
     (event,) = accumulator.Tensors("custom_scalars__config__")
     (category,) = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]).category
     assert category.title == "gradreg"
-    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
-    assert charts == {
-        "task loss": [r".*loss.*"],
-        "penalties": [r"(.*/)?penalty/.*"],
-        "penalty weights": [r"penalty_weight/.*"],
-        "parameter gradient norm (total)": [r"grad_.*_norm_total.*"],
-        "input gradient norm": [r"input_grad/norm_(mean|max)"],
+    return {chart.title: list(chart.multiline.tag) for chart in category.chart}
+
+
+def matched(run: pl.Trainer, charts: dict[str, list[str]]) -> dict[str, list[str]]:
+    tags = events(run).Tags()["scalars"]
+    return {title: sorted(t for t in tags if any(re.match(r, t) for r in regexes))
+            for title, regexes in charts.items()}
+
+
+def test_layout_is_logged_and_every_chart_matches_logged_tags(tmp_path: Path) -> None:
+    callbacks = [CustomScalarsLayout(), GradientNormMonitor(), PenaltyWeightSchedule(steps=2)]
+    run = fit(tmp_path, PlainClassifier(), callbacks, limit_val_batches=1)
+    charts = layout_charts(run)
+    # weighted and unweighted penalties in charts of their own; the task loss of training only
+    assert matched(run, charts) == {
+        "task loss (train)": ["train/loss"],
+        "loss + penalty (train): what is backpropagated": ["loss/total"],
+        "penalties, unweighted P": ["penalty/unweighted/gp"],
+        "penalties, weighted: λ·P as added to the loss": ["penalty/weighted/gp"],
+        "penalty weights λ": ["penalty/weight/gp"],
+        "parameter gradient norm ‖∂L/∂θ‖ per optimizer": ["grad_norm/total"],
+        "input gradient norm ‖∇x ℓ‖: batch mean and max": ["input_grad/norm_max",
+                                                           "input_grad/norm_mean"],
     }
-    tags = accumulator.Tags()["scalars"]
-    matched = {title: sorted(t for t in tags if any(re.match(r, t) for r in regexes))
-               for title, regexes in charts.items()}
-    assert matched == {
-        "task loss": ["train/loss"],
-        "penalties": ["penalty/gp"],
-        "penalty weights": ["penalty_weight/gp"],
-        "parameter gradient norm (total)": ["grad_2.0_norm_total"],
-        "input gradient norm": ["input_grad/norm_max", "input_grad/norm_mean"],
-    }
+    assert "val/loss" in events(run).Tags()["scalars"]
+
+
+def test_a_gan_and_a_classifier_share_the_charts_they_both_have(tmp_path: Path) -> None:
+    """TensorBoard merges the layouts of a folder's runs, keeping one copy of equal charts: the
+    shared charts are equal, so no title appears twice, and none is empty for both."""
+    classifier = fit(tmp_path / "classifier", PlainClassifier(),
+                     [CustomScalarsLayout(), GradientNormMonitor()])
+    gan = trainer(tmp_path / "gan", [CustomScalarsLayout(), GradientNormMonitor(loss_fn=None),
+                                     InterpolatesGradientNorm(critic="discriminator")],
+                  max_steps=4)
+    gan.fit(PlainGan(), real_points())
+    mine, theirs = layout_charts(classifier), layout_charts(gan)
+    shared = mine.keys() & theirs.keys()
+    assert all(mine[title] == theirs[title] for title in shared)
+    assert set(mine) - shared == {"input gradient norm ‖∇x ℓ‖: batch mean and max"}
+    assert set(theirs) - shared == {
+        "critic gradient norm ‖∇D(x̂)‖ at interpolates: mean and target"}
+    assert matched(gan, theirs)["penalties, unweighted P"] == ["penalty/unweighted/gp"]
+    assert matched(gan, theirs)["loss + penalty (train): what is backpropagated"] == [
+        "loss/total/discriminator", "loss/total/generator"]
 
 
 def test_layout_rejects_a_bare_string() -> None:
@@ -108,31 +115,38 @@ def hparams_plugin_data(run: pl.Trainer, tag: str) -> Any:
     return plugin_data_pb2.HParamsPluginData.FromString(content)
 
 
-def test_hparams_are_logged_with_final_metrics(tmp_path: Path) -> None:
+def test_hparams_are_declared_with_default_columns_and_the_metrics_own_tags(tmp_path: Path
+                                                                            ) -> None:
     module = PlainClassifier(weight=WEIGHT, lr=0.1)
-    run = fit(tmp_path, module, [HParamsLogger(["val/acc", "test/acc"], {"sweep": "a"})],
-              limit_val_batches=1)
+    logger = HParamsLogger(["val/acc", "test/acc"], {"sweep": "a"}, columns=["lr", "n_critic"])
+    run = fit(tmp_path, module, [logger], limit_val_batches=1)
     run.test(module, loader())
 
     start = hparams_plugin_data(run, "session_start_info").session_start_info
     assert start.hparams["weight"].number_value == WEIGHT
     assert start.hparams["lr"].number_value == 0.1
-    assert start.hparams["penalty_weight/gp"].number_value == WEIGHT
+    assert start.hparams["penalty/weight/gp"].number_value == WEIGHT
     assert start.hparams["sweep"].string_value == "a"
     experiment = hparams_plugin_data(run, "experiment").experiment
-    assert [info.name.tag for info in experiment.metric_infos] == ["hp/val/acc", "hp/test/acc"]
+    assert [info.name.tag for info in experiment.metric_infos] == ["val/acc", "test/acc"]
+    # the columns are declared (n_critic although this run has none) and marked to be shown
+    infos = {info.name: info.differs for info in experiment.hparam_infos}
+    assert infos == {"lr": True, "n_critic": True, "weight": False,
+                     "penalty/weight/gp": False, "sweep": False}
+    # the table's values are the metrics' own latest scalars; nothing is logged twice
+    tags = events(run).Tags()["scalars"]
+    assert not [tag for tag in tags if tag.startswith("hp")]
+    assert {"val/acc", "test/acc"} <= set(tags)
 
-    # The tab shows the latest value of each metric tag: val/acc's at fit end, test/acc's.
-    val_acc = scalars(run, "val/acc")
-    assert scalars(run, "hp/val/acc") == {3: pytest.approx(val_acc[max(val_acc)])}
-    test_acc = float(run.callback_metrics["test/acc"])
-    assert scalars(run, "hp/test/acc") == {3: pytest.approx(test_acc)}
 
-
-@pytest.mark.parametrize("metrics", ["val/acc", []])
-def test_hparams_asks_for_a_list_of_metrics(metrics: object) -> None:
-    with pytest.raises(ValueError, match="metrics must be a non-empty list of metric names"):
-        HParamsLogger(metrics)
+@pytest.mark.parametrize(("metrics", "columns", "message"), [
+    ("val/acc", (), r"metrics must be a list of names, got the string 'val/acc'"),
+    ([], (), "metrics must be a non-empty list of metric names"),
+    (["val/acc"], "lr", r"write columns=\['lr'\]"),
+])
+def test_hparams_asks_for_lists(metrics: object, columns: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HParamsLogger(metrics, columns=columns)
 
 
 def test_hparams_values_are_flattened_for_tensorboard() -> None:
@@ -141,115 +155,56 @@ def test_hparams_values_are_flattened_for_tensorboard() -> None:
         "model/width": 8, "model/act": "None", "lr": 0.1, "layers": "[1, 2]", "ok": True}
 
 
-# --- saliency maps -------------------------------------------------------------------------------
+# --- the critic's gradient norm at the interpolates ---------------------------------------------
 
 
-def test_saliency_maps_show_the_input_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                               ) -> None:
-    calls = record_calls(monkeypatch, "saliency_figure")
-    module = PlainClassifier()
-    run = fit(tmp_path, module, [SaliencyMaps(5, image_shape=(2, 2), every_n_steps=2)],
-              max_steps=4, limit_val_batches=1)
-
-    images = events(run).Images("saliency")
-    assert [image.step for image in images] == [1, 3]
-    assert imread(io.BytesIO(images[0].encoded_image_string)).shape[2] in (3, 4)
-    # lr = 0: each figure shows |W^T (softmax - e_y)| of the first 5 validation samples.
-    expected = hand_input_gradients(module.net.weight, module.net.bias).detach()[:5].abs()
-    for images_shown, saliency, labels in calls:
-        np.testing.assert_allclose(saliency, expected.reshape(5, 2, 2).numpy(), atol=1e-6)
-        assert labels == data()[1][:5].tolist()
-        assert images_shown.min() == 0.0 and images_shown.max() == 1.0  # each image rescaled
-
-
-def test_saliency_maps_ask_for_the_image_shape_of_flat_inputs(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"pass image_shape=\(H, W\) or \(C, H, W\)"):
-        fit(tmp_path, PlainClassifier(), [SaliencyMaps()], limit_val_batches=1)
-
-
-def test_saliency_maps_check_the_image_shape(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"image_shape=\(3, 3\) has 9 values, but one input has 4"):
-        fit(tmp_path, PlainClassifier(), [SaliencyMaps(image_shape=(3, 3))], limit_val_batches=1)
-
-
-def test_saliency_maps_reject_bad_values() -> None:
-    with pytest.raises(ValueError, match="num_images must be an int >= 1"):
-        SaliencyMaps(0)
-    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1"):
-        SaliencyMaps(every_n_steps=-3)
-
-
-# --- critic landscape ----------------------------------------------------------------------------
-
-
-class PlainGan(pl.LightningModule):
-    """A 2D WGAN-GP written by a user; ``discriminator`` instead of the default ``critic``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        torch.manual_seed(0)
-        self.latent_dim = 3
-        self.generator = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2))
-        self.discriminator = nn.Linear(2, 1)  # linear: D(x) = a.x + c, ||grad D|| = ||a||
-        self.gp = wgan_gp()
-
-    def training_step(self, real: Tensor, batch_idx: int) -> None:
-        critic_optimizer, generator_optimizer = self.optimizers()
-        fake = self.generator(torch.randn(len(real), self.latent_dim))
-        points = interpolate(real, fake)
-        critic_loss = (self.discriminator(fake.detach()).mean() - self.discriminator(real).mean()
-                       + self.gp(self.discriminator(points).squeeze(1), points))
-        critic_optimizer.zero_grad()
-        self.manual_backward(critic_loss)
-        critic_optimizer.step()
-        generator_optimizer.zero_grad()
-        self.manual_backward(-self.discriminator(fake).mean())
-        generator_optimizer.step()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.Adam(self.discriminator.parameters(), lr=1e-2),
-                torch.optim.Adam(self.generator.parameters(), lr=1e-2)]
-
-
-def real_points() -> DataLoader:
-    return DataLoader(torch.randn(4 * BATCH, 2, generator=torch.Generator().manual_seed(1)),
-                      batch_size=BATCH)
-
-
-def test_critic_landscape_shows_scores_and_gradient_norms(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = record_calls(monkeypatch, "critic_landscape_figure")
-    module = PlainGan()
-    landscape = CriticLandscape(critic="discriminator", num_fake=32, resolution=8,
-                                extent=(-2.0, 2.0, -1.0, 3.0))
-    run = trainer(tmp_path, [landscape], max_steps=4, log_every_n_steps=2)
+def test_interpolates_gradient_norm_is_logged_next_to_its_target(tmp_path: Path) -> None:
+    module = PlainGan(lr=0.0)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    probe = InterpolatesGradientNorm(critic="discriminator", every_n_steps=2)
+    run = trainer(tmp_path, [probe], max_steps=4, log_every_n_steps=2)
     run.fit(module, real_points())
+    # a linear critic D(x) = a.x + c has ||grad D|| = ||a|| at every interpolate
+    norm = float(module.discriminator.weight.detach().norm())
+    assert scalars(run, "interpolates/grad_norm_mean") == {1: pytest.approx(norm, rel=1e-5)}
+    assert scalars(run, "interpolates/grad_norm_target") == {1: 1.0}
+    (histogram,) = events(run).Histograms("interpolates/grad_norm")
+    assert histogram.histogram_value.num == BATCH
+    assert histogram.histogram_value.max == pytest.approx(norm, rel=1e-5)
+    # its own generator: the training's draws are those of a run without it
+    torch.set_rng_state(before)
+    plain = trainer(tmp_path / "plain", [], max_steps=4, log_every_n_steps=2)
+    plain.fit(PlainGan(lr=0.0), real_points())
+    after_probe = torch.get_rng_state()
+    torch.set_rng_state(before)
+    again = trainer(tmp_path / "again", [InterpolatesGradientNorm(critic="discriminator")],
+                    max_steps=4, log_every_n_steps=2)
+    again.fit(PlainGan(lr=0.0), real_points())
+    assert torch.equal(torch.get_rng_state(), after_probe)
 
-    # Manual optimization, two optimizers a batch: Lightning logs batch 1 at step 1.
-    assert [image.step for image in events(run).Images("critic_landscape")] == [1]
-    ((xs, ys, scores, norms, real, fake),) = calls
-    np.testing.assert_allclose(xs, np.linspace(-2, 2, 8), rtol=1e-6)
-    np.testing.assert_allclose(ys, np.linspace(-1, 3, 8), rtol=1e-6)
-    a, c = module.discriminator.weight.detach()[0].numpy(), module.discriminator.bias.item()
-    grid_x, grid_y = np.meshgrid(xs, ys)
-    np.testing.assert_allclose(scores, a[0] * grid_x + a[1] * grid_y + c, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(norms, np.full((8, 8), np.linalg.norm(a)), rtol=1e-5)
-    assert real.shape == (BATCH, 2) and fake.shape == (32, 2)
+
+def test_the_target_is_that_of_the_penalty_at_the_interpolates(tmp_path: Path) -> None:
+    module = PlainGan(lr=0.0)
+    module.gp = r1()  # the norm at the reals towards 0: no target at the interpolates
+    run = trainer(tmp_path, [InterpolatesGradientNorm(critic="discriminator")], max_steps=4,
+                  log_every_n_steps=2)
+    run.fit(module, real_points())
+    tags = events(run).Tags()["scalars"]
+    assert "interpolates/grad_norm_mean" in tags and "interpolates/grad_norm_target" not in tags
+    given = trainer(tmp_path / "given", [InterpolatesGradientNorm(critic="discriminator",
+                                                                  target=0.5)],
+                    max_steps=4, log_every_n_steps=2)
+    given.fit(PlainGan(lr=0.0), real_points())
+    assert scalars(given, "interpolates/grad_norm_target") == {1: 0.5}
 
 
-def test_critic_landscape_names_a_missing_attribute(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"needs pl_module.critic to be the critic \(Module\), "
-                                         r"but PlainGan.critic is NoneType; name the attribute "
-                                         r"with CriticLandscape\(critic='...'\)"):
-        trainer(tmp_path, [CriticLandscape()]).fit(PlainGan(), real_points())
-
-
-def test_critic_landscape_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match=r"extent must be \(xmin, xmax, ymin, ymax\)"):
-        CriticLandscape(extent=(1.0, 0.0, 0.0, 1.0))
-    with pytest.raises(ValueError, match="resolution must be >= 2"):
-        CriticLandscape(resolution=1)
+def test_interpolates_gradient_norm_names_a_missing_attribute(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"InterpolatesGradientNorm needs pl_module.critic to be "
+                                         r"the critic \(Module\), but PlainGan.critic is "
+                                         r"NoneType; name the attribute with "
+                                         r"InterpolatesGradientNorm\(critic='...'\)"):
+        trainer(tmp_path, [InterpolatesGradientNorm()]).fit(PlainGan(), real_points())
 
 
 # --- snapshot ------------------------------------------------------------------------------------
@@ -261,11 +216,10 @@ def test_snapshot_draws_the_logged_run(tmp_path: Path) -> None:
     figure = dashboards.snapshot({"plain": run.logger.log_dir})
 
     titles = [ax.get_title() for ax in figure.axes]
-    assert titles[:5] == ["task loss", "penalties", "penalty weights",
-                          "parameter gradient norm (total)", "input gradient norm"]
-    assert titles[5] == "plain: saliency (step 3)"
+    assert titles[:8] == [title for title, _ in dashboards.CHARTS.values()]
+    assert titles[8] == "plain: saliency (step 3)"
     lines = {line.get_label(): line for line in figure.axes[0].lines}
-    assert sorted(lines) == ["train/loss", "val/loss"]
+    assert sorted(lines) == ["train/loss"]
     line, logged = lines["train/loss"], scalars(run, "train/loss")  # exactly the logged values
     assert list(line.get_xdata()) == list(logged)
     assert list(line.get_ydata()) == pytest.approx(list(logged.values()))
@@ -274,3 +228,17 @@ def test_snapshot_draws_the_logged_run(tmp_path: Path) -> None:
     height, width = imread(path).shape[:2]
     assert (height, width) == (pytest.approx(figure.bbox.height, abs=1),
                                pytest.approx(figure.bbox.width, abs=1))
+
+
+def test_the_logger_leaves_out_lightnings_epoch_scalar(tmp_path: Path) -> None:
+    logger = dashboards.TensorBoardLogger(tmp_path, default_hp_metric=False)
+    run = fit(tmp_path, PlainClassifier(), [], logger=logger)
+    tags = events(run).Tags()["scalars"]
+    assert "train/loss" in tags and "epoch" not in tags
+    plain = fit(tmp_path / "plain", PlainClassifier(), [])
+    assert "epoch" in events(plain).Tags()["scalars"]  # what Lightning's own logger writes
+
+
+def test_the_layout_names_unknown_charts() -> None:
+    with pytest.raises(ValueError, match=r"unknown charts \['penalties'\]; the charts are"):
+        dashboards.custom_scalars_layout(charts=["task_loss", "penalties"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gradreg.lightning.callbacks import CustomScalarsLayout, GradientNormMonitor
-from tests.lightning.test_callbacks import PlainClassifier, fit
+from tests.lightning.helpers import PlainClassifier, fit
 from tests.tensorboard_server import poll
 
 
@@ -16,10 +16,11 @@ def test_tensorboard_serves_runs_scalars_and_layout(tmp_path: Path, serve) -> No
 
     assert name in poll(f"{url}/data/runs", lambda runs: name in runs)
     tags = poll(f"{url}/data/plugin/scalars/tags", lambda answer: name in answer)[name]
-    assert {"train/loss", "penalty/gp", "grad_2.0_norm_total", "input_grad/norm_mean"} <= set(tags)
+    assert {"train/loss", "penalty/unweighted/gp", "grad_norm/total",
+            "input_grad/norm_mean"} <= set(tags)
     layout = poll(f"{url}/data/plugin/custom_scalars/layout", bool)
     (category,) = layout["category"]
     assert category["title"] == "gradreg"
     charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
-    assert charts["penalties"] == [r"(.*/)?penalty/.*"]
-    assert len(charts) == 5
+    assert charts["penalties, unweighted P"] == [r"penalty/unweighted/.*"]
+    assert len(charts) == 7

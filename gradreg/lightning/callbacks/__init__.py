@@ -1,9 +1,12 @@
 """Callbacks that show what a gradient penalty does, for any LightningModule.
 
-* :class:`GradientNormMonitor`: parameter and input gradient norms, penalty values;
+* :class:`GradientNormMonitor`: losses, parameter gradient norms and histograms, penalties
+  (unweighted, weighted, weights), input gradient norms;
+* :class:`InterpolatesGradientNorm`: a critic's gradient norm at WGAN-GP's interpolates;
 * :class:`PenaltyWeightSchedule`: warm-up and anneal of penalty weights (checkpointed);
 * :class:`AccumulationGuard`: gradients not reset between optimizer steps, NaN/Inf gradients;
-* :class:`AutogradGraphLogger`: the backward graph of the penalized loss, as text and DOT;
+* :class:`AutogradGraphLogger`: the backward graph of the penalized loss, as a picture, text and
+  DOT;
 * :class:`CustomScalarsLayout`: TensorBoard layout with loss, penalties and norms side by side;
 * :class:`HParamsLogger`: hyperparameters with final metrics (HParams tab);
 * :class:`SaliencyMaps`: figure of inputs over their loss gradient;
@@ -13,12 +16,14 @@
 The tags they write are listed in :mod:`gradreg.lightning.dashboards`.
 """
 
-from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps, SampleGrid
+from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps
 from gradreg.lightning.callbacks.graph import AutogradGraphLogger
 from gradreg.lightning.callbacks.guard import AccumulationGuard
 from gradreg.lightning.callbacks.hparams import HParamsLogger
+from gradreg.lightning.callbacks.interpolates import InterpolatesGradientNorm
 from gradreg.lightning.callbacks.layout import CustomScalarsLayout
 from gradreg.lightning.callbacks.monitor import GradientNormMonitor
+from gradreg.lightning.callbacks.samples import SampleGrid
 from gradreg.lightning.callbacks.schedule import PenaltyWeightSchedule, WeightSchedule
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "CustomScalarsLayout",
     "GradientNormMonitor",
     "HParamsLogger",
+    "InterpolatesGradientNorm",
     "PenaltyWeightSchedule",
     "SaliencyMaps",
     "SampleGrid",

@@ -71,3 +71,21 @@ def input_gradients(model: nn.Module, inputs: Tensor, targets: Tensor, loss_fn: 
                 f"shape {list(losses.shape)}. Use reduction='none' in the loss."
             )
         return gradient(losses.sum(), x, create_graph=False)
+
+
+def module_attribute(pl_module: nn.Module, name: str, role: str, kind: type, who: str) -> Any:
+    """``pl_module.<name>``, which must be the ``role`` (an instance of ``kind``); else an error
+    that says how to name the attribute (``who(role='...')``)."""
+    value = getattr(pl_module, name, None)
+    if not isinstance(value, kind):
+        raise ValueError(
+            f"{who} needs pl_module.{name} to be the {role} ({kind.__name__}), "
+            f"but {type(pl_module).__name__}.{name} is {type(value).__name__}; name the "
+            f"attribute with {who}({role}='...')."
+        )
+    return value
+
+
+def real_samples(batch: Any) -> Tensor:
+    """The real samples of a GAN's batch: the batch itself, or its first entry."""
+    return (batch if isinstance(batch, Tensor) else batch[0]).detach()

@@ -1,9 +1,11 @@
-r"""Figures over training: input-gradient saliency maps, a 2D critic's landscape, sample grids.
+r"""Figures over training: input-gradient saliency maps and a 2D critic's landscape.
 
 The first two draw every ``log_every_n_steps`` optimizer steps (or ``every_n_steps``) after the
-training batch, with the networks in eval mode, and log a matplotlib figure with ``add_figure``; the
-Images tab's slider then plays them over training. Runs with and without a penalty show side by
-side there.
+training batch, and once more at the end of training if the last batch was not drawn (so a run
+shorter than the interval has its figure too), with the networks in eval mode, and log matplotlib
+figures with ``add_figure``; the Images tab's slider then plays them over training. Each figure
+says its step and the penalties' weights, and keeps its colour scale over training, so frames and
+runs with and without a penalty compare.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from matplotlib.figure import Figure
@@ -26,31 +29,35 @@ from gradreg.lightning.callbacks._logging import (
     tensorboard,
     warn_without_tensorboard,
 )
+from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.callbacks._probe import (
     LossFn,
     cross_entropy_per_sample,
     eval_mode,
     input_gradients,
+    module_attribute,
+    real_samples,
     split_batch,
 )
 from gradreg.lightning.dashboards import (
     CRITIC_LANDSCAPE,
     SALIENCY,
-    SAMPLES,
     critic_landscape_figure,
+    figure_title,
     saliency_figure,
 )
 from gradreg.penalties import as_points
 
 
 class _FigureLogger(pl.Callback):
-    """Draw ``self.draw(pl_module, batch)`` after the training batches that are due."""
-
-    tag: str
+    """Log ``self.draw(pl_module, batch, title)`` (tag -> figure) after the training batches that
+    are due, and after the last batch at the end of training if it was not drawn."""
 
     def __init__(self, every_n_steps: int | None) -> None:
         check_every(every_n_steps)
         self.every_n_steps = every_n_steps
+        self._last: tuple[Any, int] | None = None  # the last training batch and its step
+        self._drawn_step: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         warn_without_tensorboard(trainer, type(self).__name__, "figures")
@@ -63,14 +70,26 @@ class _FigureLogger(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        writer = tensorboard(trainer)
-        if writer is None or not logging_due(trainer, self.every_n_steps):
-            return
-        figure = self.draw(pl_module, batch)
-        if figure is not None:
-            writer.add_figure(self.tag, figure, logging_step(trainer), close=True)
+        self._last = batch, logging_step(trainer)
+        if logging_due(trainer, self.every_n_steps):
+            self._log(trainer, pl_module)
 
-    def draw(self, pl_module: pl.LightningModule, batch: Any) -> Figure | None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._last is not None and self._drawn_step != self._last[1]:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        writer = tensorboard(trainer)
+        if writer is None or self._last is None:
+            return
+        batch, step = self._last
+        figures = self.draw(pl_module, batch, figure_title(step, penalty_weights(pl_module)))
+        for tag, figure in figures.items():
+            writer.add_figure(tag, figure, step, close=True)
+        if figures:
+            self._drawn_step = step
+
+    def draw(self, pl_module: pl.LightningModule, batch: Any, title: str) -> dict[str, Figure]:
         raise NotImplementedError
 
 
@@ -99,7 +118,9 @@ class SaliencyMaps(_FigureLogger):
 
     The images are the first ``num_images`` of the first validation batch (seen during the
     sanity check or the first validation), the same ones all run long; ``f`` is the module's
-    ``forward``. For several channels the saliency is the largest magnitude over channels.
+    ``forward``. For several channels the saliency is the largest magnitude over channels. The
+    colour scale of the maps is fixed by the first figure (``[0, its largest value]``), so
+    that the frames compare over training; larger values later show at the top colour.
 
     Args:
         num_images: how many images to show.
@@ -107,8 +128,6 @@ class SaliencyMaps(_FigureLogger):
         loss_fn: ``(outputs, targets) -> per-sample losses [B]``; default cross-entropy.
         every_n_steps: drawing interval in optimizer steps; ``None``: ``log_every_n_steps``.
     """
-
-    tag = SALIENCY
 
     def __init__(
         self,
@@ -125,6 +144,7 @@ class SaliencyMaps(_FigureLogger):
         self.image_shape = None if image_shape is None else tuple(image_shape)
         self.loss_fn = loss_fn
         self.batch: tuple[Tensor, Tensor] | None = None
+        self.scale: float | None = None
 
     def on_validation_batch_start(
         self,
@@ -139,9 +159,9 @@ class SaliencyMaps(_FigureLogger):
             _as_images(inputs, self.image_shape)  # a wrong shape fails here, not mid-training
             self.batch = inputs[: self.num_images], targets[: self.num_images]
 
-    def draw(self, pl_module: pl.LightningModule, batch: Any) -> Figure | None:
+    def draw(self, pl_module: pl.LightningModule, batch: Any, title: str) -> dict[str, Figure]:
         if self.batch is None:
-            return None
+            return {}
         inputs, targets = self.batch
         grads = input_gradients(pl_module, inputs, targets, self.loss_fn)
         images = _as_images(inputs.detach(), self.image_shape).float()
@@ -152,9 +172,13 @@ class SaliencyMaps(_FigureLogger):
         high = images.flatten(1).amax(1).view(-1, *[1] * (images.ndim - 1))
         images = (images - low) / (high - low).clamp_min(1e-12)
         labels = targets.tolist() if targets.ndim == 1 else None
-        return saliency_figure(images.cpu().numpy(), saliency.cpu().numpy(), labels)
+        if self.scale is None:
+            self.scale = float(saliency.max()) or 1.0
+        return {SALIENCY: saliency_figure(images.cpu().numpy(), saliency.cpu().numpy(), labels,
+                                          vmax=self.scale, title=title)}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         if self.batch is None and tensorboard(trainer) is not None:
             rank_zero_warn(
                 "SaliencyMaps saw no validation batch, so it drew nothing: give the module or "
@@ -170,6 +194,9 @@ class CriticLandscape(_FigureLogger):
     are given with ``critic``, ``generator`` and ``latent_dim``. Real samples are the current
     training batch (the batch itself, or its first entry); fake ones the generator's images of
     ``num_fake`` latents fixed at fit start (seeded), so the figures show the same points move.
+    Two images: ``critic_landscape/score``, on a colour scale centred on each frame's median
+    score (a critic's offset is arbitrary) whose half-width is fixed by the first frame, and
+    ``critic_landscape/grad_norm`` on the fixed scale ``[0, max_grad_norm]``.
 
     Args:
         resolution: grid points per axis.
@@ -177,9 +204,9 @@ class CriticLandscape(_FigureLogger):
             then fixed so that frames compare.
         every_n_steps: drawing interval in optimizer steps; ``None``: ``log_every_n_steps``.
         seed: seed of the fixed latents.
+        max_grad_norm: the top of the gradient norm's colour scale (WGAN-GP's target 1 in the
+            middle by default).
     """
-
-    tag = CRITIC_LANDSCAPE
 
     def __init__(
         self,
@@ -192,8 +219,11 @@ class CriticLandscape(_FigureLogger):
         extent: Sequence[float] | None = None,
         every_n_steps: int | None = None,
         seed: int = 0,
+        max_grad_norm: float = 2.0,
     ) -> None:
         super().__init__(every_n_steps)
+        if not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}.")
         if extent is not None and (len(extent) != 4 or extent[0] >= extent[1]
                                    or extent[2] >= extent[3]):
             raise ValueError(f"extent must be (xmin, xmax, ymin, ymax) with min < max, "
@@ -206,18 +236,12 @@ class CriticLandscape(_FigureLogger):
         self.resolution = resolution
         self.extent = None if extent is None else tuple(float(v) for v in extent)
         self.seed = seed
+        self.max_grad_norm = float(max_grad_norm)
+        self.score_half_width: float | None = None
         self.latents: Tensor | None = None
 
     def _attribute(self, pl_module: pl.LightningModule, role: str, kind: type) -> Any:
-        name = self.attributes[role]
-        value = getattr(pl_module, name, None)
-        if not isinstance(value, kind):
-            raise ValueError(
-                f"CriticLandscape needs pl_module.{name} to be the {role} ({kind.__name__}), "
-                f"but {type(pl_module).__name__}.{name} is {type(value).__name__}; name the "
-                f"attribute with CriticLandscape({role}='...')."
-            )
-        return value
+        return module_attribute(pl_module, self.attributes[role], role, kind, "CriticLandscape")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -227,10 +251,10 @@ class CriticLandscape(_FigureLogger):
         generator = torch.Generator().manual_seed(self.seed)
         self.latents = torch.randn(self.num_fake, latent_dim, generator=generator)
 
-    def draw(self, pl_module: pl.LightningModule, batch: Any) -> Figure:
+    def draw(self, pl_module: pl.LightningModule, batch: Any, title: str) -> dict[str, Figure]:
         critic = self._attribute(pl_module, "critic", nn.Module)
         generator = self._attribute(pl_module, "generator", nn.Module)
-        real = (batch if isinstance(batch, Tensor) else batch[0]).detach()
+        real = real_samples(batch)
         if real.ndim != 2 or real.shape[1] != 2:
             raise ValueError(f"CriticLandscape draws 2D data, [N, 2] samples; the batch has shape "
                              f"{list(real.shape)}.")
@@ -247,12 +271,18 @@ class CriticLandscape(_FigureLogger):
                 scores = critic(points).reshape(-1)
                 grads = gradient(scores.sum(), points, create_graph=False)
         shape = (self.resolution, self.resolution)
-        return critic_landscape_figure(
-            xs.numpy(), ys.numpy(),
-            scores.detach().reshape(shape).cpu().numpy(),
-            grads.norm(dim=1).reshape(shape).cpu().numpy(),
-            real.cpu().numpy(), fake.cpu().numpy(),
-        )
+        scores = scores.detach().reshape(shape).cpu().numpy()
+        norms = grads.norm(dim=1).reshape(shape).cpu().numpy()
+        centre = float(np.median(scores))
+        if self.score_half_width is None:
+            self.score_half_width = float(np.abs(scores - centre).max()) or 1.0
+        fields = {"score": (scores, centre - self.score_half_width,
+                            centre + self.score_half_width),
+                  "grad_norm": (norms, 0.0, self.max_grad_norm)}
+        axes, samples = (xs.numpy(), ys.numpy()), (real.cpu().numpy(), fake.cpu().numpy())
+        return {f"{CRITIC_LANDSCAPE}/{kind}": critic_landscape_figure(
+                    *axes, field, *samples, kind=kind, vmin=low, vmax=high, title=title)
+                for kind, (field, low, high) in fields.items()}
 
 
 def _extent(samples: Tensor, margin: float = 0.25) -> tuple[float, float, float, float]:
@@ -261,38 +291,3 @@ def _extent(samples: Tensor, margin: float = 0.25) -> tuple[float, float, float,
     pad = (high - low).clamp_min(1e-3) * margin
     (x0, y0), (x1, y1) = (low - pad).tolist(), (high + pad).tolist()
     return x0, x1, y0, y1
-
-
-class SampleGrid(pl.Callback):
-    """Images ``G(z)`` of ``num_samples`` latents fixed at fit start (seeded), one grid, tag
-    ``samples``, every ``every_n_steps`` optimizer steps (``None``: ``log_every_n_steps``).
-
-    Expects ``pl_module.generator`` (latents ``[N, latent_dim]`` to images ``[N, C, H, W]`` in
-    [0, 1]; values outside are clipped) and ``pl_module.latent_dim``, as :class:`~gradreg.
-    lightning.gan.GAN` has them. The same latents at every step show the samples evolve.
-    """
-
-    def __init__(self, num_samples: int = 64, *, every_n_steps: int | None = None,
-                 seed: int = 0) -> None:
-        check_every(every_n_steps)
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}.")
-        self.num_samples, self.every_n_steps, self.seed = num_samples, every_n_steps, seed
-        self.latents: Tensor | None = None
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        warn_without_tensorboard(trainer, "SampleGrid", "sample grids")
-        generator = torch.Generator().manual_seed(self.seed)
-        self.latents = torch.randn(self.num_samples, pl_module.latent_dim, generator=generator)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
-        writer = tensorboard(trainer)
-        if writer is None or not logging_due(trainer, self.every_n_steps):
-            return
-        with eval_mode(pl_module.generator), torch.no_grad():
-            images = pl_module.generator(self.latents.to(pl_module.device))
-        if images.ndim != 4:
-            raise ValueError(f"SampleGrid shows images, [N, C, H, W]; the generator made shape "
-                             f"{list(images.shape)}.")
-        writer.add_images(SAMPLES, images.clamp(0, 1).float().cpu(), logging_step(trainer))

@@ -1,16 +1,23 @@
-"""Log a run's hyperparameters with its final metrics, for TensorBoard's HParams tab.
+"""Log a run's hyperparameters and name its metrics, for TensorBoard's HParams tab.
 
 A sweep (say, penalty weight against clean and FGSM accuracy) is then compared run by run in one
-table. TensorBoard's HParams plugin reads, per run, one summary declaring the hyperparameter
-values and the metric tags (the first one written; later ones are ignored), and takes each
-metric's value from the latest scalar under its tag. So the callback declares at the start of
-fit (or test) and logs the values when fit and test end:
+table. TensorBoard's HParams plugin reads, per run, a summary of the hyperparameter values, and
+takes its columns from ONE run's experiment summary (the first it finds) for the whole log folder;
+each metric's value is the latest scalar under the metric's own tag. So the callback writes, once
+per run directory at the start of fit (or test):
 
-* hyperparameters: the module's ``hparams`` (``save_hyperparameters``), the weight of every
+* the values: the module's ``hparams`` (``save_hyperparameters``), the weight of every
   :class:`~gradreg.penalties.GradientPenalty` submodule at the start as
-  ``penalty_weight/<module path>``, and the ``hparams`` given here (e.g. a flattened config);
-* metrics: each name in ``metrics`` found in ``trainer.callback_metrics`` at fit end and test
-  end, as the scalar ``hp/<name>`` (its own tag, so the metric's own time series is untouched).
+  ``penalty/weight/<module path>`` (the name of its weight's tag), and the ``hparams`` given
+  here (e.g. a flattened config);
+* the experiment: a column for each of those and for each name in ``columns``, and the metric
+  tags ``metrics``. Runs of different module kinds in one log folder keep their columns when
+  every run declares the same ``hparams`` keys and ``metrics`` (the app's configs do);
+* ``columns`` are marked as the ones that differ between runs, which TensorBoard shows first and
+  by default (its first five).
+
+The metrics are the module's own tags (``val/acc``, ``test/acc_fgsm``), so nothing is logged
+twice; a metric a run never logs is blank in its row.
 """
 
 from __future__ import annotations
@@ -19,15 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from tensorboard.plugins.hparams import plugin_data_pb2
 from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
-from gradreg.lightning.callbacks._logging import (
-    log_scalars,
-    tensorboard,
-    warn_without_tensorboard,
-)
-from gradreg.lightning.callbacks._penalties import named_penalties
-from gradreg.lightning.dashboards import HPARAM_METRIC, PENALTY_WEIGHT
+from gradreg.lightning.callbacks._logging import tensorboard, warn_without_tensorboard
+from gradreg.lightning.callbacks._penalties import penalty_weights
+from gradreg.lightning.compat import event_file_writer
+from gradreg.lightning.dashboards import PENALTY_WEIGHT
 
 Value = bool | int | float | str
 
@@ -45,22 +50,28 @@ def tensorboard_values(params: Mapping[str, Any], prefix: str = "") -> dict[str,
 
 
 class HParamsLogger(pl.Callback):
-    """Declare hyperparameters and metric tags at the start, log final metric values at the end.
+    """Declare hyperparameters, default columns and metric tags at the start of fit or test.
 
     Args:
-        metrics: names in ``trainer.callback_metrics`` to compare runs by (e.g.
-            ``["val/acc", "test/acc_fgsm"]``); they become the HParams tab's columns.
+        metrics: scalar tags to compare runs by (e.g. ``["val/acc", "test/acc_fgsm"]``); the
+            table shows each one's latest value.
         hparams: extra hyperparameters (e.g. a flattened experiment config).
+        columns: the hyperparameters shown by default (TensorBoard shows five); declared even
+            where this run has no value for them.
     """
 
-    def __init__(self, metrics: Sequence[str], hparams: Mapping[str, Any] | None = None) -> None:
-        if isinstance(metrics, str) or not metrics:
-            raise ValueError(
-                f"metrics must be a non-empty list of metric names, got {metrics!r}; "
-                "e.g. metrics=['val/acc']."
-            )
+    def __init__(self, metrics: Sequence[str], hparams: Mapping[str, Any] | None = None,
+                 *, columns: Sequence[str] = ()) -> None:
+        for name, value in (("metrics", metrics), ("columns", columns)):
+            if isinstance(value, str):
+                raise ValueError(f"{name} must be a list of names, got the string {value!r}; "
+                                 f"write {name}=[{value!r}].")
+        if not metrics:
+            raise ValueError(f"metrics must be a non-empty list of metric names, got "
+                             f"{metrics!r}; e.g. metrics=['val/acc'].")
         self.metrics = tuple(metrics)
         self.hparams = dict(hparams or {})
+        self.columns = tuple(columns)
         self._declared: set[str] = set()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -69,29 +80,31 @@ class HParamsLogger(pl.Callback):
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._declare(trainer, pl_module)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log_metrics(trainer)
-
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log_metrics(trainer)
-
     def _declare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write the HParams summaries once per run directory."""
         warn_without_tensorboard(trainer, "HParamsLogger", "hyperparameters and metrics")
         writer = tensorboard(trainer)
         if writer is None or writer.log_dir in self._declared:
             return
-        weights = {
-            f"{PENALTY_WEIGHT}/{name}": penalty.weight
-            for name, penalty in named_penalties(pl_module).items()
-        }
+        weights = {f"{PENALTY_WEIGHT}/{name}": weight
+                   for name, weight in penalty_weights(pl_module).items()}
         params = tensorboard_values({**pl_module.hparams, **weights, **self.hparams})
-        tags = dict.fromkeys((f"{HPARAM_METRIC}/{name}" for name in self.metrics), 0.0)
-        for summary in hparams_summaries(params, tags):
-            writer._get_file_writer().add_summary(summary)
+        experiment, start, end = hparams_summaries(params, dict.fromkeys(self.metrics, 0.0))
+        file_writer = event_file_writer(writer)
+        for summary in (self._with_columns(experiment), start, end):
+            file_writer.add_summary(summary)
+        file_writer.flush()
         self._declared.add(writer.log_dir)
 
-    def _log_metrics(self, trainer: pl.Trainer) -> None:
-        found = {name: trainer.callback_metrics[name] for name in self.metrics
-                 if name in trainer.callback_metrics}
-        log_scalars(trainer, {f"{HPARAM_METRIC}/{name}": value for name, value in found.items()})
+    def _with_columns(self, experiment: Any) -> Any:
+        """The experiment summary with every name of ``columns`` declared and marked."""
+        (value,) = experiment.value
+        data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+        declared = {info.name for info in data.experiment.hparam_infos}
+        for name in self.columns:
+            if name not in declared:
+                data.experiment.hparam_infos.add(name=name)
+        for info in data.experiment.hparam_infos:
+            info.differs = info.name in self.columns
+        value.metadata.plugin_data.content = data.SerializeToString()
+        return experiment

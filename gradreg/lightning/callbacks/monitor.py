@@ -1,28 +1,35 @@
-r"""Watch what a penalty does to the gradients: parameter, input and penalty values over training.
+r"""Watch what a penalty does to the gradients: losses, parameter, input and penalty values.
 
-Every ``log_every_n_steps`` optimizer steps (or ``every_n_steps``) the monitor writes
+Every ``log_every_n_steps`` optimizer steps (or ``every_n_steps``) the monitor writes, in the tag
+scheme of :mod:`gradreg.lightning.dashboards` (``<owner>``: the submodule that holds all of an
+optimizer's parameters, ``critic`` or ``generator``, or ``optimizer_<i>`` where no one submodule
+does; left out when there is one optimizer):
 
-* ``grad_{p}_norm/<param>`` and ``grad_{p}_norm_total``: Lightning's :func:`grad_norm` of the
-  gradients an optimizer is about to apply, :math:`\lVert\partial L/\partial\theta\rVert_p` per
-  parameter and over all of them; with several optimizers each logs its own parameters and the
-  total gets the suffix ``/<owner>``: the submodule that holds all of that optimizer's
-  parameters (``critic``, ``generator``), or ``optimizer_<i>`` where no one submodule does;
+* ``loss/total[/<owner>]``: the loss backpropagated before the optimizer's step (what Lightning's
+  backward got: the task loss plus the weighted penalties; the sum over the micro-batches of an
+  accumulation window, which Lightning divides by their number);
+* ``grad_norm/total[/<owner>]``: :math:`\lVert\partial L/\partial\theta\rVert_p` over the
+  gradients the optimizer is about to apply;
+* histograms ``param_grad/<layer>``: the gradient entries of each layer's parameters (weight and
+  bias together, one card per layer), about to be applied;
+* ``penalty/unweighted/<path>``, ``penalty/weighted/<path>`` and ``penalty/weight/<path>``: of
+  every :class:`~gradreg.penalties.GradientPenalty` submodule, ``last_value`` (the penalty of its
+  last call; lazy penalties keep theirs), the term it added to the loss there
+  (:math:`\lambda \cdot \text{every} \cdot \text{gain}` times it) and its weight :math:`\lambda`;
 * ``input_grad/norm_mean``, ``input_grad/norm_max`` and the histogram ``input_grad/norm``: the
   per-sample norms :math:`\lVert\nabla_{x_i}\ell(f(x_i), y_i)\rVert_p` on the training batch,
-  after its optimizer step, with the module in eval mode (one extra forward and backward);
-* ``penalty/<module path>``: ``last_value`` of every :class:`~gradreg.penalties.GradientPenalty`
-  submodule, the unweighted penalty of its last call (lazy penalties keep their last value).
+  after its optimizer step, with the module in eval mode (one extra forward and backward).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections import defaultdict
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import grad_norm
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from gradreg.lightning.callbacks._logging import (
@@ -33,30 +40,30 @@ from gradreg.lightning.callbacks._logging import (
     tensorboard,
     warn_without_tensorboard,
 )
-from gradreg.lightning.callbacks._penalties import named_penalties
+from gradreg.lightning.callbacks._penalties import penalty_scalars
 from gradreg.lightning.callbacks._probe import (
     LossFn,
     cross_entropy_per_sample,
     input_gradients,
     split_batch,
 )
-from gradreg.lightning.dashboards import INPUT_GRAD, PENALTY
+from gradreg.lightning.dashboards import GRAD_NORM, INPUT_GRAD, LOSS_TOTAL, PARAM_GRAD
 from gradreg.penalties import per_sample_norm
 
 
-class _Parameters(nn.Module):
-    """Some named parameters as a module, for Lightning's ``grad_norm`` (it reads only these)."""
+class _Optimizer:
+    """What the monitor logs of one optimizer: its tag suffix and its parameters by layer."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        super().__init__()
-        self._named = named
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self._named)
+    def __init__(self, suffix: str, named: list[tuple[str, nn.Parameter]]) -> None:
+        self.suffix = suffix
+        self.layers: dict[str, list[nn.Parameter]] = defaultdict(list)
+        for name, param in named:
+            self.layers[name.rpartition(".")[0] or name].append(param)
+        self.backpropagated: Tensor | None = None
 
 
 class GradientNormMonitor(pl.Callback):
-    """Log parameter-gradient norms, input-gradient norm statistics and penalty values.
+    """Log losses, parameter-gradient norms and histograms, penalties and input-gradient norms.
 
     Works on any LightningModule, automatic or manual optimization (see the module docstring
     for the tags).
@@ -90,31 +97,59 @@ class GradientNormMonitor(pl.Callback):
         self.norm_type = p
         self.loss_fn = loss_fn
         self.every_n_steps = every_n_steps
-        self._optimizers: dict[int, tuple[str, _Parameters]] = {}
+        self._optimizers: dict[int, _Optimizer] = {}
+        self._backpropagated: Tensor | None = None
+
+    @property
+    def charts(self) -> tuple[str, ...]:
+        """The charts of :data:`gradreg.lightning.dashboards.CHARTS` this monitor feeds."""
+        charts = ("loss_total", "penalty_unweighted", "penalty_weighted", "penalty_weight",
+                  "grad_norm")
+        return (*charts, "input_grad") if self.loss_fn is not None else charts
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.loss_fn is not None:
-            warn_without_tensorboard(trainer, "GradientNormMonitor", "the input_grad histogram")
+        warn_without_tensorboard(trainer, "GradientNormMonitor", "the gradient histograms")
         names = {param: name for name, param in pl_module.named_parameters()}
         self._optimizers = {}
         for index, optimizer in enumerate(trainer.optimizers):
             named = [(names[param], param) for group in optimizer.param_groups
                      for param in group["params"] if param in names]
             owners = {name.split(".", 1)[0] for name, _ in named}
-            label = owners.pop() if len(owners) == 1 else f"optimizer_{index}"
-            self._optimizers[id(optimizer)] = (label, _Parameters(named))
+            owner = owners.pop() if len(owners) == 1 else f"optimizer_{index}"
+            suffix = f"/{owner}" if len(trainer.optimizers) > 1 else ""
+            self._optimizers[id(optimizer)] = _Optimizer(suffix, named)
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor
+    ) -> None:
+        loss = loss.detach()
+        self._backpropagated = loss if self._backpropagated is None else self._backpropagated + loss
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        backpropagated, self._backpropagated = self._backpropagated, None
         if not logging_due(trainer, self.every_n_steps):
             return
-        label, parameters = self._optimizers[id(optimizer)]
-        norms = grad_norm(parameters, self.norm_type)
-        total = f"grad_{self.norm_type}_norm_total"
-        if len(self._optimizers) > 1 and total in norms:
-            norms[f"{total}/{label}"] = norms.pop(total)
-        log_scalars(trainer, norms)
+        logged = self._optimizers[id(optimizer)]
+        grads = {layer: [p.grad for p in params if p.grad is not None]
+                 for layer, params in logged.layers.items()}
+        norms = [torch.linalg.vector_norm(g.detach(), self.norm_type)
+                 for layer_grads in grads.values() for g in layer_grads]
+        scalars = {}
+        if norms:
+            total = torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
+            scalars[f"{GRAD_NORM}/total{logged.suffix}"] = total
+        if backpropagated is not None:
+            scalars[f"{LOSS_TOTAL}{logged.suffix}"] = backpropagated
+        log_scalars(trainer, scalars)
+        writer = tensorboard(trainer)
+        if writer is not None:
+            for layer, layer_grads in grads.items():
+                if layer_grads:
+                    values = torch.cat([g.detach().flatten() for g in layer_grads])
+                    writer.add_histogram(f"{PARAM_GRAD}/{layer}", values.float().cpu(),
+                                         logging_step(trainer))
 
     def on_train_batch_end(
         self,
@@ -126,11 +161,7 @@ class GradientNormMonitor(pl.Callback):
     ) -> None:
         if not logging_due(trainer, self.every_n_steps):
             return
-        scalars = {
-            f"{PENALTY}/{name}": penalty.last_value
-            for name, penalty in named_penalties(pl_module).items()
-            if penalty.last_value is not None
-        }
+        scalars = penalty_scalars(pl_module)
         if self.loss_fn is not None:
             inputs, targets = split_batch(batch, "GradientNormMonitor")
             grads = input_gradients(pl_module, inputs, targets, self.loss_fn)
@@ -139,5 +170,6 @@ class GradientNormMonitor(pl.Callback):
             scalars[f"{INPUT_GRAD}/norm_max"] = norms.max()
             writer = tensorboard(trainer)
             if writer is not None:
-                writer.add_histogram(f"{INPUT_GRAD}/norm", norms, logging_step(trainer))
+                writer.add_histogram(f"{INPUT_GRAD}/norm", norms.float().cpu(),
+                                     logging_step(trainer))
         log_scalars(trainer, scalars)

@@ -23,9 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from gradreg.lightning.callbacks._logging import log_scalars, logging_due
 from gradreg.lightning.callbacks._penalties import named_penalties
-from gradreg.lightning.dashboards import PENALTY_WEIGHT
 from gradreg.penalties import GradientPenalty
 
 KINDS = ("constant", "linear", "cosine", "step")
@@ -88,10 +86,11 @@ class PenaltyWeightSchedule(pl.Callback):
       the first epoch.
 
     Before each training batch the weight of every penalty (or of those named in ``penalties``,
-    dotted module paths such as ``"penalties.gp"``) becomes :math:`w(t)`; it is logged as
-    ``penalty_weight/<module path>`` at Lightning's logging steps (x axis: ``global_step``, which
-    in the GAN counts the steps of both optimizers). The schedule and the last applied steps and
-    weights are saved in checkpoints and restored on resume.
+    dotted module paths such as ``"penalties.gp"``) becomes :math:`w(t)`;
+    :class:`~gradreg.lightning.callbacks.GradientNormMonitor` logs every penalty's weight as
+    ``penalty/weight/<module path>``, with or without a schedule (x axis: Lightning's logging
+    step, which in the GAN counts the steps of both optimizers). The schedule and the last applied
+    steps and weights are saved in checkpoints and restored on resume.
 
     Args:
         kind, start, end, steps, begin: the :class:`WeightSchedule` (module docstring).
@@ -154,9 +153,6 @@ class PenaltyWeightSchedule(pl.Callback):
         for name, penalty in self._targets.items():
             self.optimizer_steps[name] = self.counted_step(trainer, pl_module, penalty)
             self.weights[name] = penalty.weight = self.schedule(self.optimizer_steps[name])
-        if logging_due(trainer):
-            log_scalars(trainer, {f"{PENALTY_WEIGHT}/{name}": weight
-                                  for name, weight in self.weights.items()})
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if pl_module.automatic_optimization or trainer.global_step == 0:

@@ -1,0 +1,199 @@
+"""The figures as TensorBoard gets them: saliency maps, a critic's landscape, sample grids,
+their titles and the autograd graph's layers, checked against closed forms."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+from torch import Tensor, nn
+
+from gradreg.graph import GraphEdge
+from gradreg.lightning import dashboards
+from gradreg.lightning.callbacks import (
+    CriticLandscape,
+    SaliencyMaps,
+    SampleGrid,
+)
+from gradreg.lightning.callbacks import figures as figures_module
+from gradreg.lightning.callbacks.graph_figure import layers
+from tests.lightning.helpers import (
+    BATCH,
+    WEIGHT,
+    PlainClassifier,
+    PlainGan,
+    data,
+    events,
+    fit,
+    hand_input_gradients,
+    real_points,
+    trainer,
+)
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, name: str
+                 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Record the arguments of every call of ``figures.<name>`` (still drawing the figure)."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    draw = getattr(figures_module, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(figures_module, name, recording)
+    return calls
+
+
+# --- saliency maps -------------------------------------------------------------------------------
+
+
+def test_saliency_maps_show_the_input_gradient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    calls = record_calls(monkeypatch, "saliency_figure")
+    module = PlainClassifier()
+    run = fit(tmp_path, module, [SaliencyMaps(5, image_shape=(2, 2), every_n_steps=2)],
+              max_steps=4, limit_val_batches=1)
+
+    images = events(run).Images("saliency")
+    assert [image.step for image in images] == [1, 3]
+    assert imread(io.BytesIO(images[0].encoded_image_string)).shape[2] in (3, 4)
+    # lr = 0: each figure shows |W^T (softmax - e_y)| of the first 5 validation samples, on
+    # the colour scale of the first figure, with the step and the weight in its title.
+    expected = hand_input_gradients(module.net.weight, module.net.bias).detach()[:5].abs()
+    for step, ((images_shown, saliency, labels), options) in zip((1, 3), calls, strict=True):
+        np.testing.assert_allclose(saliency, expected.reshape(5, 2, 2).numpy(), atol=1e-6)
+        assert labels == data()[1][:5].tolist()
+        assert images_shown.min() == 0.0 and images_shown.max() == 1.0  # each image rescaled
+        assert options == {"vmax": pytest.approx(float(expected.max())),
+                           "title": f"step {step} · λ = {WEIGHT}"}
+
+
+def test_a_run_shorter_than_the_interval_logs_a_last_figure(tmp_path: Path) -> None:
+    run = fit(tmp_path, PlainClassifier(), [SaliencyMaps(2, image_shape=(2, 2),
+                                                         every_n_steps=100)],
+              max_steps=3, limit_val_batches=1)
+    assert [image.step for image in events(run).Images("saliency")] == [2]
+
+
+def test_saliency_maps_ask_for_the_image_shape_of_flat_inputs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"pass image_shape=\(H, W\) or \(C, H, W\)"):
+        fit(tmp_path, PlainClassifier(), [SaliencyMaps()], limit_val_batches=1)
+
+
+def test_saliency_maps_check_the_image_shape(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"image_shape=\(3, 3\) has 9 values, but one input has 4"):
+        fit(tmp_path, PlainClassifier(), [SaliencyMaps(image_shape=(3, 3))], limit_val_batches=1)
+
+
+def test_saliency_maps_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="num_images must be an int >= 1"):
+        SaliencyMaps(0)
+    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1"):
+        SaliencyMaps(every_n_steps=-3)
+
+
+# --- critic landscape ----------------------------------------------------------------------------
+
+
+def test_critic_landscape_shows_scores_and_gradient_norms(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = record_calls(monkeypatch, "critic_landscape_figure")
+    module = PlainGan(lr=0.0)
+    landscape = CriticLandscape(critic="discriminator", num_fake=32, resolution=8,
+                                extent=(-2.0, 2.0, -1.0, 3.0))
+    run = trainer(tmp_path, [landscape], max_steps=8, log_every_n_steps=2,
+                  limit_train_batches=4, max_epochs=1)
+    run.fit(module, real_points())
+
+    # Manual optimization, two optimizers a batch: Lightning logs batch 1 at step 1, and the
+    # last batch (step 3) at the end of training.
+    for kind in ("score", "grad_norm"):
+        assert [image.step for image in events(run).Images(f"critic_landscape/{kind}")] == [1, 3]
+    (((xs, ys, scores, real, fake), score_options), ((_, _, norms, _, _), norm_options),
+     *_) = calls
+    np.testing.assert_allclose(xs, np.linspace(-2, 2, 8), rtol=1e-6)
+    np.testing.assert_allclose(ys, np.linspace(-1, 3, 8), rtol=1e-6)
+    # lr = 0 (the module keeps its weights): D(x) = a.x + c, ||grad D|| = ||a||
+    a, c = module.discriminator.weight.detach()[0].numpy(), module.discriminator.bias.item()
+    grid_x, grid_y = np.meshgrid(xs, ys)
+    np.testing.assert_allclose(scores, a[0] * grid_x + a[1] * grid_y + c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norms, np.full((8, 8), np.linalg.norm(a)), rtol=1e-5)
+    assert real.shape == (BATCH, 2) and fake.shape == (32, 2)
+    # fixed scales: the norm's [0, 2]; the scores' half-width from the first frame
+    assert (norm_options["vmin"], norm_options["vmax"]) == (0.0, 2.0)
+    half_width = np.abs(scores - np.median(scores)).max()
+    assert score_options["vmax"] - score_options["vmin"] == pytest.approx(2 * half_width)
+    assert score_options["title"] == "step 1 · λ = 10"
+
+
+def test_critic_landscape_names_a_missing_attribute(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"needs pl_module.critic to be the critic \(Module\), "
+                                         r"but PlainGan.critic is NoneType; name the attribute "
+                                         r"with CriticLandscape\(critic='...'\)"):
+        trainer(tmp_path, [CriticLandscape()]).fit(PlainGan(), real_points())
+
+
+def test_critic_landscape_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"extent must be \(xmin, xmax, ymin, ymax\)"):
+        CriticLandscape(extent=(1.0, 0.0, 0.0, 1.0))
+    with pytest.raises(ValueError, match="resolution must be >= 2"):
+        CriticLandscape(resolution=1)
+
+
+# --- sample grids ------------------------------------------------------------------------------
+
+
+class ImageGenerator(pl.LightningModule):
+    """A generator of 2x2 gray images, trained on nothing (lr = 0): its samples never change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.latent_dim = 3
+        self.generator = nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Unflatten(1, (1, 2, 2)))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.generator(torch.randn(len(batch), self.latent_dim)).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize(("every", "steps"), [(1, [0, 1, 2]), (2, [1, 2]), (100, [2])])
+def test_sample_grids_at_the_interval_and_at_the_end(every: int, steps: list[int],
+                                                     tmp_path: Path) -> None:
+    module = ImageGenerator()
+    run = fit(tmp_path, module, [SampleGrid(4, every_n_steps=every)])
+    images = events(run).Images("samples")
+    assert [image.step for image in images] == steps
+    # the grid of G(z) for the seeded latents, as 8-bit gray levels
+    latents = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    expected = (module.generator(latents).detach() * 255).round()
+    grid = imread(io.BytesIO(images[-1].encoded_image_string), format="png")
+    assert grid.shape[:2] == (2, 8)  # one row of four 2x2 images
+    tiles = [grid[:, c:c + 2, 0] for c in (0, 2, 4, 6)]
+    np.testing.assert_allclose(np.stack(tiles) * 255, expected[:, 0].numpy(), atol=1.0)
+
+
+# --- titles and the graph's layers --------------------------------------------------------------
+
+
+def test_figure_titles_say_the_step_and_every_weight() -> None:
+    assert dashboards.figure_title(7, {}) == "step 7"
+    assert dashboards.figure_title(7, {"penalties.gp": 0.1}) == "step 7 · λ = 0.1"
+    assert dashboards.figure_title(7, {"penalties.r1": 10.0, "penalties.r2": 1.0}) == (
+        "step 7 · λ r1 = 10, r2 = 1")
+
+
+def test_graph_layers_put_every_node_below_all_its_parents() -> None:
+    """0 -> 1 -> 3, 0 -> 2 -> 3, 0 -> 3 and 3 -> 4: node 3's longest path from 0 has 2 edges."""
+    edges = [GraphEdge(s, t, 0, k) for k, (s, t) in enumerate(
+        [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (3, 4)])]
+    assert layers(5, edges) == [[0], [1, 2], [3], [4]]
