@@ -13,7 +13,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
-__all__ = ["attached_trainer", "data_parallel_over_all_ranks", "event_file_writer", "relaunches_script"]
+__all__ = ["attached_trainer", "data_parallel_over_all_ranks", "event_file_writer",
+           "relaunches_script"]
 
 
 def relaunches_script(trainer: pl.Trainer) -> bool:
