@@ -34,21 +34,20 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 # Run from a checkout without installing the package (with `pip install -e .` this changes
 # nothing), and find the app's own modules (scripts/train_app) however this file is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_app import runtime
+from train_app import runtime, sweeps
 from train_app.checks import (
     ConfigError,
     building,
@@ -127,12 +126,10 @@ def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | Non
     print(f"metrics:          {output_dir / 'metrics.json'}")
 
 
-OmegaConf.register_new_resolver("run_folder_suffix", runtime.run_folder_suffix, replace=True)
-
-
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
-def main(cfg: DictConfig) -> dict[str, Any]:
+def main(cfg: DictConfig) -> float | None:
     try:
+        sweeps.check_search_mode()
         check_values(cfg)
         fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
         output_dir = None if fast_dev_run else Path(cfg.paths.output_dir)
@@ -148,17 +145,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         trainer.test(model, datamodule=datamodule, verbose=False)
+        metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
+            report(trainer, metrics, output_dir)
+        return sweeps.objective(metrics, cfg.optimized_metric)
     except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         where = "" if isinstance(error, ConfigError) else "training: "
         print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
         sys.exit(2)
-    metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
-    if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
-        report(trainer, metrics, output_dir)
-    return metrics
 
 
 if __name__ == "__main__":
-    main()
+    with sweeps.jobs_environment(sys.argv):
+        main()
