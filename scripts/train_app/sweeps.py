@@ -7,7 +7,7 @@ run each job in a process of its own (``hydra/launcher=joblib``, ``submitit_loca
 ``submitit_slurm``) unpickle the task function there, which imports this package: the jobs get
 its folder on their ``PYTHONPATH``, and the keys the command line sweeps (which name each job's
 folder, :func:`swept_keys`) in ``GRADREG_SWEPT_KEYS`` (:func:`jobs_environment`). At the end of
-a search :class:`BestTrial` prints its best parameters in one line and saves that line in the
+a search :class:`SearchReport` prints its best parameters in one line and saves that line in the
 sweep's folder (``best_trial.txt``, next to the sweeper's ``optimization_results.yaml``).
 """
 
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +115,19 @@ def short_number(value: str, digits: int = 4) -> str:
     return short if math.isfinite(number) and len(short) < len(value) else value
 
 
-class BestTrial(Callback):
-    """Hydra callback: after a search whose sweeper saved ``optimization_results.yaml`` in the
-    sweep folder, print its best parameters and value in one line, with the best trial's run
-    folder, and save that line as ``best_trial.txt`` there. Other sweeps: nothing."""
+class SearchReport(Callback):
+    """Hydra callback of a sweep. Before it: refuse a database ``hydra.sweeper.storage`` that the
+    installed Optuna cannot open. After a search whose sweeper saved
+    ``optimization_results.yaml`` in the sweep folder: print its best parameters and value in
+    one line, with the best trial's run folder, and save that line as ``best_trial.txt`` there.
+    Other sweeps: nothing."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_storage(config.hydra.sweeper.get("storage"))
+        except ConfigError as error:  # Hydra turns a callback's exceptions into warnings
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -131,6 +142,23 @@ class BestTrial(Callback):
                                trial_folder(sweep_dir, results.best_params))
         print(line, flush=True)
         (sweep_dir / "best_trial.txt").write_text(line + "\n")
+
+
+def check_storage(storage: str | None) -> None:
+    """Raise ConfigError for a database storage where Optuna 2 (the only Optuna that Hydra's
+    Optuna sweeper accepts) meets SQLAlchemy 2, which it cannot use (an AssertionError when the
+    study is created)."""
+    if storage is None:
+        return
+    optuna_major = int(metadata.version("optuna").split(".")[0])
+    sqlalchemy_major = int(metadata.version("sqlalchemy").split(".")[0])
+    if optuna_major < 3 and sqlalchemy_major >= 2:
+        raise ConfigError(
+            f"hydra.sweeper.storage: optuna {metadata.version('optuna')} cannot open a database "
+            f"with SQLAlchemy {metadata.version('sqlalchemy')}; keep hydra.sweeper.storage=null "
+            "(the study in memory: each trial's folder keeps its metrics.json, the sweep folder "
+            "the best trial)"
+        )
 
 
 def best_trial_line(params: Mapping[str, Any], value: float, metric: str | None,

@@ -14,7 +14,7 @@ import pytest
 from tests.app.browser import Chromium, executable
 from tests.tensorboard_server import poll
 
-from .test_train import run_script
+from .helpers import run_script
 
 # the runs are named after the swept key: which run had which penalty is in its name
 RUNS = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]
