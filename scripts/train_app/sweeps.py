@@ -22,8 +22,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -67,9 +69,14 @@ def check_search_mode() -> None:
 
 def command_line_sweeps(argv: list[str]) -> set[str]:
     """The keys a multirun command line sweeps (``penalty=none,double_backprop``,
-    ``seed=range(3)``, ``experiment=glob(*)``, ``penalty.weight=interval(0.01,1)``)."""
-    parser = OverridesParser.create()
-    overrides = parser.parse_overrides([arg for arg in argv[1:] if not arg.startswith("-")])
+    ``seed=range(3)``, ``experiment=glob(*)``, ``penalty.weight=interval(0.01,1)``), read with
+    Hydra's own argument parser (flags such as ``--cfg job`` are not overrides); none where the
+    overrides do not parse (Hydra itself then says why)."""
+    args, _ = get_args_parser().parse_known_args(argv[1:])
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except OverrideParseException:
+        return set()
     return {override.key_or_group for override in overrides if override.is_sweep_override()}
 
 
