@@ -6,15 +6,18 @@ Examples::
     python scripts/train.py model=cnn penalty=double_backprop penalty.weight=0.1
     python scripts/train.py experiment=gan_8gaussians_wgan_gp
     python scripts/train.py -m penalty=none,double_backprop   # a sweep, one run per value
+    python scripts/train.py -m hparams_search=classifier_robustness   # Optuna: weight and lr
 
 Hydra composes ``configs/train.yaml`` with its groups (data, model, penalty, trainer, logger,
-callbacks, experiment, debug); this file builds the objects with ``hydra.utils.instantiate`` and
+callbacks, experiment, hparams_search, debug); this file builds the objects with ``hydra.utils.instantiate`` and
 hands them to Lightning. It is the whole app, on purpose: the training logic lives in
 :mod:`gradreg.lightning`, and an app module inside the package would make ``gradreg`` import
 Hydra, which the layering forbids (the core and the Lightning layer work without Hydra).
 
 The penalties of a run are ``penalty`` (unless ``penalty=none``) plus the ``penalties`` dict,
-passed to the model as ``name -> GradientPenalty``.
+passed to the model as ``name -> GradientPenalty``. The run returns the metric named by
+``optimized_metric`` (None without one), the value a sweeper such as Optuna's optimizes
+(``scripts/train_app/sweeps.py``).
 
 Errors: a configuration that cannot be built or used (unknown preset, negative weight, a critic
 penalty for a classifier, ``n_critic < 1``, ``seed=abc``, ``data.batch_size=0``, an output folder
