@@ -9,8 +9,8 @@ Examples::
     python scripts/train.py -m hparams_search=classifier_robustness   # Optuna: weight and lr
 
 Hydra composes ``configs/train.yaml`` with its groups (data, model, penalty, trainer, logger,
-callbacks, experiment, hparams_search, debug); this file builds the objects with ``hydra.utils.instantiate`` and
-hands them to Lightning. It is the whole app, on purpose: the training logic lives in
+callbacks, experiment, hparams_search, debug); this file builds the objects with
+``hydra.utils.instantiate`` and hands them to Lightning. It is the whole app, on purpose: the training logic lives in
 :mod:`gradreg.lightning`, and an app module inside the package would make ``gradreg`` import
 Hydra, which the layering forbids (the core and the Lightning layer work without Hydra).
 
