@@ -10,9 +10,10 @@ Examples::
 
 Hydra composes ``configs/train.yaml`` with its groups (data, model, penalty, trainer, logger,
 callbacks, experiment, hparams_search, debug); this file builds the objects with
-``hydra.utils.instantiate`` and hands them to Lightning. It is the whole app, on purpose: the training logic lives in
-:mod:`gradreg.lightning`, and an app module inside the package would make ``gradreg`` import
-Hydra, which the layering forbids (the core and the Lightning layer work without Hydra).
+``hydra.utils.instantiate`` and hands them to Lightning. It is the whole app, on purpose: the
+training logic lives in :mod:`gradreg.lightning`, and an app module inside the package would make
+``gradreg`` import Hydra, which the layering forbids (the core and the Lightning layer work
+without Hydra).
 
 The penalties of a run are ``penalty`` (unless ``penalty=none``) plus the ``penalties`` dict,
 passed to the model as ``name -> GradientPenalty``. The run returns the metric named by

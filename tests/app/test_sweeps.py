@@ -130,16 +130,22 @@ def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
 def test_submitit_local_runs_each_job_as_a_submitted_process(tmp_path: Path) -> None:
     """``hydra/launcher=submitit_local``: the jobs are pickled, submitted and run in processes
     of their own (as on SLURM), which find the app's modules and name their folders after the
-    swept key; each job's output is in submitit's log."""
-    result = run_script("-m", "hydra/launcher=submitit_local", "penalty.weight=0.03,0.3",
-                        *TRIAL, "logger=none", "callbacks=none", f"hydra.sweep.dir={tmp_path}")
+    swept key; each job's output is in submitit's log, and its metrics are those of the same
+    job run by Hydra's default launcher (in the sweep's own process)."""
+    args = ["penalty.weight=0.03,0.3", *TRIAL, "logger=none", "callbacks=none"]
+    result = run_script("-m", "hydra/launcher=submitit_local", *args,
+                        f"hydra.sweep.dir={tmp_path / 'submitit'}")
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = trials(tmp_path)
+    runs = trials(tmp_path / "submitit")
     assert [folder.name for folder in runs] == ["0_penalty.weight:0.03", "1_penalty.weight:0.3"]
     assert all(metrics["train/penalty/double_backprop"] > 0 for _, metrics in runs.values())
-    logs = sorted(tmp_path.glob(".submitit/*/*_0_log.out"))
+    logs = sorted((tmp_path / "submitit").glob(".submitit/*/*_0_log.out"))
     assert len(logs) == 2
     assert all("final metrics:" in log.read_text() for log in logs)
+    result = run_script("-m", *args, f"hydra.sweep.dir={tmp_path / 'basic'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [metrics for _, metrics in trials(tmp_path / "basic").values()] == [
+        metrics for _, metrics in runs.values()]
 
 
 @needs_extra
