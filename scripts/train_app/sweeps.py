@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.utils import get_args_parser
+from hydra._internal.utils import get_args_parser  # Hydra's own parser of its command line
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
@@ -172,7 +172,7 @@ def best_trial_line(params: Mapping[str, Any], value: float, metric: str | None,
                     direction: Any, folder: Path | None) -> str:
     """``best trial: penalty.weight=0.157 model.optimizer.lr=0.00269 -> val/acc_pgd=0.8125
     (maximize), multirun/<date>/<time>/2_<...>``: the overrides that repeat it, then its value."""
-    overrides = " ".join(f"{key}={value}" for key, value in params.items())
+    overrides = " ".join(f"{key}={chosen}" for key, chosen in params.items())
     where = f", {folder}" if folder is not None else ""
     return f"best trial: {overrides} -> {metric or 'value'}={value:.4f} ({direction}){where}"
 

@@ -247,9 +247,11 @@ def test_swept_keys_come_from_the_command_line_or_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A job in a process of its own (joblib, submitit) has another command line: the keys
     come from the environment its sweep set."""
-    argv = ["train.py", "-m", "penalty=none,r1", "seed=1", "penalty.weight=interval(0.1,1)"]
+    argv = ["train.py", "-m", "--cfg", "job", "penalty=none,r1", "seed=1",
+            "penalty.weight=interval(0.1,1)"]
     monkeypatch.delenv(sweeps.SWEPT_KEYS_VARIABLE, raising=False)
     assert sweeps.swept_keys(argv) == {"penalty", "penalty.weight"}
+    assert sweeps.swept_keys(["train.py", "-m", "penalty=["]) == set()  # Hydra says why
     with sweeps.jobs_environment(argv):
         assert sweeps.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
             "penalty", "penalty.weight"}
