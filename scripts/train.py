@@ -38,6 +38,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import lightning as L
@@ -154,13 +155,22 @@ def main(cfg: DictConfig) -> float | None:
             report(trainer, metrics, output_dir)
         return sweeps.objective(metrics, cfg.optimized_metric)
     except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        where = "" if isinstance(error, ConfigError) else "training: "
-        print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        sys.exit(2)
+        exit_with(error)
+
+
+def exit_with(error: ConfigError | GradientError) -> NoReturn:
+    """End the run with status 2 and one line on stderr (``HYDRA_FULL_ERROR=1``: raise)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    where = "" if isinstance(error, ConfigError) else "training: "
+    print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
+    try:
+        sweeps.check_plugins(sys.argv)
+    except ConfigError as error:
+        exit_with(error)
     with sweeps.jobs_environment(sys.argv):
         main()

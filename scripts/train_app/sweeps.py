@@ -19,12 +19,14 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from hydra._internal.utils import get_args_parser  # Hydra's own parser of its command line
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -67,17 +69,44 @@ def check_search_mode() -> None:
         )
 
 
-def command_line_sweeps(argv: list[str]) -> set[str]:
-    """The keys a multirun command line sweeps (``penalty=none,double_backprop``,
-    ``seed=range(3)``, ``experiment=glob(*)``, ``penalty.weight=interval(0.01,1)``), read with
-    Hydra's own argument parser (flags such as ``--cfg job`` are not overrides); none where the
-    overrides do not parse (Hydra itself then says why)."""
+#: (config group, option prefix) -> the plugin module that provides it, all of the sweeps extra
+PLUGINS = {("hparams_search", ""): "hydra_plugins.hydra_optuna_sweeper",
+           ("hydra/sweeper", "optuna"): "hydra_plugins.hydra_optuna_sweeper",
+           ("hydra/launcher", "joblib"): "hydra_plugins.hydra_joblib_launcher",
+           ("hydra/launcher", "submitit"): "hydra_plugins.hydra_submitit_launcher"}
+
+
+def check_plugins(argv: list[str]) -> None:
+    """Raise ConfigError where the command line selects a sweeper or launcher whose Hydra plugin
+    is not installed (Hydra would say "Could not find 'hydra/sweeper/optuna'")."""
+    for override in command_line_overrides(argv):
+        value = override.value() if isinstance(override.value(), str) else ""
+        for (group, prefix), plugin in PLUGINS.items():
+            if (override.key_or_group == group and value.startswith(prefix)
+                    and find_spec(plugin) is None):
+                package = plugin.split(".")[1].replace("_", "-")
+                raise ConfigError(
+                    f"{group}={value} needs Hydra's plugin {package}, of the sweeps extra: "
+                    "pip install -e '.[sweeps]'"
+                )
+
+
+def command_line_overrides(argv: list[str]) -> list[Override]:
+    """The overrides of a command line, read with Hydra's own argument parser (flags such as
+    ``--cfg job`` are not overrides); none where they do not parse (Hydra itself then says
+    why)."""
     args, _ = get_args_parser().parse_known_args(argv[1:])
     try:
-        overrides = OverridesParser.create().parse_overrides(args.overrides)
+        return OverridesParser.create().parse_overrides(args.overrides)
     except OverrideParseException:
-        return set()
-    return {override.key_or_group for override in overrides if override.is_sweep_override()}
+        return []
+
+
+def command_line_sweeps(argv: list[str]) -> set[str]:
+    """The keys a multirun command line sweeps (``penalty=none,double_backprop``,
+    ``seed=range(3)``, ``experiment=glob(*)``, ``penalty.weight=interval(0.01,1)``)."""
+    return {override.key_or_group for override in command_line_overrides(argv)
+            if override.is_sweep_override()}
 
 
 def swept_keys(argv: list[str]) -> set[str]:

@@ -193,6 +193,27 @@ def test_a_metric_the_run_does_not_log_is_one_line_naming_those_it_does(
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["-m", "hparams_search=gan_quality"], "hparams_search=gan_quality needs Hydra's plugin "
+                                           "hydra-optuna-sweeper, of the sweeps extra"),
+    (["-m", "hydra/launcher=submitit_slurm", "seed=0,1"],
+     "hydra/launcher=submitit_slurm needs Hydra's plugin hydra-submitit-launcher"),
+    (["-m", "hydra/launcher=joblib", "seed=0,1"],
+     "hydra/launcher=joblib needs Hydra's plugin hydra-joblib-launcher")])
+def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
+        args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: Hydra's "Could not find 'hydra/sweeper/optuna'", which names no package."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sweeps, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*args, tmp_path=tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert "pip install -e '.[sweeps]'" in err
+
+
 def test_a_search_recipe_without_multirun_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
