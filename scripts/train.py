@@ -6,15 +6,19 @@ Examples::
     python scripts/train.py model=cnn penalty=double_backprop penalty.weight=0.1
     python scripts/train.py experiment=gan_8gaussians_wgan_gp
     python scripts/train.py -m penalty=none,double_backprop   # a sweep, one run per value
+    python scripts/train.py -m hparams_search=classifier_robustness   # Optuna: weight and lr
 
 Hydra composes ``configs/train.yaml`` with its groups (data, model, penalty, trainer, logger,
-callbacks, experiment, debug); this file builds the objects with ``hydra.utils.instantiate`` and
-hands them to Lightning. It is the whole app, on purpose: the training logic lives in
-:mod:`gradreg.lightning`, and an app module inside the package would make ``gradreg`` import
-Hydra, which the layering forbids (the core and the Lightning layer work without Hydra).
+callbacks, experiment, hparams_search, debug); this file builds the objects with
+``hydra.utils.instantiate`` and hands them to Lightning. It is the whole app, on purpose: the
+training logic lives in :mod:`gradreg.lightning`, and an app module inside the package would make
+``gradreg`` import Hydra, which the layering forbids (the core and the Lightning layer work
+without Hydra).
 
 The penalties of a run are ``penalty`` (unless ``penalty=none``) plus the ``penalties`` dict,
-passed to the model as ``name -> GradientPenalty``.
+passed to the model as ``name -> GradientPenalty``. The run returns the metric named by
+``optimized_metric`` (None without one), the value a sweeper such as Optuna's optimizes
+(``scripts/train_app/sweeps.py``).
 
 Errors: a configuration that cannot be built or used (unknown preset, negative weight, a critic
 penalty for a classifier, ``n_critic < 1``, ``seed=abc``, ``data.batch_size=0``, an output folder
@@ -34,21 +38,21 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 # Run from a checkout without installing the package (with `pip install -e .` this changes
 # nothing), and find the app's own modules (scripts/train_app) however this file is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_app import runtime
+from train_app import runtime, sweeps
 from train_app.checks import (
     ConfigError,
     building,
@@ -127,12 +131,10 @@ def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | Non
     print(f"metrics:          {output_dir / 'metrics.json'}")
 
 
-OmegaConf.register_new_resolver("run_folder_suffix", runtime.run_folder_suffix, replace=True)
-
-
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
-def main(cfg: DictConfig) -> dict[str, Any]:
+def main(cfg: DictConfig) -> float | None:
     try:
+        sweeps.check_search_mode()
         check_values(cfg)
         fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
         output_dir = None if fast_dev_run else Path(cfg.paths.output_dir)
@@ -148,17 +150,27 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         trainer.test(model, datamodule=datamodule, verbose=False)
+        metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
+            report(trainer, metrics, output_dir)
+        return sweeps.objective(metrics, cfg.optimized_metric)
     except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        where = "" if isinstance(error, ConfigError) else "training: "
-        print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        sys.exit(2)
-    metrics |= {name: float(value) for name, value in trainer.callback_metrics.items()}
-    if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
-        report(trainer, metrics, output_dir)
-    return metrics
+        exit_with(error)
+
+
+def exit_with(error: ConfigError | GradientError) -> NoReturn:
+    """End the run with status 2 and one line on stderr (``HYDRA_FULL_ERROR=1``: raise)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    where = "" if isinstance(error, ConfigError) else "training: "
+    print(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        sweeps.check_plugins(sys.argv)
+    except ConfigError as error:
+        exit_with(error)
+    with sweeps.jobs_environment(sys.argv):
+        main()

@@ -14,7 +14,9 @@ import sys
 import warnings
 
 import torch
-from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from .sweeps import short_number, swept_keys
 
 #: Warnings that say nothing about the run: library internals, and facts the app documents.
 IGNORED_WARNINGS = (
@@ -60,23 +62,17 @@ def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
     return strategy
 
 
-def swept_keys(argv: list[str]) -> set[str]:
-    """The keys a multirun command line sweeps (``penalty=none,double_backprop``,
-    ``seed=range(3)``, ``experiment=glob(*)``), as Hydra's ``override_dirname`` writes them."""
-    parser = OverridesParser.create()
-    overrides = parser.parse_overrides([arg for arg in argv[1:] if not arg.startswith("-")])
-    return {override.key_or_group for override in overrides
-            if override.is_sweep_override()}
-
-
 def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:
     """``_<overrides>`` for a run folder, from Hydra's ``override_dirname`` (``key:value`` joined
     by ``+``, configs/train.yaml; sorted by key). ``only_swept``: just the keys the command line
     sweeps (the folder of a sweep's job: what tells it from its siblings; the sweep's own folder
     is the time it started). ``/`` and ``,`` inside values become ``_`` (a folder name, and a
-    value ``ckpt_path=`` accepts without quotes); whole overrides past ``limit`` characters are
-    left out (``+...``); ``""`` without overrides."""
+    value ``ckpt_path=`` accepts without quotes), floats longer than 4 significant digits are
+    shortened to 4 (a sampler's values); whole overrides past ``limit`` characters are left out
+    (``+...``); ``""`` without overrides."""
     items = [item for item in overrides.replace("/", "_").replace(",", "_").split("+") if item]
+    items = [f"{key}:{short_number(value)}" if sep else key
+             for key, sep, value in (item.partition(":") for item in items)]
     if only_swept:
         keys = swept_keys(sys.argv)
         items = [item for item in items if item.split(":", 1)[0] in keys]
@@ -86,3 +82,8 @@ def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120
             return f"_{kept}+..."
         kept = f"{kept}+{item}" if kept else item
     return f"_{kept}" if kept else ""
+
+
+# registered where it is defined: a job unpickled in a process of its own (submitit) imports
+# this module with the task function, before Hydra names the job's folder
+OmegaConf.register_new_resolver("run_folder_suffix", run_folder_suffix, replace=True)

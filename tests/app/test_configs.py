@@ -22,6 +22,8 @@ from .conftest import compose_config, options, train_script
 
 BUILD = train_script()["build"]
 VISION = importlib.util.find_spec("torchvision") is not None
+# hparams_search=... selects Hydra's Optuna sweeper (the sweeps extra)
+SWEEPS = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
 GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
 IMAGE_GAN_SETUP = ["model=dcgan", "data.shape=[1,16,16]", "penalty=r1"]
 MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",
@@ -50,10 +52,13 @@ def setup_for(group: str, option: str, tmp_path: Path) -> list[str]:
 
 
 NEEDS_VISION = {("data", "image_folder"), ("model", "resnet18")}
-CASES = [pytest.param(group, option, id=f"{group}={option}", marks=pytest.mark.skipif(
-    (group, option) in NEEDS_VISION and not VISION, reason="needs torchvision (vision extra)"))
+CASES = [pytest.param(group, option, id=f"{group}={option}", marks=[
+    pytest.mark.skipif((group, option) in NEEDS_VISION and not VISION,
+                       reason="needs torchvision (vision extra)"),
+    pytest.mark.skipif(group == "hparams_search" and not SWEEPS,
+                       reason="needs Hydra's Optuna sweeper (sweeps extra)")])
     for group in ("data", "model", "penalty", "trainer", "logger", "callbacks", "debug",
-                  "experiment")
+                  "experiment", "hparams_search")
     for option in options(group)]
 
 

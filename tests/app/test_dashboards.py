@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing import event_accumulator as ea
 from tests.app.browser import Chromium, executable
 from tests.tensorboard_server import poll
 
-from .test_train import run_script
+from .helpers import run_script
 
 # the runs are named after what their command line changed: which run had which penalty
 SWEEP = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from .conftest import train_script
-from .test_train import TINY, run_in_process, run_script
+from .helpers import TINY, run_in_process, run_script
 
 ddp_strategy = train_script()["runtime"].ddp_strategy
 

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,8 @@ import pytest
 
 from tests.data.images import write_image_folder
 
-from .conftest import QUIET, ROOT, SCRIPT, options, train_script
+from .conftest import QUIET, SCRIPT, options, train_script
+from .helpers import TINY, run_in_process, run_script
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
                       for name in ("loss", "acc", "acc_fgsm", "acc_pgd", "input_grad_norm")}
@@ -24,15 +23,6 @@ MODE_METRICS = {f"{stage}/{name}" for stage in ("val", "test") for name in ("mod
                                                                              "high_quality")}
 IMAGE_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
                  for name in ("modes", "kl", "feature_energy_distance")}
-# a few batches: the budget of the tests that train for real
-TINY = ["trainer.max_epochs=1", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=1",
-        "+trainer.limit_test_batches=1", "trainer.enable_progress_bar=false"]
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
 
 
 def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Path) -> None:
@@ -158,16 +148,6 @@ def test_image_gan_on_an_image_folder(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert 1 <= metrics["test/modes"] <= 3 and metrics["test/kl"] >= 0
-
-
-def run_in_process(*args: str, tmp_path: Path) -> None:
-    """``python scripts/train.py *args`` in this process (the same ``__main__``, no new Python)."""
-    argv = sys.argv
-    sys.argv = [str(SCRIPT), *args, f"hydra.run.dir={tmp_path}", *QUIET]
-    try:
-        runpy.run_path(str(SCRIPT), run_name="__main__")
-    finally:
-        sys.argv = argv
 
 
 BAD_CONFIGS = {

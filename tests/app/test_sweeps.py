@@ -1,0 +1,279 @@
+"""Sweeps through Hydra's plugins (the sweeps extra), run as users run them: a 3-trial Optuna
+study over the penalty weight and lr of each recipe (``hparams_search=...``), the jobs of a
+search in parallel processes (``hydra/launcher=joblib``), and jobs submitted through submitit
+(its local executor: the submission a SLURM cluster gets, run as local processes). Budget: a few
+batches per trial, one thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from .conftest import CONFIGS, QUIET, SCRIPT, train_script
+from .helpers import TINY, run_in_process, run_script
+
+sweeps = train_script()["sweeps"]
+
+PLUGINS = ("hydra_plugins.hydra_optuna_sweeper", "hydra_plugins.hydra_joblib_launcher",
+           "hydra_plugins.hydra_submitit_launcher")
+needs_extra = pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in PLUGINS),
+    reason="needs the sweeps extra (Hydra's Optuna sweeper, joblib and submitit launchers): "
+           "pip install -e '.[sweeps]'")
+
+# per trial: a few batches on one thread; PGD with 2 steps
+TRIAL = [*TINY, "threads=1", "model.pgd_steps=2"]
+GAN_TRIAL = [*TINY, "threads=1"]
+
+
+def trials(sweep_dir: Path) -> dict[Path, tuple[dict[str, str], dict[str, float]]]:
+    """Each trial's run folder -> (its overrides, as in .hydra/overrides.yaml; its metrics.json)."""
+    return {folder: (dict(item.split("=", 1)
+                          for item in OmegaConf.load(folder / ".hydra" / "overrides.yaml")),
+                     json.loads((folder / "metrics.json").read_text()))
+            for folder in sorted(path for path in sweep_dir.iterdir()
+                                 if path.is_dir() and not path.name.startswith("."))}
+
+
+def check_study(result: subprocess.CompletedProcess, sweep_dir: Path, metric: str,
+                direction: str, lr_key: str, n_trials: int) -> None:
+    """The study ran ``n_trials`` runs, each in a folder named after its lr and weight, with
+    the optimized metric in its metrics.json; the best trial is the one with the highest
+    (``direction="maximize"``) or lowest value in those files, printed in one line and saved as
+    best_trial.txt."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = trials(sweep_dir)
+    assert len(runs) == n_trials
+    for folder, (overrides, metrics) in runs.items():
+        weight, lr = float(overrides["penalty.weight"]), float(overrides[lr_key])
+        assert re.fullmatch(r"\d+_" + re.escape(lr_key) + r":[0-9.e-]+\+penalty\.weight:[0-9.e-]+",
+                            folder.name), folder.name
+        assert folder.name.endswith(f"+penalty.weight:{weight:.4g}")
+        assert f"_{lr_key}:{lr:.4g}+" in folder.name
+        assert metric in metrics
+    best = max if direction == "maximize" else min
+    best_folder = best(runs, key=lambda folder: runs[folder][1][metric])
+    results = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    assert results.best_value == pytest.approx(runs[best_folder][1][metric])
+    assert {key: str(value) for key, value in results.best_params.items()} == {
+        key: runs[best_folder][0][key] for key in ("penalty.weight", lr_key)}
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("best trial:")]
+    assert line == (f"best trial: penalty.weight={runs[best_folder][0]['penalty.weight']} "
+                    f"{lr_key}={runs[best_folder][0][lr_key]} -> "
+                    f"{metric}={results.best_value:.4f} "
+                    f"({direction}), {best_folder}")
+    assert (sweep_dir / "best_trial.txt").read_text() == line + "\n"
+
+
+def with_hydra_config(overrides: list[str]) -> DictConfig:
+    """configs/train.yaml with ``overrides``, and its ``hydra`` node (sweeper, launcher)."""
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose("train", overrides=overrides, return_hydra_config=True)
+
+
+def hparams(log_dir: Path) -> dict[str, float | str]:
+    """The hyperparameters a run gave TensorBoard's HParams tab."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = EventAccumulator(str(log_dir)).Reload().PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    return {name: value.number_value if value.HasField("number_value") else value.string_value
+            for name, value in start.session_start_info.hparams.items()}
+
+
+@needs_extra
+def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_path: Path) -> None:
+    """``-m hparams_search=classifier_robustness``, 3 trials: each trial's folder and TensorBoard
+    run say its weight and lr, its HParams row has them, and the best trial (the highest
+    validation accuracy under PGD of the three metrics.json) is printed and saved."""
+    result = run_script("-m", "hparams_search=classifier_robustness", "hydra.sweeper.n_trials=3",
+                        *TRIAL, f"hydra.sweep.dir={tmp_path}")
+    check_study(result, tmp_path, "val/acc_pgd", "maximize", "model.optimizer.lr", n_trials=3)
+    for folder, (overrides, metrics) in trials(tmp_path).items():
+        weight, lr = float(overrides["penalty.weight"]), float(overrides["model.optimizer.lr"])
+        assert 0.001 <= weight <= 10 and 0.0001 <= lr <= 0.01  # the recipe's search space
+        assert 0 <= metrics["val/acc_pgd"] <= 1
+        row = hparams(folder / "tensorboard")
+        assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
+
+
+@needs_extra
+def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
+        tmp_path: Path) -> None:
+    """``-m hparams_search=gan_quality hydra/launcher=joblib``: 2 trials asked for at once and
+    run in 2 processes; the best is the lowest validation energy distance."""
+    result = run_script("-m", "hparams_search=gan_quality", "hydra/launcher=joblib",
+                        "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2",
+                        "hydra.sweeper.n_trials=2", *GAN_TRIAL, f"hydra.sweep.dir={tmp_path}")
+    check_study(result, tmp_path, "val/energy_distance", "minimize", "model.generator_optimizer.lr",
+                n_trials=2)
+    assert "Joblib.Parallel(n_jobs=2," in result.stdout + result.stderr
+    for folder, (overrides, _) in trials(tmp_path).items():
+        row = hparams(folder / "tensorboard")
+        assert (row["weight"], row["generator_lr"], row["critic_lr"]) == (
+            float(overrides["penalty.weight"]),
+            *[float(overrides["model.generator_optimizer.lr"])] * 2)
+
+
+@needs_extra
+def test_submitit_local_runs_each_job_as_a_submitted_process(tmp_path: Path) -> None:
+    """``hydra/launcher=submitit_local``: the jobs are pickled, submitted and run in processes
+    of their own (as on SLURM), which find the app's modules and name their folders after the
+    swept key; each job's output is in submitit's log, and its metrics are those of the same
+    job run by Hydra's default launcher (in the sweep's own process)."""
+    args = ["penalty.weight=0.03,0.3", *TRIAL, "logger=none", "callbacks=none"]
+    result = run_script("-m", "hydra/launcher=submitit_local", *args,
+                        f"hydra.sweep.dir={tmp_path / 'submitit'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = trials(tmp_path / "submitit")
+    assert [folder.name for folder in runs] == ["0_penalty.weight:0.03", "1_penalty.weight:0.3"]
+    assert all(metrics["train/penalty/double_backprop"] > 0 for _, metrics in runs.values())
+    logs = sorted((tmp_path / "submitit").glob(".submitit/*/*_0_log.out"))
+    assert len(logs) == 2
+    assert all("final metrics:" in log.read_text() for log in logs)
+    result = run_script("-m", *args, f"hydra.sweep.dir={tmp_path / 'basic'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [metrics for _, metrics in trials(tmp_path / "basic").values()] == [
+        metrics for _, metrics in runs.values()]
+
+
+@needs_extra
+def test_submitit_slurm_submits_the_same_config_to_a_cluster(tmp_path: Path) -> None:
+    """``hydra/launcher=submitit_slurm`` composes with the app's config (no cluster here: what
+    sbatch would get is checked, not run)."""
+    cfg = with_hydra_config(["hydra/launcher=submitit_slurm",
+                             "hparams_search=classifier_robustness",
+                             "hydra.launcher.partition=cpu", f"hydra.sweep.dir={tmp_path}"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.partition, launcher.timeout_min, launcher.nodes) == ("cpu", 60, 1)
+    assert launcher.submitit_folder == f"{tmp_path}/.submitit/%j"
+    assert cfg.hydra.sweeper.params["penalty.weight"] == "tag(log, interval(0.001, 10.0))"
+
+
+@needs_extra
+@pytest.mark.parametrize(("recipe", "metric", "direction"), [
+    ("classifier_robustness", "val/acc_pgd", "maximize"),
+    ("gan_quality", "val/energy_distance", "minimize")])
+def test_each_recipe_searches_weight_and_lr_on_a_validation_metric(
+        recipe: str, metric: str, direction: str, tmp_path: Path) -> None:
+    cfg = with_hydra_config([f"hparams_search={recipe}", f"paths.output_dir={tmp_path}"])
+    assert (cfg.optimized_metric, cfg.hydra.sweeper.direction) == (metric, direction)
+    assert metric.startswith("val/")
+    assert set(cfg.hydra.sweeper.params) == {"penalty.weight", next(
+        key for key in ("model.optimizer.lr", "model.generator_optimizer.lr")
+        if OmegaConf.select(cfg, key) is not None)}
+    assert all(space.startswith("tag(log, interval(") for space in cfg.hydra.sweeper.params
+               .values())
+    assert "hparams" in cfg.callbacks  # the HParams table compares the trials
+
+
+def test_a_metric_the_run_does_not_log_is_one_line_naming_those_it_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*TINY, "logger=none", "callbacks=none", "model.pgd_steps=0",
+                       "optimized_metric=val/acc_pgdd", tmp_path=tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: optimized_metric: the run logged no metric 'val/acc_pgdd'; "
+                          "it logged ['test/acc', 'test/acc_fgsm', ")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-m", "hparams_search=gan_quality"], "hparams_search=gan_quality needs Hydra's plugin "
+                                           "hydra-optuna-sweeper, of the sweeps extra"),
+    (["-m", "hydra/launcher=submitit_slurm", "seed=0,1"],
+     "hydra/launcher=submitit_slurm needs Hydra's plugin hydra-submitit-launcher"),
+    (["-m", "hydra/launcher=joblib", "seed=0,1"],
+     "hydra/launcher=joblib needs Hydra's plugin hydra-joblib-launcher")])
+def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
+        args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: Hydra's "Could not find 'hydra/sweeper/optuna'", which names no package."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sweeps, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*args, tmp_path=tmp_path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    assert "pip install -e '.[sweeps]'" in err
+
+
+def test_a_search_recipe_without_multirun_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without -m a recipe would train once with the config's own weight and search nothing."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process("hparams_search=classifier_robustness", tmp_path=tmp_path)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: hparams_search: classifier_robustness is a search of several runs, which Hydra "
+        "starts with -m: python scripts/train.py -m hparams_search=classifier_robustness  "
+        "(HYDRA_FULL_ERROR=1 shows the traceback)\n")
+    assert not (tmp_path / "metrics.json").exists()
+
+
+@needs_extra
+def test_a_database_storage_optuna_cannot_open_is_refused_before_any_trial(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optuna 2 with SQLAlchemy 2 fails inside create_study (a bare AssertionError)."""
+    from importlib import metadata
+
+    if int(metadata.version("sqlalchemy").split(".")[0]) < 2:
+        pytest.skip("SQLAlchemy < 2: Optuna 2 opens databases")
+    monkeypatch.chdir(tmp_path)
+    argv = sys.argv
+    sys.argv = [str(SCRIPT), "-m", "hparams_search=classifier_robustness",
+                "hydra.sweeper.storage=sqlite:///study.db", f"hydra.sweep.dir={tmp_path}", *QUIET]
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(SCRIPT), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hydra.sweeper.storage: optuna 2.") and err.count("\n") == 1
+    assert "keep hydra.sweeper.storage=null" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("value", "short"), [
+    ("0.15676677195506075", "0.1568"), ("0.0026938830192854116", "0.002694"),
+    ("1.2345678e-05", "1.235e-05"), ("0.1", "0.1"), ("1e-05", "1e-05"), ("10", "10"),
+    ("12345678", "12345678"), ("none", "none"), ("[1.23456,2]", "[1.23456,2]"),
+    ("nan", "nan")])
+def test_folder_names_shorten_long_floats_only(value: str, short: str) -> None:
+    assert sweeps.short_number(value) == short
+
+
+def test_swept_keys_come_from_the_command_line_or_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job in a process of its own (joblib, submitit) has another command line: the keys
+    come from the environment its sweep set."""
+    argv = ["train.py", "-m", "--cfg", "job", "penalty=none,r1", "seed=1",
+            "penalty.weight=interval(0.1,1)"]
+    monkeypatch.delenv(sweeps.SWEPT_KEYS_VARIABLE, raising=False)
+    assert sweeps.swept_keys(argv) == {"penalty", "penalty.weight"}
+    assert sweeps.swept_keys(["train.py", "-m", "penalty=["]) == set()  # Hydra says why
+    with sweeps.jobs_environment(argv):
+        assert sweeps.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
+            "penalty", "penalty.weight"}
+    assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ
