@@ -34,6 +34,7 @@ def test_an_unsharded_module_steps_as_without_the_step() -> None:
 
 
 def test_torch_without_public_fsdp2_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharding, "_torch_version", lambda: (2, 5))
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    assert not sharding.supports_exact_step()
     with pytest.raises(GradientError, match=r"need torch >= 2\.6.*method='finite_difference'"):
         sharding._check_layout([])

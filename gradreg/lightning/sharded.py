@@ -58,7 +58,7 @@ class ShardedPenaltyStrategy(ModelParallelStrategy):
     def connect(self, model: L.LightningModule) -> None:
         """Refuse a torch without public FSDP2 (when fitting starts: the trainer itself builds on
         any torch), then supply ``configure_model`` where the module has none."""
-        if sharding._torch_version() < sharding.FSDP_MIN_TORCH:
+        if not sharding.supports_exact_step():
             raise GradientError(
                 f"ShardedPenaltyStrategy needs torch >= "
                 f"{'.'.join(map(str, sharding.FSDP_MIN_TORCH))} (public FSDP2); torch "
