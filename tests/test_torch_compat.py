@@ -13,7 +13,7 @@ from torch import nn
 
 from gradreg.batchnorm import BatchNorm1d
 from gradreg.graph import walk_backward_graph
-from gradreg.sharding import FSDP_MIN_TORCH
+from gradreg.sharding import supports_exact_step
 from gradreg.torch_compat import (
     FSDP_POST_BACKWARD_NODE,
     SAVED_TRAINING,
@@ -35,6 +35,7 @@ from gradreg.torch_compat import (
     fsdp_step_settings,
     run_fsdp_post_backward,
 )
+from tests.one_rank_fsdp import one_rank, shard
 
 PRIVATE_NAMES = [("torch.nn.modules.batchnorm", "_BatchNorm"),
                  ("torch.utils._python_dispatch", "TorchDispatchMode"),
@@ -92,7 +93,7 @@ def test_dynamo_support_is_a_bool() -> None:
 
 # FSDP2: a module sharded over one rank in this process (gloo), its private names pinned.
 
-FSDP2_PUBLIC = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= FSDP_MIN_TORCH
+FSDP2_PUBLIC = supports_exact_step()
 needs_fsdp2 = pytest.mark.skipif(not FSDP2_PUBLIC, reason="FSDP2 (fully_shard) is public from "
                                  "torch 2.6; gradreg.sharding refuses older torch")
 
@@ -101,20 +102,10 @@ needs_fsdp2 = pytest.mark.skipif(not FSDP2_PUBLIC, reason="FSDP2 (fully_shard) i
 def sharded() -> Iterator[dict[str, object]]:
     """A 2-layer critic sharded by ``fully_shard`` per layer and at the root on a 1-rank mesh,
     after one forward and backward of points that require grad: its FSDP2 objects by role."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with one_rank() as mesh:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        x = torch.randn(5, 3, requires_grad=True)
-        outputs = model(x)
+        model = shard(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), mesh)
+        outputs = model(torch.randn(5, 3, requires_grad=True))
         nodes = walk_backward_graph([outputs]).nodes
         outputs.sum().backward()
         state = model[0]._get_fsdp_state()
@@ -122,8 +113,6 @@ def sharded() -> Iterator[dict[str, object]]:
         yield {"model": model, "module": model[0], "state": state, "group": group,
                "mesh_info": group.mesh_info, "state_ctx": state._state_ctx, "nodes": nodes,
                "param": fsdp_group_params(group)[0]}
-    finally:
-        dist.destroy_process_group()
 
 
 FSDP_PRIVATE_NAMES = [
@@ -146,11 +135,15 @@ def test_fsdp2s_private_names_still_exist(sharded: dict, role: str, name: str) -
     assert hasattr(owner, name), moved(f"{type(owner).__name__}.{name} (FSDP2)")
 
 
-@needs_fsdp2
-def test_fsdp2s_module_class_and_parameter_groups(sharded: dict) -> None:
-    from torch.distributed.fsdp import FSDPModule
+def test_fsdp2s_module_class_is_found() -> None:
+    """Public from torch 2.6; in 2.4 and 2.5 only under a private path."""
+    module = "torch.distributed.fsdp" if FSDP2_PUBLIC else "torch.distributed._composable.fsdp"
+    expected = getattr(importlib.import_module(module), "FSDPModule", None)
+    assert expected is not None and fsdp_module_type() is expected, moved(f"{module}.FSDPModule")
 
-    assert fsdp_module_type() is FSDPModule
+
+@needs_fsdp2
+def test_fsdp2s_parameter_groups(sharded: dict) -> None:
     state = sharded["state"]
     assert fsdp_param_groups(sharded["module"]) == [sharded["group"]], moved(
         f"{type(state).__name__}._fsdp_param_groups or ._fsdp_param_group (FSDP2)")
