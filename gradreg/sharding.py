@@ -195,7 +195,7 @@ class HeldStep:
             raise GradientError(
                 f"the gradients of {', '.join(lost)} were computed but not reduced "
                 "into the sharded parameters' .grad: this torch's FSDP2 differs from the one "
-                f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
+                f"penalty_step was verified on (torch 2.13 and 2.14). Use {_APPROXIMATE}."
             )
 
 
