@@ -4,7 +4,7 @@ torch exports no public name for these; each is pinned by ``tests/test_torch_com
 fails with the name, the torch version and this module when a torch release moves it. Where a
 public API exists gradreg uses it instead (``torch.compiler.reset``, ``OpOverload.overloadpacket``,
 ``track_running_stats`` for the normalization layers that update running statistics;
-``FSDPModule.set_requires_gradient_sync`` and ``fully_shard`` for FSDP2).
+``fully_shard`` and ``FSDPModule`` for FSDP2 from torch 2.6).
 
 FSDP2 (``fully_shard``) has a public module API, but none for what an exact gradient penalty
 needs (:mod:`gradreg.sharding`): its parameter groups, their reshard and reduce settings and
@@ -65,7 +65,8 @@ FSDP_POST_BACKWARD_NODE = "RegisterPostBackwardFunctionBackward"
 
 #: The settings of FSDP2's parameter groups that an exact penalty step holds, and the values it
 #: holds: no reshard after forward (``post_forward_mesh_info`` None) or backward, no gradient
-#: reduction (``set_reshard_after_forward`` and friends are not public in every release).
+#: reduction. FSDP2's public setters (``set_reshard_after_backward``,
+#: ``set_requires_gradient_sync``) have no getters to restore the module's own values from.
 FSDP_GROUP_HOLD = {"post_forward_mesh_info": None, "reshard_after_backward": False,
                    "reduce_grads": False, "all_reduce_grads": False}
 #: The same on FSDP2's module states: no automatic reshard after forward.
