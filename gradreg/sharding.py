@@ -45,9 +45,10 @@ layer by layer during the step as FSDP does for a first-order loss. Measured on 
 first-order step of the same critic.
 
 FSDP2 internals: the step sets and restores the parameter groups' reshard and reduce settings and
-calls their ``post_backward``/``finalize_backward``, which are not public API (older releases
-keep one group per module, newer ones a list; both are read). Verified on torch 2.13 by the
-parity tests; a torch whose FSDP2 no longer reduces here raises (the outcome check below).
+calls their ``post_backward``/``finalize_backward``, which are not public API; it reaches them
+only through :mod:`gradreg.torch_compat`, whose tests pin each name. Verified on torch 2.13 and
+2.14 by the parity tests; a torch whose FSDP2 no longer reduces here raises (the outcome check
+below). :func:`supports_exact_step` says whether this torch runs the step.
 
 Layouts not supported (refused on entering, before any computation): torch older than 2.6
 (FSDP2's ``fully_shard`` is public from 2.6), hybrid sharding (a 2-D mesh) and CPU offload
@@ -69,47 +70,34 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gradreg import torch_compat as compat
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
 
 __all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "is_sharded", "penalty_step",
-           "sharded_modules"]
+           "sharded_modules", "supports_exact_step"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
 
 _APPROXIMATE = "method='finite_difference' (no double backward, FSDP2 supports it as it is)"
-#: FSDP2's autograd node on a sharded module's inputs, which runs its post-backward
-_POST_BACKWARD_NODE = "RegisterPostBackwardFunctionBackward"
 _HELD: weakref.WeakSet = weakref.WeakSet()  # the parameter groups inside a penalty_step
 
 
-def _fsdp_module_type() -> type | None:
-    """FSDP2's module class on this torch, or None where it has none (before 2.4)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:
-            return None
-    return FSDPModule
-
-
-def _torch_version() -> tuple[int, int]:
+def supports_exact_step() -> bool:
+    """Whether this torch runs :func:`penalty_step` on sharded modules: torch >= 2.6
+    (:data:`FSDP_MIN_TORCH`), where FSDP2's ``fully_shard`` is public."""
     major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
+    return (int(major), int(minor)) >= FSDP_MIN_TORCH
 
 
 def sharded_modules(module: nn.Module) -> list[nn.Module]:
     """The FSDP2 modules (``fully_shard`` applied) of ``module``'s tree, itself included."""
-    fsdp_type = _fsdp_module_type()
+    fsdp_type = compat.fsdp_module_type()
     if fsdp_type is None:
         return []
     return [m for m in module.modules() if isinstance(m, fsdp_type)]
@@ -120,73 +108,29 @@ def is_sharded(module: nn.Module) -> bool:
     return bool(sharded_modules(module))
 
 
-def _groups(state: Any) -> list[Any]:
-    """The parameter groups of one FSDP2 state: a list in newer torch, one group in older."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
 def _check_layout(modules: list[nn.Module]) -> None:
-    if _torch_version() < FSDP_MIN_TORCH:
+    if not supports_exact_step():
         raise GradientError(
             f"exact gradient penalties on fully_shard modules need torch >= "
             f"{'.'.join(map(str, FSDP_MIN_TORCH))} (torch {torch.__version__} has FSDP2 only "
             f"as a private API). Upgrade torch, or use {_APPROXIMATE}."
         )
     for module in modules:
-        state = module._get_fsdp_state()
-        for group in _groups(state):
-            if group.mesh_info.mesh.ndim != 1:
+        for group in compat.fsdp_param_groups(module):
+            ndim = compat.fsdp_group_mesh_ndim(group)
+            if ndim != 1:
                 raise GradientError(
                     f"penalty_step supports fully_shard on a 1-D device mesh; "
-                    f"{type(module).__name__} is sharded on a {group.mesh_info.mesh.ndim}-D mesh "
+                    f"{type(module).__name__} is sharded on a {ndim}-D mesh "
                     f"(hybrid sharding), where the exact step is not verified. Use a 1-D mesh, "
                     f"or {_APPROXIMATE}."
                 )
-            if any(p.offload_to_cpu for p in group.fsdp_params):
+            if compat.fsdp_group_offloads_to_cpu(group):
                 raise GradientError(
                     f"penalty_step does not support CPUOffloadPolicy ({type(module).__name__} "
                     f"offloads its parameters), where the exact step is not verified. Remove "
                     f"the offload policy, or use {_APPROXIMATE}."
                 )
-
-
-def _received_gradient(fsdp_param: Any) -> bool:
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    return (getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
-            or (unsharded is not None and unsharded.grad is not None))
-
-
-#: The settings the step holds, on FSDP2's parameter groups and on its states: no reshard after
-#: forward (``post_forward_mesh_info`` None) or backward, no gradient reduction (read where this
-#: torch has them; ``set_reshard_after_forward`` and friends are not public in every release).
-_GROUP_HOLD = {"post_forward_mesh_info": None, "reshard_after_backward": False,
-               "reduce_grads": False, "all_reduce_grads": False}
-_STATE_HOLD = {"_auto_reshard_after_forward": False}
-
-
-@dataclass
-class _Saved:
-    """One FSDP2 object's own values of the settings the step holds (those it has)."""
-
-    target: Any
-    held: dict[str, Any]
-    own: dict[str, Any]
-
-    @classmethod
-    def of(cls, target: Any, held: dict[str, Any]) -> _Saved:
-        return cls(target, held, {k: getattr(target, k) for k in held if hasattr(target, k)})
-
-    def hold(self) -> None:
-        for key in self.own:
-            setattr(self.target, key, self.held[key])
-
-    def restore(self) -> None:
-        for key, value in self.own.items():
-            setattr(self.target, key, value)
 
 
 class HeldStep:
@@ -199,13 +143,11 @@ class HeldStep:
         modules = sharded_modules(module)
         _check_layout(modules)
         self.module = module
-        states = [m._get_fsdp_state() for m in modules]
-        self.groups = [g for s in states for g in _groups(s)]
+        self.groups = [g for m in modules for g in compat.fsdp_param_groups(m)]
         if any(g in _HELD for g in self.groups):
             raise GradientError("penalty_step is already active on this module: do not nest it.")
-        self.saved = ([_Saved.of(g, _GROUP_HOLD) for g in self.groups]
-                      + [_Saved.of(s, _STATE_HOLD) for s in states])
-        self.reduces = [g.reduce_grads for g in self.groups]
+        self.saved = [s for m in modules for s in compat.fsdp_step_settings(m)]
+        self.reduces = [compat.fsdp_group_reduces_gradients(g) for g in self.groups]
         self._hold()
 
     def _hold(self) -> None:
@@ -235,28 +177,25 @@ class HeldStep:
             self._hold()
 
     def _reduce_once(self) -> None:
-        received = [[p for p in g.fsdp_params if _received_gradient(p)] for g in self.groups]
-        trainable = [p for g in self.groups for p in g.fsdp_params
-                     if p.sharded_param.requires_grad]
-        for group in reversed(self.groups):  # backward order, as FSDP's own final callback
-            group.post_backward()
-            group._training_state = type(group._training_state).IDLE
-        if self.module._get_fsdp_state()._state_ctx.is_last_backward:
-            for group in self.groups:
-                group.finalize_backward()
+        params = [compat.fsdp_group_params(g) for g in self.groups]
+        received = [[p for p in ps if compat.fsdp_param_received_gradient(p)] for ps in params]
+        trainable = [p for ps in params for p in ps
+                     if compat.fsdp_sharded_param(p).requires_grad]
+        compat.run_fsdp_post_backward(self.module, self.groups)
         if trainable and not any(received):
             raise GradientError(
                 f"no parameter of the sharded {type(self.module).__name__} received a gradient "
                 "inside penalty_step: call backward() inside the `with` block (the step "
                 "reduces the gradients once, when the block ends)."
             )
-        lost = [p._param_fqn for reduces, got in zip(self.reduces, received, strict=True)
-                if reduces for p in got if p.sharded_param.grad is None]
+        lost = [compat.fsdp_param_name(p)
+                for reduces, got in zip(self.reduces, received, strict=True) if reduces
+                for p in got if compat.fsdp_sharded_param(p).grad is None]
         if lost:
             raise GradientError(
-                f"the gradients of {', '.join(map(str, lost))} were computed but not reduced "
+                f"the gradients of {', '.join(lost)} were computed but not reduced "
                 "into the sharded parameters' .grad: this torch's FSDP2 differs from the one "
-                f"penalty_step was verified on (torch 2.13). Use {_APPROXIMATE}."
+                f"penalty_step was verified on (torch 2.13 and 2.14). Use {_APPROXIMATE}."
             )
 
 
@@ -287,11 +226,10 @@ def check_penalty_graph(outputs: Tensor) -> None:
     no process group is initialized (one process: nothing to walk)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    unheld = {getattr(node, "param_group", None) for node in walk_backward_graph([outputs]).nodes
-              if type(node).__name__ == _POST_BACKWARD_NODE}
-    unheld = {group for group in unheld if group is not None and group not in _HELD}
+    groups = {compat.fsdp_group_of_node(node) for node in walk_backward_graph([outputs]).nodes}
+    unheld = {group for group in groups if group is not None and group not in _HELD}
     if unheld:
-        names = sorted(str(getattr(g, "_module_fqn", None) or "the root") for g in unheld)
+        names = sorted(compat.fsdp_group_name(g) for g in unheld)
         raise GradientError(
             f"a double-backward penalty through fully_shard modules ({', '.join(names)}) "
             "outside gradreg.sharding.penalty_step: FSDP2 would free the parameters the outer "

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gradreg.sharding import FSDP_MIN_TORCH, _torch_version
+from gradreg.sharding import supports_exact_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(_torch_version() < FSDP_MIN_TORCH, reason="fully_shard is public from 2.6")
+@pytest.mark.skipif(not supports_exact_step(), reason="fully_shard is public from 2.6")
 def test_sharded_memory_benchmark_writes_every_setup_of_both_ranks(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--sharded",
                     "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT,

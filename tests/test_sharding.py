@@ -1,5 +1,6 @@
-"""gradreg.sharding in one process: nothing to do on an unsharded module, and the clear error
-of a torch without public FSDP2. The 2-rank tests are in tests/reliability/test_fsdp.py."""
+"""gradreg.sharding in one process: nothing to do on an unsharded module, a module sharded over
+one rank, and the clear error of a torch without public FSDP2. The 2-rank tests are in
+tests/reliability/test_fsdp.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from gradreg import GradientError, sharding
 from gradreg.penalties import as_points, r1
+from tests.one_rank_fsdp import one_rank, shard
 
 
 def critic() -> nn.Module:
@@ -34,6 +36,32 @@ def test_an_unsharded_module_steps_as_without_the_step() -> None:
 
 
 def test_torch_without_public_fsdp2_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharding, "_torch_version", lambda: (2, 5))
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    assert not sharding.supports_exact_step()
     with pytest.raises(GradientError, match=r"need torch >= 2\.6.*method='finite_difference'"):
         sharding._check_layout([])
+
+
+@pytest.mark.skipif(not sharding.supports_exact_step(), reason="FSDP2 is public from torch 2.6")
+def test_a_module_sharded_over_one_rank_steps_as_the_unsharded_one() -> None:
+    """One rank: FSDP's reduction divides by 1, so the step's gradients are the unsharded
+    module's, bit for bit; outside the step the penalty's graph is refused."""
+    expected = r1_grads(critic(), step=False)
+    with one_rank() as mesh:
+        model = shard(critic(), mesh)
+        assert sharding.is_sharded(model) and len(sharding.sharded_modules(model)) == 3
+        with pytest.raises(GradientError, match="outside gradreg.sharding.penalty_step"):
+            r1_grads(model, step=False)
+        model.zero_grad()
+        grads = [g.full_tensor() for g in r1_grads(model, step=True)]
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(sharding.supports_exact_step(), reason="this torch runs the exact step")
+def test_a_module_sharded_by_an_older_torchs_fsdp2_is_refused_before_the_step() -> None:
+    with one_rank() as mesh:
+        model = shard(critic(), mesh)
+        assert sharding.is_sharded(model)
+        with pytest.raises(GradientError, match=r"need torch >= 2\.6.*method='finite_difference'"):
+            r1_grads(model, step=True)

@@ -5,19 +5,37 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
 from gradreg.batchnorm import BatchNorm1d
+from gradreg.graph import walk_backward_graph
+from gradreg.sharding import supports_exact_step
 from gradreg.torch_compat import (
+    FSDP_POST_BACKWARD_NODE,
     SAVED_TRAINING,
     BatchNormBase,
     TorchDispatchMode,
     batchnorm_node_in_training,
     dynamo_supported,
+    fsdp_group_mesh_ndim,
+    fsdp_group_name,
+    fsdp_group_of_node,
+    fsdp_group_offloads_to_cpu,
+    fsdp_group_params,
+    fsdp_group_reduces_gradients,
+    fsdp_module_type,
+    fsdp_param_groups,
+    fsdp_param_name,
+    fsdp_param_received_gradient,
+    fsdp_sharded_param,
+    fsdp_step_settings,
+    run_fsdp_post_backward,
 )
+from tests.one_rank_fsdp import one_rank, shard
 
 PRIVATE_NAMES = [("torch.nn.modules.batchnorm", "_BatchNorm"),
                  ("torch.utils._python_dispatch", "TorchDispatchMode"),
@@ -71,3 +89,124 @@ def test_modules_still_load_their_state_through_load_from_state_dict() -> None:
 
 def test_dynamo_support_is_a_bool() -> None:
     assert dynamo_supported() in (True, False)
+
+
+# FSDP2: a module sharded over one rank in this process (gloo), its private names pinned.
+
+FSDP2_PUBLIC = supports_exact_step()
+needs_fsdp2 = pytest.mark.skipif(not FSDP2_PUBLIC, reason="FSDP2 (fully_shard) is public from "
+                                 "torch 2.6; gradreg.sharding refuses older torch")
+
+
+@pytest.fixture(scope="module")
+def sharded() -> Iterator[dict[str, object]]:
+    """A 2-layer critic sharded by ``fully_shard`` per layer and at the root on a 1-rank mesh,
+    after one forward and backward of points that require grad: its FSDP2 objects by role."""
+    with one_rank() as mesh:
+        torch.manual_seed(0)
+        model = shard(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), mesh)
+        outputs = model(torch.randn(5, 3, requires_grad=True))
+        nodes = walk_backward_graph([outputs]).nodes
+        outputs.sum().backward()
+        state = model[0]._get_fsdp_state()
+        group = fsdp_param_groups(model[0])[0]
+        yield {"model": model, "module": model[0], "state": state, "group": group,
+               "mesh_info": group.mesh_info, "state_ctx": state._state_ctx, "nodes": nodes,
+               "param": fsdp_group_params(group)[0]}
+
+
+FSDP_PRIVATE_NAMES = [
+    ("module", "_get_fsdp_state"), ("state", "_auto_reshard_after_forward"),
+    ("state", "_state_ctx"), ("state_ctx", "is_last_backward"),
+    *(("group", name) for name in ("post_forward_mesh_info", "reshard_after_backward",
+                                   "reduce_grads", "all_reduce_grads", "post_backward",
+                                   "finalize_backward", "_training_state", "_module_fqn",
+                                   "fsdp_params", "mesh_info")),
+    ("mesh_info", "mesh"),
+    *(("param", name) for name in ("sharded_param", "_unsharded_param",
+                                   "unsharded_accumulated_grad", "_param_fqn", "offload_to_cpu")),
+]
+
+
+@needs_fsdp2
+@pytest.mark.parametrize(("role", "name"), FSDP_PRIVATE_NAMES)
+def test_fsdp2s_private_names_still_exist(sharded: dict, role: str, name: str) -> None:
+    owner = sharded[role]
+    assert hasattr(owner, name), moved(f"{type(owner).__name__}.{name} (FSDP2)")
+
+
+def test_fsdp2s_module_class_is_found() -> None:
+    """Public from torch 2.6; in 2.4 and 2.5 only under a private path."""
+    module = "torch.distributed.fsdp" if FSDP2_PUBLIC else "torch.distributed._composable.fsdp"
+    expected = getattr(importlib.import_module(module), "FSDPModule", None)
+    assert expected is not None and fsdp_module_type() is expected, moved(f"{module}.FSDPModule")
+
+
+@needs_fsdp2
+def test_fsdp2s_parameter_groups(sharded: dict) -> None:
+    state = sharded["state"]
+    assert fsdp_param_groups(sharded["module"]) == [sharded["group"]], moved(
+        f"{type(state).__name__}._fsdp_param_groups or ._fsdp_param_group (FSDP2)")
+    assert fsdp_param_groups(sharded["model"]) != [sharded["group"]]  # each module its own
+
+
+@needs_fsdp2
+def test_fsdp2s_settings_are_held_and_restored(sharded: dict) -> None:
+    settings = fsdp_step_settings(sharded["module"])
+    for each in settings:
+        assert each.own.keys() == each.held.keys(), moved(
+            f"{sorted(each.held.keys() - each.own.keys())} on {type(each.target).__name__}")
+    own = [each.current() for each in settings]
+    for each in settings:
+        each.hold()
+    assert [each.current() for each in settings] == [each.held for each in settings]
+    for each in settings:
+        each.restore()
+    assert [each.current() for each in settings] == own
+
+
+@needs_fsdp2
+def test_fsdp2s_parameters_say_their_gradient_and_name(sharded: dict) -> None:
+    param = sharded["param"]
+    assert fsdp_param_name(param) == "0.weight"
+    assert fsdp_sharded_param(param) is sharded["module"].weight
+    assert fsdp_sharded_param(param).grad is not None  # reduced by the backward
+    assert not fsdp_param_received_gradient(param)  # and the unsharded gradient is gone
+    group = sharded["group"]
+    assert fsdp_group_name(group) == "0" and fsdp_group_mesh_ndim(group) == 1
+    assert not fsdp_group_offloads_to_cpu(group) and fsdp_group_reduces_gradients(group)
+
+
+@needs_fsdp2
+def test_fsdp2s_post_backward_node_names_its_group(sharded: dict) -> None:
+    groups = {fsdp_group_of_node(node) for node in sharded["nodes"]} - {None}
+    assert sharded["group"] in groups or fsdp_param_groups(sharded["model"])[0] in groups, moved(
+        f"an autograd node {FSDP_POST_BACKWARD_NODE} with .param_group (FSDP2)")
+
+
+@needs_fsdp2
+def test_fsdp2s_post_backward_reduces_a_held_gradient(sharded: dict) -> None:
+    """Gradients accumulated with reduction held off land in ``.grad`` when the post-backward
+    runs: one rank, so the reduced gradient is the unsharded one."""
+    model = sharded["model"]
+    settings = [s for m in (model, model[0], model[2]) for s in fsdp_step_settings(m)]
+    groups = [g for m in (model, model[0], model[2]) for g in fsdp_param_groups(m)]
+    model.zero_grad()
+    for each in settings:
+        each.hold()
+    try:
+        x = torch.randn(5, 3, requires_grad=True)
+        model(x).sum().backward()
+        params = [p for g in groups for p in fsdp_group_params(g)]
+        assert all(fsdp_param_received_gradient(p) for p in params)
+        assert all(fsdp_sharded_param(p).grad is None for p in params)  # not reduced yet
+    finally:
+        for each in settings:
+            each.restore()
+    run_fsdp_post_backward(model, groups)
+    expected = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    expected.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    expected(x.detach().requires_grad_()).sum().backward()
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        assert torch.equal(p.grad.full_tensor(), q.grad), moved(
+            "FSDPParamGroup.post_backward reducing held gradients (FSDP2)")

@@ -11,7 +11,7 @@ fit, and after every backward, before the optimizer step, runs FSDP's gradient r
 so every penalty's parameter gradient is that of the unsharded module, with the memory
 stated in :mod:`gradreg.sharding` (the parameters gathered during the step; the optimizer state
 and, between steps, the parameters sharded). Tested on the CPU with gloo (2 processes, torch
-2.13); not yet run on a GPU. Under a Hydra multirun it is refused like ``ddp``: its extra
+2.13 and 2.14); not yet run on a GPU. Under a Hydra multirun it is refused like ``ddp``: its extra
 ranks re-run the command line.
 """
 
@@ -58,7 +58,7 @@ class ShardedPenaltyStrategy(ModelParallelStrategy):
     def connect(self, model: L.LightningModule) -> None:
         """Refuse a torch without public FSDP2 (when fitting starts: the trainer itself builds on
         any torch), then supply ``configure_model`` where the module has none."""
-        if sharding._torch_version() < sharding.FSDP_MIN_TORCH:
+        if not sharding.supports_exact_step():
             raise GradientError(
                 f"ShardedPenaltyStrategy needs torch >= "
                 f"{'.'.join(map(str, sharding.FSDP_MIN_TORCH))} (public FSDP2); torch "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradreg.sharding import FSDP_MIN_TORCH, _torch_version
+from gradreg.sharding import supports_exact_step
 
 from .conftest import ROOT, SCRIPT
 
@@ -22,7 +22,7 @@ TINY = ["trainer=fsdp_cpu", "trainer.max_epochs=1", "+trainer.limit_train_batche
         "trainer.enable_progress_bar=false"]
 
 
-@pytest.mark.skipif(_torch_version() < FSDP_MIN_TORCH, reason="fully_shard is public from 2.6")
+@pytest.mark.skipif(not supports_exact_step(), reason="fully_shard is public from 2.6")
 @pytest.mark.parametrize(("recipe", "metric"), [
     ([], "train/penalty/double_backprop"),  # the digits MLP classifier, double backprop
     # the GAN with WGAN-GP (callbacks=none: the HParams logger fails on rank 1 under DDP too)

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gradreg.sharding import check_penalty_graph, penalty_step, sharded_modules
+from gradreg.torch_compat import fsdp_step_settings
 
 
 def shard(model: nn.Module, layout: str, **options: object) -> nn.Module:
@@ -84,9 +85,8 @@ def backward_outside(case: Case, rank: int) -> object:
 
 def settings(model: nn.Module) -> list[object]:
     """What ``penalty_step`` changes on each FSDP2 module while it holds it."""
-    return [(m._get_fsdp_state()._auto_reshard_after_forward, g.post_forward_mesh_info is None,
-             g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
-            for m in sharded_modules(model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return [settings.current() for m in sharded_modules(model)
+            for settings in fsdp_step_settings(m)]
 
 
 def check_graph(case: Case, rank: int, around: Callable) -> str:
