@@ -76,8 +76,8 @@ def perturbation_sq_norms(
     already computed it (the critic's scores of the reals for its loss), to share that forward;
     it is not used with ``central=True``. ``sigma``: the probe's scale per element, > 0.
     ``probes``: probes per sample, averaged (each one forward of the batch, two when central).
-    ``generator``: the random generator of the probes (drawn in at least float32, then cast to
-    each input's dtype, so bf16 and float32 runs with one seed draw the same probes).
+    ``generator``: the random generator of the probes (drawn in float32, then cast to each
+    input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
 
     The mean over probes of :math:`\lVert f(x_i + \sigma\varepsilon_i) - f(x_i)\rVert^2/\sigma^2`
     (or of :math:`\lVert f(x_i+\sigma\varepsilon_i) - f(x_i-\sigma\varepsilon_i)\rVert^2 /
@@ -119,6 +119,7 @@ def perturbation_sq_norms(
 
 
 def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    """:math:`\\varepsilon \\sim N(0, I)` of ``x``'s shape, drawn in at least float32."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    return torch.randn(x.shape, generator=generator, dtype=dtype, device=x.device).to(x.dtype)
+    """:math:`\\varepsilon \\sim N(0, I)` of ``x``'s shape, drawn in float32 and cast to
+    ``x``'s dtype: one seed gives the same probes to float64, float32 and bf16 runs."""
+    draw = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+    return draw.to(x.dtype)

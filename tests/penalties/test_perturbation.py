@@ -15,9 +15,9 @@ F64 = torch.float64
 
 
 def _probes(shape: tuple[int, ...], seed: int, count: int = 1) -> list[Tensor]:
-    """The probes the estimate draws from ``torch.Generator().manual_seed(seed)``."""
+    """The probes the estimate draws from ``torch.Generator().manual_seed(seed)`` (float32)."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator, dtype=F64) for _ in range(count)]
+    return [torch.randn(shape, generator=generator).double() for _ in range(count)]
 
 
 def test_linear_critic_gives_the_squared_projection_of_its_gradient() -> None:
@@ -82,8 +82,8 @@ def test_several_inputs_are_each_perturbed() -> None:
     got = perturbation_sq_norms(lambda p, q: p @ a + q @ b, (x, y),
                                 generator=torch.Generator().manual_seed(4))
     generator = torch.Generator().manual_seed(4)
-    eps_x = torch.randn(4, 2, generator=generator, dtype=F64)
-    eps_y = torch.randn(4, 1, generator=generator, dtype=F64)
+    eps_x = torch.randn(4, 2, generator=generator).double()
+    eps_y = torch.randn(4, 1, generator=generator).double()
     torch.testing.assert_close(got, (eps_x @ a + eps_y @ b).square(), rtol=1e-10, atol=0)
 
 
