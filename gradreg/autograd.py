@@ -18,6 +18,7 @@ from gradreg.graph import walk_backward_graph
 
 __all__ = [
     "GradientError",
+    "as_tuple",
     "capture",
     "check_double_backward",
     "gradient",
@@ -34,7 +35,9 @@ class GradientError(RuntimeError):
     """A gradient cannot be taken as asked; the message names the cause and the fix."""
 
 
-def _as_tuple(tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
+def as_tuple(tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """One tensor or a sequence of them, as a tuple: what every function here that takes
+    "tensor(s)" works on."""
     return (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
 
 
@@ -120,9 +123,9 @@ def gradient(
             or a graph already freed by an earlier backward. Torch's message is kept as the cause.
     """
     single = isinstance(inputs, Tensor)
-    inputs_t = _as_tuple(inputs)
-    outputs_t = _as_tuple(outputs)
-    grad_outputs_t = None if grad_outputs is None else _as_tuple(grad_outputs)
+    inputs_t = as_tuple(inputs)
+    outputs_t = as_tuple(outputs)
+    grad_outputs_t = None if grad_outputs is None else as_tuple(grad_outputs)
     _check_inputs(inputs_t)
     _check_outputs(outputs_t, grad_outputs_t)
     try:
@@ -211,7 +214,7 @@ def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:
     gradient; the error would otherwise surface only at the optimizer's backward pass. Where such a
     node is found, one trial backward is run to get torch's own message, which names the op.
     """
-    grads = [g for g in _as_tuple(gradients) if g.grad_fn is not None]
+    grads = [g for g in as_tuple(gradients) if g.grad_fn is not None]
     graph = walk_backward_graph(grads)
     if not graph.names() & _NO_DOUBLE_BACKWARD_NODES:
         return

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradreg.torch_compat import BatchNormBase
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm", "convert_batchnorm"]
 
@@ -160,7 +161,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     return torch.addcmul(_channel(shift, input), input, _channel(scale, input)).to(input.dtype)
 
 
-class _ExactBatchNorm(_BatchNorm):
+class _ExactBatchNorm(BatchNormBase):
     """torch's ``_BatchNorm`` (same parameters, buffers, state-dict keys and running-statistics
     rule) whose forward is :func:`batch_norm`."""
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for kind, batch, width in grid(args.quick, args.suite):
         if kinds is not None and kind not in kinds:
             continue
-        torch._dynamo.reset()  # each case compiles afresh, below dynamo's recompile limit
+        torch.compiler.reset()  # each case compiles afresh, below dynamo's recompile limit
         build = (kind, batch, width, args.activation, dtype, device)
         case = make_case(*build)
         twin = make_case(*build, gradreg_batchnorm=True) if case.has_batchnorm else None

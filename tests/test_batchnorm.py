@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradreg
 from gradreg.batchnorm import BatchNorm1d, BatchNorm2d, batch_norm, convert_batchnorm
+from gradreg.torch_compat import TorchDispatchMode
 
 
 def _inputs(shape: tuple[int, ...], affine: bool) -> tuple[torch.Tensor, ...]:
@@ -178,7 +178,7 @@ class _FullSizeOps(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         outs = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [t for t in (*args, *outs) if isinstance(t, torch.Tensor)]
-        if (func._overloadpacket not in (torch.ops.aten.view, torch.ops.aten.expand)
+        if (func.overloadpacket not in (torch.ops.aten.view, torch.ops.aten.expand)
                 and any(t.numel() >= self.numel for t in tensors)):
             self.count += 1
         return out

@@ -7,8 +7,10 @@ Plain PyTorch, WGAN-GP::
     loss = D(fake).mean() - D(real).mean() + gp(D(x_hat), x_hat)
 """
 
+from gradreg.penalties.config import PenaltyConfig
+from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty
-from gradreg.penalties.methods import METHODS, lazy_optimizer_kwargs
+from gradreg.penalties.methods import METHODS
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.points import as_points, interpolate, perturb_dragan
 from gradreg.penalties.presets import (
@@ -32,6 +34,7 @@ __all__ = [
     "POINTS",
     "PRESETS",
     "GradientPenalty",
+    "PenaltyConfig",
     "as_points",
     "derivative",
     "double_backprop",

@@ -1,15 +1,16 @@
-"""Per-sample gradient norms, with a root that stays differentiable at zero."""
+"""Per-sample gradient norms, with a root that stays differentiable at zero, and the penalty
+of the norms (deviation from the target, power, reduction over samples)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from gradreg.autograd import _as_tuple
+from gradreg.autograd import as_tuple
 
-__all__ = ["per_sample_norm", "safe_sqrt"]
+__all__ = ["REDUCE", "penalty_from_norms", "per_sample_norm", "safe_sqrt"]
 
 
 def per_sample_norm(
@@ -26,7 +27,7 @@ def per_sample_norm(
     for a model that is constant in its input. ``per_sample=False`` gives one norm over
     everything (shape []).
     """
-    grads = _as_tuple(grads)
+    grads = as_tuple(grads)
     flat = [g.flatten(1) if per_sample else g.reshape(1, -1) for g in grads]
     if p == 2:
         sq = sum(f.square().sum(1) for f in flat)
@@ -46,3 +47,23 @@ def safe_sqrt(sq: Tensor) -> Tensor:
     """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
     positive = sq != 0  # sq >= 0 or NaN: a NaN stays NaN (check_finite sees it), 0 -> 0
     return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
+
+
+#: The reductions over samples by name (``"none"``: the per-sample values).
+REDUCE: dict[str, Callable[[Tensor], Tensor]] = {
+    "mean": Tensor.mean, "sum": Tensor.sum, "none": lambda values: values}
+
+
+def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool, power: float,
+                       reduction: str, squared: bool) -> Tensor:
+    r""":math:`\operatorname{reduce}_i \phi(n_i - c)^{\text{power}}` of the norms :math:`n_i`
+    (the norms themselves where ``squared``: they are already the squared norms)."""
+    if squared:  # target 0, power 2, p 2: the squared norm itself, no root
+        values = norms
+    else:
+        deviation = norms - target
+        deviation = deviation.clamp_min(0) if one_sided else deviation.abs()
+        values = deviation if power == 1 else deviation.pow(power)
+    if reduction not in REDUCE:
+        raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum', 'none'.")
+    return REDUCE[reduction](values)

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from gradreg.penalties.config import PenaltyConfig
 from gradreg.penalties.mechanism import GradientPenalty
 
 __all__ = ["PRESETS", "make_penalty"]
@@ -47,7 +48,7 @@ FORMULAS = {
     "derivative": "λ mean_i ‖∂ⁿ y/∂xⁿ‖² at the inputs, n = ``order``",
 }
 
-_OPTIONS = tuple(inspect.signature(GradientPenalty).parameters)
+_OPTIONS = ("weight", *PenaltyConfig.options())
 
 
 def make_penalty(name: str, **overrides: Any) -> GradientPenalty:

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from benchmarking.cases import Case
 from benchmarking.steps import TWIN_METHODS, penalties, relative_errors, step_losses, twin_error
 from gradreg import regularized_backward
 from gradreg.penalties import GradientPenalty
+from gradreg.torch_compat import TorchDispatchMode
 
 HAND_WRITTEN = ("plain", "plain_bn", "hand")
 #: Steps per timed sample of ``lazy16``: one sample is the mean over a whole lazy cycle.
@@ -145,7 +145,7 @@ class FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out

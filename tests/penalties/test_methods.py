@@ -20,6 +20,7 @@ from gradreg.penalties import (
     methods,
 )
 from gradreg.tf32 import EmulatedTF32
+from gradreg.torch_compat import dynamo_supported
 from tests.residual_net import ResidualNet
 
 
@@ -241,7 +242,7 @@ def test_compiled_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> 
     torch.testing.assert_close(fallback, exact, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported")
+@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
 def test_compiled_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     """Traced by dynamo and aot_autograd through torch.func, as with inductor, minus inductor's
     C++ code generation (half a minute cold on CPU; the benchmark's full run exercises it)."""
@@ -261,7 +262,7 @@ class FirstLogit(nn.Module):
         return self.model(x)[:, 0]
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported")
+@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
 def test_compiled_takes_eval_batchnorm_and_refuses_training_batchnorm(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """BatchNorm in eval mode (fixed statistics) compiles and is exact; in training mode its

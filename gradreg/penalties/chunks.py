@@ -1,0 +1,117 @@
+"""The cost levers that keep the exact gradient or its expectation: the penalty in micro-batches
+(:func:`in_chunks`), on a subsample (:func:`subsample`), and the surrogate that hands gradients
+computed ahead of time to the caller's one backward (:func:`with_gradients`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from gradreg.graph import graph_leaves
+
+__all__ = ["in_chunks", "subsample", "with_gradients"]
+
+PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
+
+def with_gradients(value: Tensor, tensors: list[Tensor], gradients: list[Tensor]) -> Tensor:
+    r"""``value`` (detached) plus a zero whose gradient w.r.t. each ``tensors[j]`` is
+    ``gradients[j]``: :math:`v + S - \operatorname{detach}(S)`,
+    :math:`S = \sum_j \langle t_j, \operatorname{detach}(G_j) \rangle`.
+
+    Hands gradients computed ahead of time to the caller's one ``backward`` (scaled by whatever
+    multiplies the value there). First order only: its own gradient is constant.
+    """
+    surrogate = sum((t * g.detach()).sum() for t, g in zip(tensors, gradients, strict=True))
+    if not isinstance(surrogate, Tensor):  # nothing to carry
+        return value.detach()
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+def in_chunks(
+    penalty_of_points: PenaltyOfPoints,
+    inputs: tuple[Tensor, ...],
+    chunks: int,
+    *,
+    args: tuple[Tensor, ...] = (),
+    mean: bool,
+    loss_scale: float | Tensor | None = None,
+) -> Tensor:
+    r"""A per-sample penalty evaluated ``chunks`` micro-batches at a time; exact, less memory.
+
+    For a penalty that is a mean (``mean=True``) or a sum of per-sample terms, split the batch of
+    :math:`B` samples into micro-batches :math:`c` of :math:`B_c` samples:
+
+    .. math::
+
+        P = \sum_c w_c P_c, \quad w_c = B_c / B \text{ (mean) or } 1 \text{ (sum)}, \qquad
+        \nabla_\theta P = \sum_c w_c \nabla_\theta P_c .
+
+    Each :math:`P_c` = ``penalty_of_points(points_c, args_c)`` (its own forward at fresh leaves
+    that are the micro-batch's points, with the micro-batch's rows of the per-sample ``args``
+    such as labels, and its double-backward graph) is differentiated at once by
+    ``torch.autograd.grad`` w.r.t. every leaf it depends on (the parameters) and, where the points
+    come from upstream computation (a generator), w.r.t. the points; then its graph is freed. The
+    sums of these exact gradients reach the caller's single ``backward`` through
+    :func:`with_gradients`. So ``.grad`` is that of the unchunked penalty, to float rounding,
+    while at most one micro-batch's double-backward graph is alive: the memory of the penalty's
+    graph falls by about ``chunks``, for the price of up to two parameter-sized buffers (the
+    running sum and one micro-batch's gradient). The products computed are those of the same
+    penalty run unchunked on its own forward (WGAN-GP's interpolates), in smaller kernels; a
+    penalty that could have shared the task's forward (R1 on the reals, double backprop) pays
+    one more forward and backward. Samples must not interact (BatchNorm in training mode is
+    refused); leaf points receive no gradient (as with :func:`gradreg.regularized_backward`).
+    Under a ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after,
+    like the penalty itself.
+    """
+    batch = inputs[0].shape[0]
+    upstream = [x.grad_fn is not None for x in inputs]
+    values: list[Tensor] = []
+    leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
+    point_grads: list[list[Tensor]] = [[] for _ in inputs]
+    pieces = max(1, min(chunks, batch))  # an empty batch reaches the penalty's own error
+    for part in zip(*(x.tensor_split(pieces) for x in inputs + args), strict=True):
+        points = tuple(x.detach().requires_grad_() for x in part[:len(inputs)])
+        value = penalty_of_points(points, part[len(inputs):]) * (
+            len(points[0]) / batch if mean else 1.0)
+        mine = {id(x) for x in points}
+        leaves = [t for t in graph_leaves([value]) if id(t) not in mine]
+        wanted = leaves + [x for x, up in zip(points, upstream, strict=True) if up]
+        if loss_scale is None:
+            grads = torch.autograd.grad(value, wanted, allow_unused=True)
+        else:
+            grads = tuple(None if g is None else g / loss_scale for g in
+                          torch.autograd.grad(value * loss_scale, wanted, allow_unused=True))
+        grads = [torch.zeros_like(t) if g is None else g
+                 for t, g in zip(wanted, grads, strict=True)]
+        for leaf, g in zip(leaves, grads[:len(leaves)], strict=True):
+            if id(leaf) in leaf_grads:
+                leaf_grads[id(leaf)][1].add_(g)  # in place: one buffer per leaf
+            else:  # an expanded view (stride 0) cannot be added to in place
+                leaf_grads[id(leaf)] = (leaf, g.contiguous())
+        rest = iter(grads[len(leaves):])
+        for collected, up in zip(point_grads, upstream, strict=True):
+            if up:
+                collected.append(next(rest))
+        values.append(value.detach())
+    tensors = [t for t, _ in leaf_grads.values()] + [x for x, up in zip(inputs, upstream,
+                                                                        strict=True) if up]
+    gradients = [g for _, g in leaf_grads.values()] + [torch.cat(c) for c in point_grads if c]
+    return with_gradients(sum(values), tensors, gradients)
+
+
+def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]:
+    r"""The first :math:`k = \lceil \text{fraction} \cdot B \rceil` samples of every input.
+
+    StyleGAN2's batch shrink. With a batch in random order the penalty of the subset is an
+    unbiased estimate of the batch's for ``reduction="mean"`` (the caller rescales a sum by
+    :math:`B/k`), with variance growing as :math:`1/k`; the cost of the penalty shrinks by about
+    ``fraction``.
+    """
+    if fraction >= 1:
+        return inputs
+    k = max(1, math.ceil(fraction * inputs[0].shape[0]))
+    return tuple(x[:k] for x in inputs)
+

@@ -1,0 +1,188 @@
+"""The configuration of a :class:`~gradreg.penalties.GradientPenalty`: one validated value.
+
+Every option is a plain value (a Hydra config or a preset sets them by keyword); a bad value or
+a combination the mechanism cannot compute is refused here, at construction, with the fix. The
+weight is not part of it: it may change between steps (schedules) and is checkpointed with the
+penalty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gradreg.penalties.methods import BUILDERS
+from gradreg.penalties.projections import PROJECTIONS
+
+__all__ = ["POINTS", "REDUCTIONS", "PenaltyConfig", "require", "squared_norm_penalty"]
+
+POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
+          "parameters")
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class PenaltyConfig:
+    r"""What a penalty computes and how (the formula is in :mod:`gradreg.penalties.mechanism`).
+
+    Attributes:
+        target: the norm's target c >= 0 (0 for R1/R2/double backprop, 1 for WGAN-GP), or
+            ``"ema"`` for StyleGAN2's running mean of the norms (path length).
+        one_sided: penalize only norms above the target (WGAN-LP).
+        power: exponent of the deviation, > 0.
+        p: the norm's order, > 0.
+        reduction: ``"mean"`` or ``"sum"`` over samples.
+        every: lazy regularization: compute on one step in ``every`` (see
+            :meth:`GradientPenalty.due <gradreg.penalties.GradientPenalty.due>`) and scale by
+            ``every`` so the expected gradient is unchanged (StyleGAN2).
+        points: what the caller differentiates against (one of :data:`POINTS`); ``"parameters"``
+            takes one norm over all parameter gradients instead of per-sample norms.
+        of: what the caller differentiates: ``"outputs"`` of the model (critic scores, logits,
+            generated images) or the per-sample task ``"loss"`` (double backprop).
+        layers: dotted submodule names whose outputs are the points, for ``"activations"``.
+        gain: a constant factor of the formula (1/2 for R1/R2's gamma/2).
+        order: derivative order n of the ``"sum"`` projection.
+        projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"``
+            (:mod:`gradreg.penalties.projections`).
+        num_projections: random directions for ``"orthonormal"``.
+        ema_decay: the running mean's decay for ``target="ema"``.
+        check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
+            passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead of
+            letting it pass silently (:class:`~gradreg.penalties.finite.FiniteCheck`):
+            on the CPU at once, before the value is used; on CUDA without a host sync, at a later
+            call (normally the next) that names the call, after that call's optimizer step;
+            ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
+            non-finite value is the GradScaler's overflow signal, and the scaler skips the step
+            and lowers its scale.
+        method: how the parameter gradient is computed, one of :data:`BUILDERS
+            <gradreg.penalties.methods.BUILDERS>`: ``"double_backward"`` (exact),
+            ``"finite_difference"`` (no double backward, error O(fd_eps); refused on
+            piecewise-linear models) or ``"compiled"`` (exact, through compiled ``torch.func``;
+            falls back to double backward with a warning). The two latter need ``outputs`` as a
+            callable; see :mod:`gradreg.penalties.methods`.
+        subsample: evaluate on the first ``ceil(subsample * B)`` samples only (StyleGAN2's batch
+            shrink; needs ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
+        chunks: build and differentiate the penalty ``chunks`` micro-batches at a time
+            (:func:`~gradreg.penalties.chunks.in_chunks`): the same gradient, about
+            ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
+            double backward, per-sample points and a numeric target.
+        fd_eps: the finite-difference step (input-space length of each sample's shift);
+            ``None`` picks :func:`~gradreg.penalties.precision.default_step` for the precision
+            the model's arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`:
+            float64, float32, or TF32 on GPUs).
+    """
+
+    target: float | str = 0.0
+    one_sided: bool = False
+    power: float = 2.0
+    p: float = 2.0
+    reduction: str = "mean"
+    every: int = 1
+    points: str = "inputs"
+    of: str = "outputs"
+    layers: Sequence[str] = ()
+    gain: float = 1.0
+    order: int = 1
+    projection: str = "sum"
+    num_projections: int = 1
+    ema_decay: float = 0.01
+    check_finite: bool = True
+    method: str = "double_backward"
+    subsample: float = 1.0
+    fd_eps: float | None = None
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
+        target, method = self.target, self.method
+        require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
+                 f"target must be a number >= 0 or 'ema', got {target!r}")
+        require(self.power > 0, f"power must be > 0, got {self.power!r}")
+        require(self.p > 0, f"p (the norm's order) must be > 0, got {self.p!r}")
+        require(self.reduction in REDUCTIONS,
+                 f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        require(isinstance(self.every, int) and self.every >= 1,
+                 f"every must be an int >= 1 (1 = every step), got {self.every!r}")
+        require(self.points in POINTS, f"points must be one of {POINTS}, got {self.points!r}")
+        require(self.of in ("outputs", "loss"), f"of must be 'outputs' or 'loss', got {self.of!r}")
+        require(self.points != "activations" or len(self.layers) > 0,
+                 "points='activations' needs layers=[...] naming the submodules to penalize")
+        require(self.projection in PROJECTIONS,
+                 f"projection must be one of {tuple(PROJECTIONS)}, got {self.projection!r}")
+        require(isinstance(self.order, int) and self.order >= 1,
+                 f"order must be an int >= 1, got {self.order!r}")
+        require(self.order == 1 or self.projection == "sum", "order > 1 needs projection='sum'")
+        require(isinstance(self.num_projections, int) and self.num_projections >= 1,
+                 f"num_projections must be an int >= 1, got {self.num_projections!r}")
+        require(0 < self.ema_decay <= 1, f"ema_decay must be in (0, 1], got {self.ema_decay!r}")
+        require(self.gain > 0, f"gain must be > 0, got {self.gain!r}")
+        require(method in BUILDERS, f"method must be one of {tuple(BUILDERS)}, got {method!r}")
+        require(method == "double_backward" or (
+            self.projection == "sum" and self.order == 1 and target != "ema"
+            and self.points not in ("parameters", "activations")),
+            f"method={method!r} supports projection='sum', order=1, a numeric target and "
+            "per-sample points other than 'activations'; use method='double_backward'")
+        require(0 < self.subsample <= 1, f"subsample must be in (0, 1], got {self.subsample!r}")
+        require(self.fd_eps is None or self.fd_eps > 0,
+                 f"fd_eps must be > 0 or None, got {self.fd_eps!r}")
+        chunks = self.chunks
+        require(isinstance(chunks, int) and chunks >= 1,
+                 f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
+        require(chunks == 1 or (method == "double_backward" and target != "ema"
+                                 and self.points != "parameters"),
+                 f"chunks={chunks} needs method='double_backward', a numeric target (an 'ema' "
+                 "target couples the samples) and per-sample points; use chunks=1")
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The names of the options, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_options(cls, config: PenaltyConfig | None, options: dict[str, Any]) -> PenaltyConfig:
+        """``config``, or the configuration of the keyword ``options`` (its fields), for
+        ``GradientPenalty(config)`` and ``GradientPenalty(**options)``."""
+        if config is not None:
+            if options:
+                raise TypeError(
+                    f"GradientPenalty got a config and options {sorted(options)}: pass one or "
+                    "the other (dataclasses.replace(config, ...) to change one).")
+            if not isinstance(config, cls):
+                raise TypeError(
+                    f"GradientPenalty takes a PenaltyConfig or keyword options, got a "
+                    f"{type(config).__name__}: GradientPenalty(**options).")
+            return config
+        unknown = sorted(set(options) - set(cls.options()))
+        if unknown:
+            raise TypeError(f"GradientPenalty got unknown option(s) {unknown}; valid: weight, "
+                            f"{', '.join(cls.options())}.")
+        return cls(**options)
+
+    @property
+    def needs_callable(self) -> bool:
+        """Whether the penalty runs its own forward: the methods other than double backward,
+        ``subsample`` and ``chunks`` do, so ``outputs`` must be a callable ``fn(*points)``."""
+        return self.method != "double_backward" or self.subsample < 1 or self.chunks > 1
+
+    @property
+    def per_sample(self) -> bool:
+        """Whether the norm is taken per sample (every ``points`` but ``"parameters"``)."""
+        return self.points != "parameters"
+
+    @property
+    def squared(self) -> bool:
+        """Target 0, power 2, norm order 2: the penalty is the squared norm, taken without a
+        root (whose derivative is infinite at a zero norm)."""
+        return squared_norm_penalty(self.target, self.power, self.p)
+
+
+def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:
+    """Whether a penalty of these options is the squared 2-norm itself (target 0, power 2)."""
+    return isinstance(target, (int, float)) and target == 0 and power == 2 and p == 2
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message + ".")

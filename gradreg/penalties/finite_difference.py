@@ -1,0 +1,142 @@
+r"""The penalty's parameter gradient by a finite difference of first derivatives (no double
+backward), and the checks of the models it is refused on (kinks, coupled samples).
+
+Notation as in :mod:`gradreg.penalties.methods`: per-sample outputs :math:`f_i`, points
+:math:`x_i`, input gradients :math:`g_i`, the unweighted penalty :math:`P(g)`, parameters
+:math:`\theta`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from gradreg.autograd import GradientError, gradient
+from gradreg.graph import graph_node_names, walk_backward_graph
+from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.norms import per_sample_norm
+from gradreg.penalties.precision import default_step, unit_roundoff
+from gradreg.torch_compat import batchnorm_node_in_training
+
+__all__ = ["PIECEWISE_LINEAR", "check_independent_samples", "check_smooth", "finite_difference"]
+
+#: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
+#: abs, max/min): a finite difference across a kink has an O(1) error.
+PIECEWISE_LINEAR = (
+    "Relu", "LeakyRelu", "RreluWithNoise", "PreluKernel", "Hardtanh", "Threshold", "Hardswish",
+    "Hardsigmoid", "Hardshrink", "Softshrink", "MaxPool", "AdaptiveMaxPool", "Clamp", "Abs",
+    "Maximum", "Minimum", "Max", "Min", "Amax", "Amin",
+)
+
+PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
+PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
+PerSampleFunction = Callable[..., Tensor]
+
+
+def _broadcast(per_sample: Tensor, like: Tensor) -> Tensor:
+    return per_sample.view((-1,) + (1,) * (like.ndim - 1))
+
+
+PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
+PerSampleFunction = Callable[..., Tensor]
+
+
+def finite_difference(
+    fn: PerSampleFunction,
+    inputs: tuple[Tensor, ...],
+    penalty_of_grads: PenaltyOfGradients,
+    *,
+    eps: float | None = None,
+    check: bool = True,
+) -> Tensor:
+    r"""Exact :math:`P`, whose parameter gradient is a forward difference (no double backward).
+
+    With :math:`v_i = \partial P/\partial g_i` and a per-sample step
+    :math:`h_i = \text{eps}/\lVert v_i \rVert` (each sample moves by ``eps`` in input space),
+
+    .. math::
+
+        S = \sum_i \frac{f_i(x_i + h_i v_i) - f_i(x_i)}{h_i}, \qquad
+        \nabla_\theta S = \sum_i H_{\theta x_i} v_i + O(\text{eps})
+                        = \nabla_\theta P + O(\text{eps}).
+
+    Any target, power, norm order, sidedness and reduction enter only through :math:`v`, which is
+    the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
+    forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
+    points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph. To share
+    the forward at :math:`x` with the task loss too, let ``fn`` return the task's outputs when
+    called on the points themselves: ``lambda q: losses if q is x else loss_fn(model(q), y)``.
+
+    Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
+    (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);
+    with :func:`default_step`, measured 1e-4 to 1e-3 in float32 and 2e-8 to 6e-8 in float64 on
+    tanh/softplus/ELU networks with unit-scale inputs (up to 8e-3 on a softplus conv critic), and
+    4e-3 to 6e-2 in TF32, the default of float32 convolutions on Ampere and newer GPUs (emulated
+    on the CPU; docs/benchmarks.md). For the float32 error there, turn TF32 off
+    (``torch.backends.cudnn.allow_tf32 = False``); for an exact gradient use double backward.
+    On piecewise-linear models the parameter gradient jumps where a unit changes sign between
+    :math:`x` and :math:`x + hv`, which happens with probability :math:`O(h)` and costs
+    :math:`O(1/h)`: an :math:`O(1)` error that a smaller step does not remove: with ``check``
+    the graph of the outputs at :math:`x` is searched and such models are refused
+    (:func:`check_smooth`). Samples must not interact: BatchNorm in training mode is refused
+    (:func:`check_independent_samples`).
+    """
+    outputs = fn(*inputs)
+    check_per_sample(outputs, inputs)
+    if check:
+        check_smooth(outputs)
+        check_independent_samples(outputs, "method='finite_difference'")
+    grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs), create_graph=False,
+                     retain_graph=True)
+    with torch.enable_grad():
+        leaves = tuple(g.detach().requires_grad_() for g in grads)
+        value = penalty_of_grads(leaves)
+        directions = torch.autograd.grad(value, leaves)
+    step = default_step(unit_roundoff(outputs)) if eps is None else eps
+    norms = per_sample_norm(directions)
+    moving = norms > 0
+    h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)
+    shifted = tuple(x.detach() + _broadcast(h, v) * v
+                    for x, v in zip(inputs, directions, strict=True))
+    delta = (fn(*shifted) - outputs).reshape(len(norms), -1).sum(1)
+    surrogate = (delta * torch.where(moving, norms / step, 0.0)).sum()
+    return value.detach() + (surrogate - surrogate.detach())
+
+
+def check_smooth(outputs: Tensor) -> None:
+    """Raise where the graph of ``outputs`` holds an op whose derivative jumps
+    (:data:`PIECEWISE_LINEAR`: ``nn.ReLU`` and ``F.relu`` alike, max pooling, clamp, abs...):
+    there a finite difference is off by O(1), and a smaller step does not help."""
+    ops = sorted({name.split("Backward")[0] for name in graph_node_names([outputs])
+                  if name.startswith(PIECEWISE_LINEAR)})
+    if ops:
+        raise GradientError(
+            f"method='finite_difference' on a piecewise-linear model ({', '.join(ops)} in its "
+            "graph): where a unit changes sign between x and the shifted point the estimate is "
+            "off by O(1), and a smaller step does not help. Use method='double_backward' (or "
+            "'compiled'), or a smooth activation (softplus, elu, tanh, gelu, silu)."
+        )
+
+
+def check_independent_samples(outputs: Tensor, method: str) -> None:
+    """Raise where the graph of ``outputs`` holds BatchNorm in training mode (torch's, whose node
+    saves ``training``, or gradreg's): its outputs depend on the whole batch, so a penalty that
+    runs the model on part of the batch (``subsample``, ``chunks``) or on shifted points with
+    per-sample steps (``finite_difference``) would compute another penalty, and its extra forward
+    would update the running statistics again."""
+    coupled = sorted({name for node in walk_backward_graph([outputs]).nodes
+                      if "BatchNorm" in (name := type(node).__name__)
+                      and "BackwardBackward" not in name  # forward nodes say the mode
+                      and batchnorm_node_in_training(node)})
+    if coupled:
+        raise GradientError(
+            f"{method} runs the model on part of the batch or on shifted points, but its graph "
+            f"holds BatchNorm in training mode ({', '.join(coupled)}), whose outputs depend on "
+            "the whole batch: the penalty would change, and the running statistics would be "
+            "updated again. Use the exact penalty on the task's forward (method="
+            "'double_backward', subsample=1, chunks=1), BatchNorm in eval mode, or a per-sample "
+            "normalization (GroupNorm, LayerNorm)."
+        )
+

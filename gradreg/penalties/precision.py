@@ -1,0 +1,81 @@
+"""The arithmetic a result was computed in, and the finite-difference step it calls for.
+
+The unit roundoff :math:`u` of float64, float32, TF32 (what GPUs use for float32 convolutions and,
+at matmul precision ``"high"``, matmuls) or an autocast dtype, read off the outputs and their
+graph; :func:`default_step` turns it into the step of
+:func:`~gradreg.penalties.finite_difference.finite_difference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradreg.autograd import GradientError
+from gradreg.graph import graph_node_names
+
+__all__ = ["STEPS", "TF32_ROUNDOFF", "cuda_float32_roundoff", "default_step", "unit_roundoff"]
+
+#: Unit roundoff of TF32 (10 explicit mantissa bits), which cuDNN convolutions use for float32 on
+#: Ampere and newer GPUs by default (``torch.backends.cudnn.allow_tf32``), and cuBLAS matmuls
+#: where ``torch.get_float32_matmul_precision()`` is ``"high"``.
+TF32_ROUNDOFF = 2.0**-11
+
+#: The finite-difference step for the unit roundoff of the arithmetic: float64, float32, TF32.
+#: Chosen by sweeps of the parameter gradient's error against float64 double backward on tanh,
+#: softplus, ELU and SiLU MLPs, CNNs and DCGAN-style critics (TF32 emulated on the CPU by rounding
+#: the operands of every convolution and matmul, forward and backward, to 10 mantissa bits).
+STEPS = {2.0**-53: 1e-6, 2.0**-24: 1e-2, TF32_ROUNDOFF: 0.5}
+
+_CONVOLUTIONS = ("Convolution", "CudnnConvolution")
+_MATMULS = ("Mm", "Addmm", "Bmm", "Baddbmm", "Addbmm", "Addmv", "Mv", "Dot", "Linear")
+
+
+def unit_roundoff(outputs: Tensor) -> float:
+    """The unit roundoff of the arithmetic that computed ``outputs``, as it actually ran.
+
+    That of the dtype, except under autocast, that of the autocast dtype (the model ran in it even
+    where the outputs, a loss, are float32), and for float32 on CUDA, where TF32 may stand in
+    (:func:`cuda_float32_roundoff` with torch's current flags; only there is the graph walked).
+    """
+    device = outputs.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.finfo(torch.get_autocast_dtype(device)).eps / 2
+    if device != "cuda" or outputs.dtype != torch.float32:
+        return torch.finfo(outputs.dtype).eps / 2
+    return cuda_float32_roundoff(graph_node_names([outputs]),
+                                 conv_tf32=torch.backends.cudnn.allow_tf32,
+                                 matmul_precision=torch.get_float32_matmul_precision())
+
+
+def cuda_float32_roundoff(names: set[str], *, conv_tf32: bool, matmul_precision: str) -> float:
+    """The unit roundoff of float32 CUDA work whose backward graph holds the nodes ``names``:
+    TF32's (2**-11) where it holds convolutions and ``conv_tf32``
+    (``torch.backends.cudnn.allow_tf32``, on by default) or matmuls and ``matmul_precision``
+    (``torch.get_float32_matmul_precision()``) is ``"high"``; bf16's (2**-8) for matmuls at
+    ``"medium"``; else float32's (2**-24)."""
+    roundoff = 2.0**-24
+    if matmul_precision != "highest" and any(name.startswith(_MATMULS) for name in names):
+        roundoff = TF32_ROUNDOFF if matmul_precision == "high" else 2.0**-8
+    if conv_tf32 and any(name.startswith(_CONVOLUTIONS) for name in names):
+        roundoff = max(roundoff, TF32_ROUNDOFF)
+    return roundoff
+
+
+def default_step(roundoff: float) -> float:
+    r"""The finite-difference step (the input-space length of each sample's shift) for
+    arithmetic of unit roundoff ``roundoff`` (:func:`unit_roundoff`), from :data:`STEPS`.
+
+    It balances truncation :math:`O(\text{eps})` against rounding :math:`O(u/\text{eps})`:
+    1e-6 in float64, 1e-2 in float32, 0.5 in TF32, whose rounding noise is 8192 times float32's.
+    Coarser arithmetic (bf16, fp16, bf16 matmuls) is refused: it loses all digits.
+    """
+    for unit, step in sorted(STEPS.items()):
+        if roundoff <= unit:
+            return step
+    raise GradientError(
+        f"finite differences in arithmetic of unit roundoff {roundoff:.1e} (bf16/fp16, autocast, "
+        "or float32 matmul precision 'medium') lose all digits to rounding: run the penalty in "
+        "float32 or float64 (disable autocast around it), or use method='double_backward'."
+    )
+

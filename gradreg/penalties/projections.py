@@ -1,0 +1,120 @@
+r"""Where the per-sample gradient :math:`g_i` of a penalty comes from: its ``projection``.
+
+Each entry of :data:`PROJECTIONS` maps the per-sample ``outputs`` and the points ``inputs`` (a
+tuple, batch first) to the per-sample norms :math:`\lVert g_i \rVert_p` (squared where the
+configuration's ``squared`` says so), built with ``create_graph=True`` so that the penalty is
+differentiable by double backward:
+
+* ``"sum"`` (order ``n``): :math:`g_i = \partial^n (\sum f)/\partial x_i^n`;
+* ``"orthonormal"``: :math:`\lVert g_i\rVert^2 = \frac{K}{n}\sum_j \lVert v_{ij}^\top J_i\rVert^2`
+  for ``num_projections`` = n orthonormal directions drawn uniformly per sample;
+* ``"gaussian"``: :math:`g_i = J_i^\top y_i`, :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`.
+
+A new kind of norm is one more entry: a function ``(outputs, inputs, config, loss_scale)`` that
+returns one norm per sample (or one in all for ``points="parameters"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from gradreg.autograd import GradientError, gradient, nth_derivative
+from gradreg.penalties.norms import per_sample_norm, safe_sqrt
+
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["PROJECTIONS", "gradient_norms", "latent_sq_length", "projected_sq_norm", "unscaled_vjp"]
+
+LossScale = float | Tensor | None
+
+
+def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
+                 loss_scale: LossScale) -> tuple[Tensor, ...]:
+    """``gradient(outputs, inputs, grad_outputs)``; under a loss scale s (fp16 GradScaler) the
+    outputs are scaled by s before differentiating and the gradients multiplied by 1/s, PyTorch's
+    documented gradient-penalty recipe (never ``scaler.unscale_``)."""
+    if loss_scale is None:
+        return gradient(outputs, inputs, grad_outputs=grad_outputs)
+    scaled = gradient(outputs * loss_scale, inputs, grad_outputs=grad_outputs)
+    return tuple(g * (1.0 / loss_scale) for g in scaled)
+
+
+def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
+                   order: int = 1, per_sample: bool = True,
+                   loss_scale: LossScale = None) -> Tensor:
+    r"""Norms of :math:`\partial^n (\sum f) / \partial x^n`, per sample or one over everything."""
+    if order == 1:
+        grads = unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
+    else:
+        scale = 1.0 if loss_scale is None else loss_scale
+        grads = tuple(nth_derivative(outputs * scale, x, order) * (1.0 / scale) for x in inputs)
+    return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
+
+
+def _sum(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
+         loss_scale: LossScale) -> Tensor:
+    return gradient_norms(outputs, inputs, p=config.p, squared=config.squared,
+                          order=config.order, per_sample=config.per_sample,
+                          loss_scale=loss_scale)
+
+
+def _random(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
+            loss_scale: LossScale) -> Tensor:
+    sq = projected_sq_norm(outputs, inputs, config.projection, config.num_projections,
+                           loss_scale)
+    return sq if config.squared else safe_sqrt(sq)
+
+
+def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: str,
+                      num_projections: int, loss_scale: LossScale = None) -> Tensor:
+    """Squared per-sample norm of J^T v for random v (see the module docstring).
+
+    The random directions are drawn in at least float32 and then cast to the outputs' dtype:
+    under bf16/fp16 autocast the draws are those of a float32 run with the same seed (torch's
+    generators do not promise the same numbers for a half-precision ``randn``; torch 2.11 gives
+    different ones), and the QR of the orthonormal directions is taken in float32.
+    """
+    batch = outputs.shape[0]
+    flat = outputs.reshape(batch, -1)
+    k = flat.shape[1]
+    draw = {"dtype": torch.promote_types(flat.dtype, torch.float32), "device": flat.device}
+    if projection == "gaussian":
+        pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
+        noise = (torch.randn(flat.shape, **draw) / math.sqrt(pixels)).to(flat.dtype)
+        return latent_sq_length(unscaled_vjp(flat, inputs, noise, loss_scale))
+    if num_projections > k:
+        raise GradientError(
+            f"num_projections={num_projections} exceeds the {k} outputs per sample: "
+            f"at most {k} orthonormal directions exist (and {k} gives the exact norm)."
+        )
+    gaussian = torch.randn(batch, k, num_projections, **draw)
+    directions = torch.linalg.qr(gaussian).Q.to(flat.dtype)  # [B, K, n], orthonormal, uniform
+    sq = sum(
+        per_sample_norm(unscaled_vjp(flat, inputs, directions[:, :, j], loss_scale), squared=True)
+        for j in range(num_projections)
+    )
+    return sq * (k / num_projections)
+
+
+def latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:
+    r"""Per-sample squared length of latent gradients, StyleGAN2's ``pl_lengths ** 2``.
+
+    A latent of shape [B, num_ws, w_dim] (StyleGAN2's W+: one w per synthesis layer) gives
+    :math:`\frac{1}{\text{num\_ws}} \sum_{l} \lVert g_{il} \rVert^2`, the mean over the layers
+    of the squared norm over ``w_dim`` (``pl_grads.square().sum(2).mean(1)``); [B, w_dim] is
+    the same with one layer, i.e. the squared norm. Other shapes take all non-batch dims.
+    """
+    return sum(g.square().sum(2).mean(1) if g.ndim == 3 else g.flatten(1).square().sum(1)
+               for g in grads)
+
+
+Norms = Callable[[Tensor, tuple[Tensor, ...], "PenaltyConfig", LossScale], Tensor]
+
+#: The projections by name: how each computes the per-sample norms (module docstring).
+PROJECTIONS: dict[str, Norms] = {"sum": _sum, "orthonormal": _random, "gaussian": _random}

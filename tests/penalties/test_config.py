@@ -1,0 +1,128 @@
+"""The configuration as one validated, immutable value, and the method chosen once from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods
+
+
+def critic() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0)).double()
+
+
+def points(batch: int = 6) -> Tensor:
+    torch.manual_seed(1)
+    return torch.randn(batch, 3, dtype=torch.float64, requires_grad=True)
+
+
+def value_and_grad(penalty: GradientPenalty, model: nn.Module, fn: object,
+                   x: Tensor) -> tuple[Tensor, Tensor]:
+    model.zero_grad(set_to_none=True)
+    value = penalty(fn, x)
+    value.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+    return value.detach(), torch.cat([g.flatten() for g in grads])
+
+
+def test_a_config_and_its_keyword_options_build_the_same_penalty() -> None:
+    """R1 on a tanh MLP: the value is gain * weight * mean_i ||grad_x D(x_i)||^2, computed here
+    from the input gradient taken separately."""
+    model, x = critic(), points()
+    config = PenaltyConfig(gain=0.5, points="real")
+    by_config = GradientPenalty(config, weight=2.0)
+    by_options = GradientPenalty(weight=2.0, gain=0.5, points="real")
+    assert by_config.config == by_options.config == make_penalty("r1", weight=2.0).config
+    (g,) = torch.autograd.grad(model(x).sum(), x)
+    expected = 2.0 * 0.5 * g.square().sum(1).mean()
+    torch.testing.assert_close(by_config(model(x), x), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(value_and_grad(by_config, model, model(x), x),
+                               value_and_grad(by_options, model, model(x), x), rtol=0, atol=0)
+
+
+def test_the_config_does_not_change_but_the_weight_does() -> None:
+    penalty = make_penalty("wgan_gp", layers=["a", "b"])
+    assert penalty.layers == ("a", "b")  # a config's list, frozen into a tuple
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        penalty.config.target = 0.0
+    with pytest.raises(AttributeError, match=r"target is part of the penalty's configuration.*"
+                                             r"dataclasses.replace\(penalty.config, target="):
+        penalty.target = 0.0
+    assert penalty.target == 1.0 and penalty.points == "interpolates"
+    penalty.weight = 3.0
+    assert penalty.weight == 3.0 and penalty.state_dict()["_extra_state"] == {"weight": 3.0}
+    other = GradientPenalty(dataclasses.replace(penalty.config, target=0.0), weight=1.0)
+    assert (other.target, other.points, penalty.target) == (0.0, "interpolates", 1.0)
+
+
+def test_the_mistakes_in_building_one_are_named() -> None:
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['targte'\]; valid: weight, "
+                                        r"target, one_sided"):
+        GradientPenalty(targte=1.0)
+    with pytest.raises(TypeError, match="got a config and options \\['target'\\]"):
+        GradientPenalty(PenaltyConfig(), target=1.0)
+    with pytest.raises(TypeError, match="takes a PenaltyConfig or keyword options, got a dict"):
+        GradientPenalty({"target": 1.0})
+    with pytest.raises(ValueError, match=r"power must be > 0, got 0\.$"):
+        PenaltyConfig(power=0)
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got -1"):
+        GradientPenalty(weight=-1)
+
+
+def test_compile_falls_back_once_and_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    tries = []
+
+    def no_compiler(fn: object) -> object:
+        def fail(*args: object) -> None:
+            tries.append(1)
+            raise RuntimeError("no C++ compiler found")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    model, x = critic(), points()
+    exact = value_and_grad(make_penalty("wgan_gp"), model, model, x)
+    penalty = make_penalty("wgan_gp", method="compiled")
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found"):
+        value_and_grad(penalty, model, model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = value_and_grad(penalty, model, model, x)
+    assert len(tries) == 1
+    torch.testing.assert_close(again, exact, rtol=0, atol=0)
+
+
+def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method registered in BUILDERS is a valid ``method``, built once, and is handed each
+    call with the points subsampled; what it returns is weighted as any other."""
+    calls: list[methods.PenaltyCall] = []
+
+    def build(config: PenaltyConfig, penalty: methods.PenaltyFunctions) -> methods.Method:
+        exact = methods.DoubleBackward(penalty)
+
+        def method(call: methods.PenaltyCall) -> Tensor:
+            calls.append(call)
+            return exact(call)
+
+        built.append(method)
+        return method
+
+    built: list[methods.Method] = []
+    monkeypatch.setitem(methods.BUILDERS, "recorded", build)
+    model, x = critic(), points(batch=6)
+    penalty = make_penalty("r1", weight=4.0, method="recorded", subsample=0.5)
+    assert penalty.needs_callable and len(built) == 1
+    value = penalty(model, x)
+    penalty(model, x)
+    assert len(built) == 1 and len(calls) == 2 and calls[0].inputs[0].shape == (3, 3)
+    (g,) = torch.autograd.grad(model(x[:3]).sum(), x)
+    torch.testing.assert_close(value, 4.0 * 0.5 * g[:3].square().sum(1).mean(), rtol=1e-12,
+                               atol=0)
+    with pytest.raises(ValueError, match="method must be one of .*'recorded'.*got 'other'"):
+        make_penalty("r1", method="other")
