@@ -24,6 +24,8 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 | finite_difference | input backward, forward + backward at  | O(eps) + O(u/eps) when smooth;    |
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
+| perturbation      | a forward at x + σε, first-order       | an estimate: sampling noise       |
+|                   | backward only (squared norms, target 0)| (rel. std √2 per probe), O(σ²)    |
 
 ``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
 (:func:`~gradreg.penalties.chunks.in_chunks`).
@@ -57,6 +59,7 @@ from gradreg.penalties.finite_difference import (
     finite_difference,
 )
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
     STEPS,
     TF32_ROUNDOFF,
@@ -82,6 +85,7 @@ __all__ = [
     "Method",
     "PenaltyCall",
     "PenaltyFunctions",
+    "Perturbation",
     "check_independent_samples",
     "check_smooth",
     "choose",
@@ -124,11 +128,13 @@ class PenaltyCall:
 class PenaltyFunctions:
     """What a method is given of the penalty: ``exact(outputs, points, loss_scale)``, the
     unweighted penalty of per-sample outputs built for double backward (``create_graph=True``),
-    and ``of_gradients(grads)``, the unweighted penalty as a function of the per-sample input
-    gradients alone (differentiable in them)."""
+    ``of_gradients(grads)``, the unweighted penalty as a function of the per-sample input
+    gradients alone (differentiable in them), and ``of_norms(norms)``, as a function of the
+    per-sample norms (squared where the configuration's ``squared`` says so)."""
 
     exact: Callable[[Tensor, tuple[Tensor, ...], LossScale], Tensor]
     of_gradients: Callable[[tuple[Tensor, ...]], Tensor]
+    of_norms: Callable[[Tensor], Tensor]
 
 
 #: A method: one call in, the unweighted penalty out (carrying the parameter gradient).
@@ -175,6 +181,27 @@ class FiniteDifference:
         return value
 
 
+class Perturbation:
+    """The squared norms estimated from perturbed forwards
+    (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`), no double backward; the
+    forward at the points themselves is the callable's (a closure can hand back the task's
+    outputs there, as for ``finite_difference``). Samples are checked independent on the first
+    call (BatchNorm in training mode is refused)."""
+
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty = penalty
+        self.options = {"sigma": config.sigma, "central": config.central,
+                        "probes": config.probes}
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        sq = perturbation_sq_norms(call.of_points, call.inputs, **self.options)
+        if not self._checked:
+            check_independent_samples(sq, "method='perturbation'")
+            self._checked = True
+        return self.penalty.of_norms(sq)
+
+
 class Compiled:
     """Exact, through compiled ``torch.func`` (:class:`~gradreg.penalties.compiled
     .CompiledPenalty`, rebuilt when the callable changes). Where compiling fails it warns once
@@ -216,6 +243,7 @@ BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
     "finite_difference": lambda config, penalty: FiniteDifference(penalty, config.fd_eps),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
+    "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }
 
 #: The names of the methods, the values of ``method``.

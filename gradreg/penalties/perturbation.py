@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from gradreg.autograd import GradientError, _as_tuple
+from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
 
 __all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
@@ -88,7 +88,7 @@ def perturbation_sq_norms(
             f"the perturbation estimate runs the model itself at perturbed points: pass the "
             f"model (a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
-    inputs = _as_tuple(inputs)
+    inputs = as_tuple(inputs)
     if not (isinstance(sigma, (int, float)) and sigma > 0):
         raise ValueError(f"sigma (the probe's scale) must be a number > 0, got {sigma!r}.")
     if not (isinstance(probes, int) and probes >= 1):

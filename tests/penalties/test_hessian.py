@@ -10,7 +10,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradreg import GradientError
-from gradreg.penalties.hessian import hessian_penalty, second_directional_derivatives
+from gradreg.penalties.hessian_penalty import (
+    hessian_penalty,
+    second_directional_derivatives,
+)
 
 F64 = torch.float64
 

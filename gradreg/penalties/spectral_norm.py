@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.func import jvp, vjp
 
-from gradreg.autograd import GradientError, _as_tuple
+from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
 from gradreg.penalties.norms import per_sample_norm
 
@@ -54,7 +54,7 @@ def power_iteration(
     if not (isinstance(iterations, int) and iterations >= 1):
         raise ValueError(f"iterations must be an int >= 1 (power-iteration steps), got "
                          f"{iterations!r}.")
-    points = tuple(x.detach() for x in _as_tuple(inputs))
+    points = tuple(x.detach() for x in as_tuple(inputs))
     with torch.no_grad():
         outputs, pullback = vjp(fn, *points)
         check_per_sample(outputs, points)
@@ -84,7 +84,7 @@ def spectral_norms(
             "the spectral norm runs the model itself (Jacobian-vector products): pass the model "
             f"(a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
-    inputs = _as_tuple(inputs)
+    inputs = as_tuple(inputs)
     u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
     stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
     return (u * stretched).reshape(u.shape[0], -1).sum(1)
