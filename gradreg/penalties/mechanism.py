@@ -247,8 +247,11 @@ class GradientPenalty(nn.Module):
                 f"method={self.method!r}, kind={self.kind!r}, subsample={self.subsample} and "
                 f"chunks={self.chunks} need outputs as a callable fn(*inputs) -> outputs (e.g. "
                 "the critic itself, called on the points), not a tensor")
-        require(loss_scale is None or self.method == "double_backward",
-                "loss_scale is only supported by method='double_backward'")
+        require(loss_scale is None or (self.method == "double_backward"
+                                       and self.kind == "gradient_norm"),
+                f"loss_scale is only supported by method='double_backward' of the gradient norm "
+                f"(got method={self.method!r}, kind={self.kind!r}): run this penalty outside "
+                "fp16 autocast, in float32")
         if fn is None:
             return methods.PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
         both = subsample(inputs + fn_args, self.subsample)

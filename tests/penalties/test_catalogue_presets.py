@@ -259,6 +259,8 @@ def test_spectral_bad_input() -> None:
         spectral(method="finite_difference")
     with pytest.raises(ValueError, match="iterations must be an int >= 1"):
         spectral(iterations=0)
+    with pytest.raises(ValueError, match="loss_scale is only supported .* kind='spectral'"):
+        spectral()(model, x, loss_scale=1024.0)
 
 
 # ---------------------------------------------------------------------------------------------
