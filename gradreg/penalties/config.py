@@ -190,6 +190,10 @@ class PenaltyConfig:
                 "method='double_backward' or 'finite_difference'")
         require(self.chunks == 1, "method='perturbation' keeps no double-backward graph to "
                                   "split: use chunks=1")
+        require(self.num_projections == 1,
+                f"num_projections={self.num_projections} sets the Jacobian's orthonormal "
+                "projections, which method='perturbation' does not use (it perturbs the inputs "
+                "and measures all outputs): use probes=k for more probes per sample")
 
     def _check_kind(self) -> None:
         require(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")

@@ -123,6 +123,8 @@ def test_perturbation_refuses_what_it_cannot_estimate() -> None:
         approx_r1(probes=0)
     with pytest.raises(ValueError, match="keeps no double-backward graph to split"):
         approx_r1(chunks=2)
+    with pytest.raises(ValueError, match="num_projections=4 .* use probes=k"):
+        jacobian(method="perturbation", num_projections=4)
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.Flatten(0))
     with pytest.raises(GradientError, match="BatchNorm in training mode"):
         approx_r1()(bn.double(), x)
