@@ -26,7 +26,7 @@ Validation and test differentiate too (FGSM, PGD, input-gradient norm): they nee
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 
@@ -36,12 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradreg import capture, gradient
+from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
-from gradreg.lightning.metrics import accuracy, fgsm, pgd
+from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
-from gradreg.penalties import PRESETS, GradientPenalty, as_points
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+from gradreg.penalties import GradientPenalty, as_points
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -49,33 +48,6 @@ INFERENCE_MODE_ERROR = (
     "validation/test of a Classifier takes input gradients (FGSM, gradient norm), which "
     "torch.inference_mode() forbids: build the Trainer with inference_mode=False."
 )
-
-
-def settle_finite_checks(penalties: Mapping[str, GradientPenalty]) -> None:
-    """Raise for a non-finite penalty value whose asynchronous check is still pending (on a GPU
-    the per-step check never waits for the device; this waits once, at the end of an epoch)."""
-    for penalty in penalties.values():
-        penalty.finite_check.settle()
-
-
-def check_penalties(
-    penalties: Mapping[str, GradientPenalty], module: nn.Module, supported: Sequence[str], kind: str
-) -> None:
-    """Raise ``ValueError`` naming the penalty and the valid values if ``kind`` cannot apply it."""
-    names = [name for name, _ in module.named_modules() if name]
-    for key, penalty in penalties.items():
-        if penalty.points not in supported:
-            presets = [name for name, preset in PRESETS.items() if preset["points"] in supported]
-            raise ValueError(
-                f"penalty {key!r} has points={penalty.points!r}, which a {kind} cannot evaluate; "
-                f"a {kind} supports points {list(supported)}, i.e. the presets {presets}"
-            )
-        unknown = [layer for layer in penalty.layers if layer not in names]
-        if unknown:
-            raise ValueError(
-                f"penalty {key!r} has layers={unknown}, not submodules of the model; "
-                f"valid layers: {names}"
-            )
 
 
 class Classifier(L.LightningModule):

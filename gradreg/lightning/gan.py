@@ -10,15 +10,15 @@ optimizer step. The critic-step counter is a buffer, so it is checkpointed.
 Validation draws a fixed set of latents (its own seeded generator: it never touches the training
 RNG) and reports the energy distance between fakes and held-out reals, the critic's Wasserstein
 estimate :math:`E[D(x)] - E[D(G(z))]` and, on the Gaussian mixtures, modes covered and the share
-of high-quality samples (:mod:`gradreg.lightning.metrics`). For images the energy distance is over
-flattened pixels, and a :class:`~gradreg.lightning.sample_quality.SampleScorer` (trained on the
+of high-quality samples (:mod:`gradreg.evaluation.metrics`). For images the energy distance is over
+flattened pixels, and a :class:`~gradreg.evaluation.sample_quality.SampleScorer` (trained on the
 training split at the start of fit or test) adds classes covered (``modes``), the KL between the
 generated and real class histograms (``kl``) and the energy distance in its feature space.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import lightning as L
@@ -26,15 +26,14 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.data.toy import MIXTURES, TOY_SETS
-from gradreg.lightning.classifier import check_penalties, settle_finite_checks
+from gradreg.evaluation.metrics import energy_distance, mode_metrics
+from gradreg.evaluation.sample_quality import SampleScorer
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
-from gradreg.lightning.metrics import energy_distance, mode_metrics
+from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
-from gradreg.lightning.sample_quality import SampleScorer
 from gradreg.penalties import GradientPenalty
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 # WGAN-GP's toy experiments: Adam, lr 1e-4, betas (0.5, 0.9)
 DEFAULT_OPTIMIZER = partial(torch.optim.Adam, lr=1e-4, betas=(0.5, 0.9))
 

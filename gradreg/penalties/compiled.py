@@ -28,16 +28,15 @@ class CompiledPenalty:
     ``functional_call`` and compiling the whole is exact and supported. The parameter gradient
     :math:`G` enters the caller's backward through the surrogate
     :math:`\sum_\theta \langle \theta, \operatorname{detach}(G) \rangle` minus its detached value.
-    The forward at the points runs inside (it is not shared with a task loss), so it is slower
-    than eager double backward wherever measured (CPU 2.1-3.7x a plain step against 2.0-2.3x;
-    H100 1.01-1.25x eager double backward): it is refused on CUDA, and on models with
-    normalization layers in training mode (their in-place running-statistics update fails to
-    compile; eval mode works). The first call compiles (tens of seconds on CPU; a C++ compiler
-    is needed there); where compiling fails the call raises :class:`CompileUnavailable`, on
-    which :class:`~gradreg.penalties.methods.Compiled` falls back to ``double_backward`` for
-    good. Each new input shape recompiles (the smaller last batch: use ``drop_last``); all
-    instances share one compiled code object, so past dynamo's ``recompile_limit`` (8)
-    compilations in a process the calls run uncompiled (still exact).
+    The forward at the points runs inside (it is not shared with a task loss), so it was slower
+    than eager double backward on every case measured (``docs/benchmarks.md``): it is refused on
+    CUDA, and on models with normalization layers in training mode (their in-place running-
+    statistics update fails to compile; eval mode works). The first call compiles (tens of seconds
+    on CPU; a C++ compiler is needed there); where compiling fails the call raises
+    :class:`CompileUnavailable`, on which :class:`~gradreg.penalties.methods.Compiled` falls back
+    to ``double_backward`` for good. Each new input shape recompiles (the smaller last batch: use
+    ``drop_last``); all instances share one compiled code object, so past dynamo's
+    ``recompile_limit`` (8) compilations in a process the calls run uncompiled (still exact).
     """
 
     def __init__(self, module: nn.Module, penalty_of_grads: PenaltyOfGradients) -> None:
@@ -75,10 +74,9 @@ class CompiledPenalty:
         fails."""
         if inputs[0].device.type == "cuda":
             raise GradientError(
-                "method='compiled' is not offered on CUDA: on an H100 (torch 2.11) it took "
-                "1.01-1.25x the time of eager double backward on every case measured, since it "
-                "runs its own forward and cannot share the task's. Use method='double_backward' "
-                "(exact)."
+                "method='compiled' is not offered on CUDA: it runs its own forward and cannot "
+                "share the task's, and was slower than eager double backward on every case "
+                "measured. Use method='double_backward' (exact)."
             )
         params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         buffers = dict(self.module.named_buffers())

@@ -71,10 +71,9 @@ def finite_difference(
 
     Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
     (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);
-    with :func:`default_step`, measured 1e-4 to 1e-3 in float32 and 2e-8 to 6e-8 in float64 on
-    tanh/softplus/ELU networks with unit-scale inputs (up to 8e-3 on a softplus conv critic), and
-    4e-3 to 6e-2 in TF32, the default of float32 convolutions on Ampere and newer GPUs (emulated
-    on the CPU; docs/benchmarks.md). For the float32 error there, turn TF32 off
+    :func:`default_step` balances the two for float64, float32 and TF32 (the default of float32
+    convolutions on Ampere and newer GPUs, whose error is the largest); the errors measured with
+    it are in ``docs/benchmarks.md``. For the float32 error on such a GPU, turn TF32 off
     (``torch.backends.cudnn.allow_tf32 = False``); for an exact gradient use double backward.
     On piecewise-linear models the parameter gradient jumps where a unit changes sign between
     :math:`x` and :math:`x + hv`, which happens with probability :math:`O(h)` and costs

@@ -28,6 +28,7 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 |                   | backward only (squared norms, target 0)| (rel. std √2 per probe), O(σ²)    |
 
 ``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
+for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
 (:func:`~gradreg.penalties.chunks.in_chunks`).
 
 A method is chosen once, when the penalty is built (:func:`choose`), as a callable from one

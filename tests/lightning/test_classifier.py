@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradreg import GradientError
+from gradreg.evaluation.metrics import pgd
 from gradreg.lightning.classifier import Classifier
-from gradreg.lightning.metrics import pgd
 from gradreg.models import MLP
 from gradreg.penalties import make_penalty
 from gradreg.penalties.finite import _Recorded

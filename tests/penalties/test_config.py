@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods
+from tests.penalties.parameter_gradients import value_and_grad
 
 
 def critic() -> nn.Sequential:
@@ -20,15 +21,6 @@ def critic() -> nn.Sequential:
 def points(batch: int = 6) -> Tensor:
     torch.manual_seed(1)
     return torch.randn(batch, 3, dtype=torch.float64, requires_grad=True)
-
-
-def value_and_grad(penalty: GradientPenalty, model: nn.Module, fn: object,
-                   x: Tensor) -> tuple[Tensor, Tensor]:
-    model.zero_grad(set_to_none=True)
-    value = penalty(fn, x)
-    value.backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
-    return value.detach(), torch.cat([g.flatten() for g in grads])
 
 
 def test_a_config_and_its_keyword_options_build_the_same_penalty() -> None:

@@ -21,6 +21,7 @@ from gradreg.penalties import (
 )
 from gradreg.tf32 import EmulatedTF32
 from gradreg.torch_compat import dynamo_supported
+from tests.penalties.parameter_gradients import value_and_grad
 from tests.residual_net import ResidualNet
 
 
@@ -36,15 +37,6 @@ def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Seque
 def points(dtype: torch.dtype = torch.float64, batch: int = 32, n_in: int = 8) -> Tensor:
     torch.manual_seed(1)
     return torch.randn(batch, n_in, dtype=dtype).requires_grad_()
-
-
-def value_and_grad(penalty: GradientPenalty, model: nn.Module, fn: object,
-                   x: Tensor) -> tuple[Tensor, Tensor]:
-    model.zero_grad(set_to_none=True)
-    value = penalty(fn, x)
-    value.backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
-    return value.detach(), torch.cat([g.flatten() for g in grads])
 
 
 def relative_error(estimate: Tensor, exact: Tensor) -> float:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradreg.lightning.metrics import energy_distance
+from gradreg.evaluation.metrics import energy_distance
 from gradreg.models import CNN
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradreg.data import MIXTURES
-from gradreg.lightning.metrics import accuracy, energy_distance, fgsm, mode_metrics, pgd
+from gradreg.evaluation.metrics import accuracy, energy_distance, fgsm, mode_metrics, pgd
 
 
 def test_fgsm_steps_along_the_gradient_sign_and_clips() -> None:

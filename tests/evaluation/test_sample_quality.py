@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradreg.data import DigitsDataModule
-from gradreg.lightning.sample_quality import SampleScorer, class_histogram_metrics
+from gradreg.evaluation.sample_quality import SampleScorer, class_histogram_metrics
 
 
 def test_one_class_covers_one_mode_and_its_kl_is_log_of_one_over_its_share() -> None:
