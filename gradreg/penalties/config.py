@@ -206,6 +206,10 @@ class PenaltyConfig:
         require(isinstance(self.epsilon, (int, float)) and self.epsilon > 0,
                 f"epsilon (the Hessian penalty's finite-difference step) must be > 0, got "
                 f"{self.epsilon!r}")
+        require(self.kind == "spectral" or self.iterations == 10,
+                "iterations sets the power iteration of kind='spectral'; pass kind='spectral'")
+        require(self.kind == "hessian" or (self.k, self.epsilon) == (2, 0.1),
+                "k and epsilon set the Hessian penalty; pass kind='hessian'")
         if self.kind == "gradient_norm":
             return
         methods = KIND_METHODS[self.kind]
@@ -219,6 +223,9 @@ class PenaltyConfig:
         if self.kind == "spectral":
             require(self.p == 2, f"kind='spectral' is the operator 2-norm; got p={self.p!r}")
         else:
+            require((self.target, self.one_sided, self.power, self.p) == (0, False, 2, 2),
+                    "kind='hessian' penalizes a variance, not a norm: target, one_sided, power "
+                    "and p do not apply; leave them at their defaults")
             require(self.reduction in ("max", "mean"),
                     f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
                     f"reduction={self.reduction!r}")

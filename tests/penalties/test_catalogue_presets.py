@@ -314,3 +314,9 @@ def test_hessian_bad_input() -> None:
         hessian()(lambda a, b: g(a + b), (z, z))
     with pytest.raises(ValueError, match="kind must be one of"):
         make_penalty("r1", kind="laplacian")
+    with pytest.raises(ValueError, match="variance, not a norm: target, one_sided"):
+        hessian(target=1.0)
+    with pytest.raises(ValueError, match="k and epsilon set the Hessian penalty"):
+        make_penalty("r1", k=4)
+    with pytest.raises(ValueError, match="iterations sets the power iteration"):
+        make_penalty("jacobian", iterations=5)
