@@ -320,3 +320,31 @@ def test_hessian_bad_input() -> None:
         make_penalty("r1", k=4)
     with pytest.raises(ValueError, match="iterations sets the power iteration"):
         make_penalty("jacobian", iterations=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# every preset: gradcheck of parameters -> penalty in float64, the random draws seeded
+
+
+@pytest.mark.parametrize("name", ["approx_r1", "approx_r2", "max_gp", "spectral", "hessian"])
+def test_gradcheck_parameters_to_penalty(name: str) -> None:
+    """The penalty as a function of the parameters, its draws (probes, start vector, directions)
+    seeded: autograd's derivative equals finite differences (the spectral norm's at convergence,
+    where the fixed last iterate gives the derivative of σ_max itself)."""
+    model = {"spectral": classifier, "hessian": generator}.get(name, critic)()
+    x = torch.randn(4, 4 if name == "spectral" else 3, dtype=F64)
+    names = [n for n, _ in model.named_parameters()]
+    options = {"iterations": 300} if name == "spectral" else {}
+
+    def penalty_of(*params: Tensor) -> Tensor:
+        def fn(q: Tensor) -> Tensor:
+            return functional_call(model, dict(zip(names, params, strict=True)), (q,))
+
+        torch.manual_seed(0)
+        gp, points = make_penalty(name, **options), as_points(x)
+        return gp(fn(points), points) if name == "max_gp" else gp(fn, points)
+
+    params = tuple(p.detach().clone().requires_grad_() for p in model.parameters())
+    assert penalty_of(*params).item() > 0
+    assert torch.autograd.gradcheck(penalty_of, params, eps=1e-6, atol=1e-6, rtol=1e-4,
+                                    fast_mode=name == "spectral")
