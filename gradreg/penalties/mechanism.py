@@ -49,8 +49,9 @@ and weights what it returns. A new method needs no change here:
 2. add its builder ``(config, penalty) -> method`` to
    :data:`~gradreg.penalties.methods.BUILDERS`: its name becomes a valid ``method``;
 3. state what it supports in :meth:`PenaltyConfig.__post_init__`: every method but
-   ``double_backward`` already needs ``projection="sum"``, ``order=1``, a numeric target,
-   per-sample points, and ``outputs`` as a callable (``needs_callable``);
+   ``double_backward`` already needs ``order=1``, a numeric target, per-sample points, and
+   ``outputs`` as a callable (``needs_callable``), and all but ``perturbation`` (which takes the
+   Jacobian's squared norm too) ``projection="sum"``;
 4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
    and give it a row in the benchmark.
 
