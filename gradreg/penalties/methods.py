@@ -12,10 +12,13 @@ By the chain rule, with :math:`v_i = \partial P / \partial g_i` held fixed,
                     = \nabla_\theta \sum_i \langle \nabla_{x_i} f_i, v_i \rangle ,
 
 a mixed second derivative. ``double_backward`` gets it exactly by differentiating the graph of
-:math:`g` (reverse over reverse); the two other methods return the exact value of :math:`P` plus a
-zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter gradient is the
-estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter gradients are
-estimated; the gradient the surrogate sends to the points themselves is not meaningful.
+:math:`g` (reverse over reverse); ``finite_difference`` and ``compiled`` return the exact value
+of :math:`P` plus a zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter
+gradient is the estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter
+gradients are estimated; the gradient the surrogate sends to the points themselves is not
+meaningful. ``perturbation`` (squared norms with target 0 only) replaces :math:`P` itself by an
+estimate from perturbed forwards (:mod:`~gradreg.penalties.perturbation`), differentiated by an
+ordinary first-order backward: value and parameter gradient are :math:`P`'s in expectation.
 
 | method            | work on top of the task step           | error of the parameter gradient   |
 |-------------------|----------------------------------------|-----------------------------------|
