@@ -132,7 +132,8 @@ def test_perturbation_refuses_what_it_cannot_estimate() -> None:
 
 def test_perturbation_runs_where_double_backward_cannot() -> None:
     """A critic with an op whose backward is not differentiable: r1 refuses it with its clear
-    error, approx_r1 trains it (first-order backward only)."""
+    error; approx_r1 gives it the parameter gradient of the same critic through torch's tanh
+    (first-order backward only, same probes)."""
 
     class OnceDifferentiableTanh(torch.autograd.Function):
         @staticmethod
@@ -153,11 +154,20 @@ def test_perturbation_runs_where_double_backward_cannot() -> None:
     def d(q: Tensor) -> Tensor:
         return out(OnceDifferentiableTanh.apply(hidden(q))).flatten()
 
+    def twin(q: Tensor) -> Tensor:  # the same critic through torch's tanh
+        return out(torch.tanh(hidden(q))).flatten()
+
     x = as_points(torch.randn(4, 3, dtype=F64))
     with pytest.raises(GradientError, match="once_differentiable"):
         r1()(d(x), x)
-    approx_r1()(d, x).backward()
-    assert all(bool(p.grad.abs().sum() > 0) for p in (hidden.weight, out.weight))
+    params = [hidden.weight, hidden.bias, out.weight]
+    grads = []
+    for critic_fn in (d, twin):
+        torch.manual_seed(0)
+        grads.append(torch.autograd.grad(approx_r1()(critic_fn, x), params))
+    for mine, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=0)
+        assert bool(mine.abs().sum() > 0)
 
 
 # ---------------------------------------------------------------------------------------------
