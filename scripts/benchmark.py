@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from benchmarking.cases import grid, make_case
 from benchmarking.report import machine, markdown, plot, table
-from benchmarking.steps import METHODS
+from benchmarking.steps import METHODS, applicable
 from benchmarking.timing import measure
 
 from gradreg.models import ACTIVATIONS
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         build = (kind, batch, width, args.activation, dtype, device)
         case = make_case(*build)
         twin = make_case(*build, gradreg_batchnorm=True) if case.has_batchnorm else None
-        rows += measure(case, methods, reps, device, clock, autocast, twin)
+        rows += measure(case, applicable(case, methods), reps, device, clock, autocast, twin)
         print(table([r for r in rows if r["case"] == case.name and r["batch"] == batch
                      and r["width"] == width]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

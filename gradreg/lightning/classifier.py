@@ -141,17 +141,17 @@ class Classifier(L.LightningModule):
         """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
         and the callable's per-sample arguments besides the inputs (the labels).
 
-        Double backward shares the task's forward pass, and so does ``finite_difference`` at the
-        points themselves (its callable hands back the task's outputs when called on ``x``); the
-        shifted points, ``compiled``, ``subsample`` and ``chunks`` run their own forward
-        (``gp.needs_callable``).
+        Double backward shares the task's forward pass, and so do ``finite_difference`` and
+        ``perturbation`` at the points themselves (the callable hands back the task's outputs
+        when called on ``x``); the shifted points, ``compiled``, ``subsample``, ``chunks`` and
+        the kinds other than the gradient norm run their own forward (``gp.needs_callable``).
         """
         task_outputs = logits if gp.of == "outputs" else per_sample
         if not gp.needs_callable:
             return task_outputs, ()
         forward, fn_args = ((self.backbone, ()) if gp.of == "outputs"
                             else (self._per_sample_loss, (y,)))
-        if gp.method == "finite_difference":
+        if gp.method in ("finite_difference", "perturbation"):
             return (lambda q, *args: task_outputs if q is x else forward(q, *args)), fn_args
         return forward, fn_args
 

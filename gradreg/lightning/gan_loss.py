@@ -13,7 +13,9 @@ Penalties get the network itself as ``outputs`` (a callable) and run its forward
 so every penalty ``method``, ``subsample`` and ``chunks`` work. The exception is R1/R2 by plain
 double backward: as in StyleGAN2, they differentiate the critic scores of the adversarial term
 itself (the reals or fakes are made points before that forward), which saves a forward and a
-backward of the critic on those samples.
+backward of the critic on those samples; and the perturbation estimate (``approx_r1``,
+``approx_r2``) gets a callable that hands back those scores at the samples themselves, so only the
+perturbed samples take a forward of their own.
 
 Adversarial terms :math:`(a_D, a_G)`, functions of the real and fake scores:
 
@@ -116,6 +118,10 @@ class GANLoss:
         for name, gp in due.items():
             if shares_forward(gp):  # differentiate the adversarial forward's scores
                 terms[name] = gp(scores[gp.points], samples[gp.points], loss_scale=loss_scale)
+            elif gp.points in samples and gp.method == "perturbation":  # D(x) from the loss
+                at, score = samples[gp.points], scores[gp.points]
+                terms[name] = gp(lambda q, at=at, score=score: score if q is at else self.critic(q),
+                                 at, loss_scale=loss_scale)
             else:
                 terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
                                  loss_scale=loss_scale)

@@ -16,11 +16,17 @@ from typing import Any
 from gradreg.penalties.methods import BUILDERS
 from gradreg.penalties.projections import PROJECTIONS
 
-__all__ = ["POINTS", "REDUCTIONS", "PenaltyConfig", "require", "squared_norm_penalty"]
+__all__ = ["KINDS", "POINTS", "REDUCTIONS", "PenaltyConfig", "require", "squared_norm_penalty"]
 
 POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
           "parameters")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "max")
+#: What is penalized (:mod:`gradreg.penalties.kinds`): the gradient norm of the module docstring
+#: of :mod:`gradreg.penalties.mechanism`, the Jacobian's spectral norm, or the Hessian penalty.
+KINDS = ("gradient_norm", "spectral", "hessian")
+#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of BUILDERS).
+KIND_METHODS = {"spectral": ("double_backward",),
+                "hessian": ("finite_difference", "double_backward")}
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,8 @@ class PenaltyConfig:
         one_sided: penalize only norms above the target (WGAN-LP).
         power: exponent of the deviation, > 0.
         p: the norm's order, > 0.
-        reduction: ``"mean"`` or ``"sum"`` over samples.
+        reduction: ``"mean"``, ``"sum"`` or ``"max"`` over samples (``"max"``: Max-GP, the
+            largest per-sample value; it does not split over micro-batches or DDP ranks).
         every: lazy regularization: compute on one step in ``every`` (see
             :meth:`GradientPenalty.due <gradreg.penalties.GradientPenalty.due>`) and scale by
             ``every`` so the expected gradient is unchanged (StyleGAN2).
@@ -72,6 +79,22 @@ class PenaltyConfig:
             ``None`` picks :func:`~gradreg.penalties.precision.default_step` for the precision
             the model's arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`:
             float64, float32, or TF32 on GPUs).
+        sigma, central, probes: ``method="perturbation"``
+            (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`): the squared norm
+            from ‖f(x + σε) − f(x)‖²/σ², ε ~ N(0, I), no double backward; ``sigma`` the probe's
+            scale per element (> 0), ``central`` the central difference, ``probes`` probes per
+            sample (averaged). Only for squared norms with target 0 (R1, R2, double backprop,
+            the Jacobian).
+        kind: what is penalized, one of :data:`KINDS`: ``"gradient_norm"`` (the module
+            docstring of :mod:`~gradreg.penalties.mechanism`), ``"spectral"`` (per-sample
+            :math:`\sigma_{\max}` of the input Jacobian by ``iterations`` power-iteration
+            steps, in place of the gradient norm) or ``"hessian"`` (the Hessian penalty with
+            ``k`` directions, step ``epsilon`` and ``reduction`` ``"max"`` or ``"mean"``;
+            ``method`` ``"finite_difference"`` or ``"double_backward"``, the exact form). Both
+            need ``outputs`` as a callable (:mod:`gradreg.penalties.kinds`).
+        iterations: power-iteration steps of ``kind="spectral"``, >= 1.
+        k, epsilon: Rademacher directions per sample (>= 2) and finite-difference step (> 0) of
+            ``kind="hessian"``.
     """
 
     target: float | str = 0.0
@@ -93,6 +116,13 @@ class PenaltyConfig:
     subsample: float = 1.0
     fd_eps: float | None = None
     chunks: int = 1
+    sigma: float = 0.01
+    central: bool = False
+    probes: int = 1
+    kind: str = "gradient_norm"
+    iterations: int = 10
+    k: int = 2
+    epsilon: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
@@ -119,11 +149,17 @@ class PenaltyConfig:
         require(0 < self.ema_decay <= 1, f"ema_decay must be in (0, 1], got {self.ema_decay!r}")
         require(self.gain > 0, f"gain must be > 0, got {self.gain!r}")
         require(method in BUILDERS, f"method must be one of {tuple(BUILDERS)}, got {method!r}")
-        require(method == "double_backward" or (
+        require(method in ("double_backward", "perturbation") or (
             self.projection == "sum" and self.order == 1 and target != "ema"
             and self.points not in ("parameters", "activations")),
             f"method={method!r} supports projection='sum', order=1, a numeric target and "
             "per-sample points other than 'activations'; use method='double_backward'")
+        self._check_perturbation()
+        self._check_kind()
+        require(self.reduction != "max" or (self.subsample == 1 and self.chunks == 1),
+                f"reduction='max' takes the largest value over the whole batch; subsample="
+                f"{self.subsample} and chunks={self.chunks} would take it over part of the batch "
+                "(or of one chunk): use subsample=1 and chunks=1")
         require(0 < self.subsample <= 1, f"subsample must be in (0, 1], got {self.subsample!r}")
         require(self.fd_eps is None or self.fd_eps > 0,
                  f"fd_eps must be > 0 or None, got {self.fd_eps!r}")
@@ -134,6 +170,65 @@ class PenaltyConfig:
                                  and self.points != "parameters"),
                  f"chunks={chunks} needs method='double_backward', a numeric target (an 'ema' "
                  "target couples the samples) and per-sample points; use chunks=1")
+
+    def _check_perturbation(self) -> None:
+        require(isinstance(self.sigma, (int, float)) and self.sigma > 0,
+                f"sigma (the perturbation's scale) must be a number > 0, got {self.sigma!r}")
+        require(isinstance(self.probes, int) and self.probes >= 1,
+                f"probes must be an int >= 1 (probes per sample), got {self.probes!r}")
+        if self.method != "perturbation":
+            require((self.sigma, self.central, self.probes) == (0.01, False, 1),
+                    f"sigma, central and probes set the perturbation estimate; they do nothing "
+                    f"with method={self.method!r}: pass method='perturbation'")
+            return
+        require(self.kind == "gradient_norm" and self.squared and self.order == 1
+                and self.projection in ("sum", "orthonormal")
+                and self.points not in ("parameters", "activations"),
+                "method='perturbation' estimates squared per-sample norms with target 0 (R1, "
+                "R2, double backprop, the Jacobian: target=0, power=2, p=2, order=1, per-sample "
+                "points other than 'activations'); for other penalties use "
+                "method='double_backward' or 'finite_difference'")
+        require(self.chunks == 1, "method='perturbation' keeps no double-backward graph to "
+                                  "split: use chunks=1")
+        require(self.num_projections == 1,
+                f"num_projections={self.num_projections} sets the Jacobian's orthonormal "
+                "projections, which method='perturbation' does not use (it perturbs the inputs "
+                "and measures all outputs): use probes=k for more probes per sample")
+
+    def _check_kind(self) -> None:
+        require(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
+        require(isinstance(self.iterations, int) and self.iterations >= 1,
+                f"iterations must be an int >= 1 (power-iteration steps), got "
+                f"{self.iterations!r}")
+        require(isinstance(self.k, int) and self.k >= 2,
+                f"k (Rademacher directions per sample) must be an int >= 2: the Hessian penalty "
+                f"is a variance over the directions, which needs two; got {self.k!r}")
+        require(isinstance(self.epsilon, (int, float)) and self.epsilon > 0,
+                f"epsilon (the Hessian penalty's finite-difference step) must be > 0, got "
+                f"{self.epsilon!r}")
+        require(self.kind == "spectral" or self.iterations == 10,
+                "iterations sets the power iteration of kind='spectral'; pass kind='spectral'")
+        require(self.kind == "hessian" or (self.k, self.epsilon) == (2, 0.1),
+                "k and epsilon set the Hessian penalty; pass kind='hessian'")
+        if self.kind == "gradient_norm":
+            return
+        methods = KIND_METHODS[self.kind]
+        require(self.method in methods,
+                f"kind={self.kind!r} is computed by method {' or '.join(map(repr, methods))}, "
+                f"got method={self.method!r}")
+        require(self.chunks == 1 and self.projection == "sum" and self.order == 1
+                and self.target != "ema" and self.points not in ("parameters", "activations"),
+                f"kind={self.kind!r} takes per-sample points other than 'activations', a "
+                "numeric target, projection='sum', order=1 and chunks=1")
+        if self.kind == "spectral":
+            require(self.p == 2, f"kind='spectral' is the operator 2-norm; got p={self.p!r}")
+        else:
+            require((self.target, self.one_sided, self.power, self.p) == (0, False, 2, 2),
+                    "kind='hessian' penalizes a variance, not a norm: target, one_sided, power "
+                    "and p do not apply; leave them at their defaults")
+            require(self.reduction in ("max", "mean"),
+                    f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
+                    f"reduction={self.reduction!r}")
 
     @classmethod
     def options(cls) -> tuple[str, ...]:
@@ -163,8 +258,10 @@ class PenaltyConfig:
     @property
     def needs_callable(self) -> bool:
         """Whether the penalty runs its own forward: the methods other than double backward,
-        ``subsample`` and ``chunks`` do, so ``outputs`` must be a callable ``fn(*points)``."""
-        return self.method != "double_backward" or self.subsample < 1 or self.chunks > 1
+        ``subsample``, ``chunks`` and the kinds other than ``"gradient_norm"`` do, so
+        ``outputs`` must be a callable ``fn(*points)``."""
+        return (self.method != "double_backward" or self.subsample < 1 or self.chunks > 1
+                or self.kind != "gradient_norm")
 
     @property
     def per_sample(self) -> bool:

@@ -10,10 +10,11 @@ penalty is
     \qquad \phi(t) = \max(0, t) \text{ if one-sided else } |t|,
 
 where :math:`g_i` is the gradient of sample :math:`i` (all its non-batch dimensions, over every
-input), :math:`c` the target, and the reduction a mean or a sum over samples. The gradient is that
-of the *sum* of the per-sample outputs (a vector-Jacobian product), so for models whose samples do
-not interact :math:`g_i = \nabla_{x_i} f(x_i)` and the value does not depend on how a batch is
-split into micro-batches or DDP ranks. It is built with ``create_graph=True``: the penalty's
+input), :math:`c` the target, and the reduction a mean, a sum or a maximum over samples. The
+gradient is that of the *sum* of the per-sample outputs (a vector-Jacobian product), so for models
+whose samples do not interact :math:`g_i = \nabla_{x_i} f(x_i)` and a mean or a sum does not
+depend on how a batch is split into micro-batches or DDP ranks (a maximum does: it is taken over
+the batch at hand). It is built with ``create_graph=True``: the penalty's
 gradient w.r.t. the parameters is the exact double-backward one.
 
 Where :math:`g_i` comes from is a choice of ``projection`` and ``order``:
@@ -48,10 +49,14 @@ and weights what it returns. A new method needs no change here:
 2. add its builder ``(config, penalty) -> method`` to
    :data:`~gradreg.penalties.methods.BUILDERS`: its name becomes a valid ``method``;
 3. state what it supports in :meth:`PenaltyConfig.__post_init__`: every method but
-   ``double_backward`` already needs ``projection="sum"``, ``order=1``, a numeric target,
-   per-sample points, and ``outputs`` as a callable (``needs_callable``);
+   ``double_backward`` already needs ``order=1``, a numeric target, per-sample points, and
+   ``outputs`` as a callable (``needs_callable``), and all but ``perturbation`` (which takes the
+   Jacobian's squared norm too) ``projection="sum"``;
 4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
    and give it a row in the benchmark.
+
+What is penalized is the penalty's ``kind`` (:mod:`gradreg.penalties.kinds`): the gradient norm
+above, the Jacobian's spectral norm in its place, or the Hessian penalty.
 
 A new way of forming :math:`g_i` is an entry of
 :data:`~gradreg.penalties.projections.PROJECTIONS`; a new reduction over samples, an entry of
@@ -68,7 +73,7 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import as_tuple, check_double_backward
-from gradreg.penalties import methods
+from gradreg.penalties import kinds, methods
 from gradreg.penalties.checks import check_per_sample
 from gradreg.penalties.chunks import subsample
 from gradreg.penalties.config import POINTS, PenaltyConfig, require, squared_norm_penalty
@@ -130,8 +135,9 @@ class GradientPenalty(nn.Module):
         super().__init__()
         self.config = PenaltyConfig.from_options(config, options)
         self.weight = weight
-        self._method = methods.choose(self.config,
-                                      methods.PenaltyFunctions(self._exact, self._of_gradients))
+        self._method = kinds.choose(self.config, methods.PenaltyFunctions(
+            self._exact, self._of_gradients, lambda norms: self._penalty_of_norms(
+                norms, self.target)))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self.register_buffer("ema", torch.zeros(()))
@@ -239,11 +245,14 @@ class GradientPenalty(nn.Module):
         fn = None if isinstance(outputs, Tensor) else outputs
         require(fn is not None or not fn_args, "fn_args need outputs as a callable")
         require(fn is not None or not self.needs_callable,
-                f"method={self.method!r}, subsample={self.subsample} and chunks={self.chunks} "
-                "need outputs as a callable fn(*inputs) -> outputs (e.g. the critic itself), "
-                "not a tensor")
-        require(loss_scale is None or self.method == "double_backward",
-                "loss_scale is only supported by method='double_backward'")
+                f"method={self.method!r}, kind={self.kind!r}, subsample={self.subsample} and "
+                f"chunks={self.chunks} need outputs as a callable fn(*inputs) -> outputs (e.g. "
+                "the critic itself, called on the points), not a tensor")
+        require(loss_scale is None or (self.method == "double_backward"
+                                       and self.kind == "gradient_norm"),
+                f"loss_scale is only supported by method='double_backward' of the gradient norm "
+                f"(got method={self.method!r}, kind={self.kind!r}): run this penalty outside "
+                "fp16 autocast, in float32")
         if fn is None:
             return methods.PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
         both = subsample(inputs + fn_args, self.subsample)

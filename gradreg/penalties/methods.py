@@ -12,10 +12,13 @@ By the chain rule, with :math:`v_i = \partial P / \partial g_i` held fixed,
                     = \nabla_\theta \sum_i \langle \nabla_{x_i} f_i, v_i \rangle ,
 
 a mixed second derivative. ``double_backward`` gets it exactly by differentiating the graph of
-:math:`g` (reverse over reverse); the two other methods return the exact value of :math:`P` plus a
-zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter gradient is the
-estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter gradients are
-estimated; the gradient the surrogate sends to the points themselves is not meaningful.
+:math:`g` (reverse over reverse); ``finite_difference`` and ``compiled`` return the exact value
+of :math:`P` plus a zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter
+gradient is the estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter
+gradients are estimated; the gradient the surrogate sends to the points themselves is not
+meaningful. ``perturbation`` (squared norms with target 0 only) replaces :math:`P` itself by an
+estimate from perturbed forwards (:mod:`~gradreg.penalties.perturbation`), differentiated by an
+ordinary first-order backward: value and parameter gradient are :math:`P`'s in expectation.
 
 | method            | work on top of the task step           | error of the parameter gradient   |
 |-------------------|----------------------------------------|-----------------------------------|
@@ -24,6 +27,8 @@ estimated; the gradient the surrogate sends to the points themselves is not mean
 | finite_difference | input backward, forward + backward at  | O(eps) + O(u/eps) when smooth;    |
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
+| perturbation      | a forward at x + σε, first-order       | an estimate: sampling noise       |
+|                   | backward only (squared norms, target 0)| (rel. std √2 per probe), O(σ²)    |
 
 ``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
 for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
@@ -58,6 +63,7 @@ from gradreg.penalties.finite_difference import (
     finite_difference,
 )
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
     STEPS,
     TF32_ROUNDOFF,
@@ -83,6 +89,7 @@ __all__ = [
     "Method",
     "PenaltyCall",
     "PenaltyFunctions",
+    "Perturbation",
     "check_independent_samples",
     "check_smooth",
     "choose",
@@ -125,11 +132,13 @@ class PenaltyCall:
 class PenaltyFunctions:
     """What a method is given of the penalty: ``exact(outputs, points, loss_scale)``, the
     unweighted penalty of per-sample outputs built for double backward (``create_graph=True``),
-    and ``of_gradients(grads)``, the unweighted penalty as a function of the per-sample input
-    gradients alone (differentiable in them)."""
+    ``of_gradients(grads)``, the unweighted penalty as a function of the per-sample input
+    gradients alone (differentiable in them), and ``of_norms(norms)``, as a function of the
+    per-sample norms (squared where the configuration's ``squared`` says so)."""
 
     exact: Callable[[Tensor, tuple[Tensor, ...], LossScale], Tensor]
     of_gradients: Callable[[tuple[Tensor, ...]], Tensor]
+    of_norms: Callable[[Tensor], Tensor]
 
 
 #: A method: one call in, the unweighted penalty out (carrying the parameter gradient).
@@ -176,6 +185,27 @@ class FiniteDifference:
         return value
 
 
+class Perturbation:
+    """The squared norms estimated from perturbed forwards
+    (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`), no double backward; the
+    forward at the points themselves is the callable's (a closure can hand back the task's
+    outputs there, as for ``finite_difference``). Samples are checked independent on the first
+    call (BatchNorm in training mode is refused)."""
+
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty = penalty
+        self.options = {"sigma": config.sigma, "central": config.central,
+                        "probes": config.probes}
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        sq = perturbation_sq_norms(call.of_points, call.inputs, **self.options)
+        if not self._checked:
+            check_independent_samples(sq, "method='perturbation'")
+            self._checked = True
+        return self.penalty.of_norms(sq)
+
+
 class Compiled:
     """Exact, through compiled ``torch.func`` (:class:`~gradreg.penalties.compiled
     .CompiledPenalty`, rebuilt when the callable changes). Where compiling fails it warns once
@@ -217,6 +247,7 @@ BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
     "finite_difference": lambda config, penalty: FiniteDifference(penalty, config.fd_eps),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
+    "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }
 
 #: The names of the methods, the values of ``method``.

@@ -49,9 +49,10 @@ def safe_sqrt(sq: Tensor) -> Tensor:
     return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
 
 
-#: The reductions over samples by name (``"none"``: the per-sample values).
+#: The reductions over samples by name (``"max"``: Max-GP's largest per-sample value; ``"none"``:
+#: the per-sample values).
 REDUCE: dict[str, Callable[[Tensor], Tensor]] = {
-    "mean": Tensor.mean, "sum": Tensor.sum, "none": lambda values: values}
+    "mean": Tensor.mean, "sum": Tensor.sum, "max": Tensor.amax, "none": lambda values: values}
 
 
 def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool, power: float,
@@ -65,5 +66,5 @@ def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool
         deviation = deviation.clamp_min(0) if one_sided else deviation.abs()
         values = deviation if power == 1 else deviation.pow(power)
     if reduction not in REDUCE:
-        raise ValueError(f"unknown reduction {reduction!r}; valid: 'mean', 'sum', 'none'.")
+        raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(map(repr, REDUCE))}.")
     return REDUCE[reduction](values)

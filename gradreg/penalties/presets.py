@@ -31,6 +31,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "path_length": {"weight": 2.0, "target": "ema", "ema_decay": 0.01, "projection": "gaussian",
                     "points": "latents"},
     "derivative": {"weight": 1.0, "order": 2, "points": "inputs"},
+    "approx_r1": {"weight": 10.0, "gain": 0.5, "points": "real", "method": "perturbation"},
+    "approx_r2": {"weight": 10.0, "gain": 0.5, "points": "fake", "method": "perturbation"},
+    "max_gp": {"weight": 1.0, "points": "interpolates", "reduction": "max"},
+    "spectral": {"weight": 1.0, "points": "inputs", "kind": "spectral", "iterations": 10},
+    "hessian": {"weight": 1.0, "points": "latents", "kind": "hessian", "reduction": "max",
+                "method": "finite_difference", "k": 2, "epsilon": 0.1},
 }
 
 #: The formula of each preset, for its function's docstring.
@@ -46,6 +52,16 @@ FORMULAS = {
     "param_grad_norm": "λ ‖∇_θ loss‖ over all parameters (Zhao, Zhang & Hu 2022)",
     "path_length": "w mean_i (‖J_wᵀ y‖ − a)², a the running mean (Karras et al. 2020)",
     "derivative": "λ mean_i ‖∂ⁿ y/∂xⁿ‖² at the inputs, n = ``order``",
+    "approx_r1": "γ/2 mean_i ‖D(x_i + σε_i) − D(x_i)‖²/σ² at the reals, ε ~ N(0, I): R1 without "
+                 "a double backward, the same γ (Lin et al. 2025, rescaled); call it with the "
+                 "critic itself, ``penalty(D, x)``",
+    "approx_r2": "γ/2 mean_i ‖D(x̃_i + σε_i) − D(x̃_i)‖²/σ² at the fakes: R2 without a double "
+                 "backward, the same γ; ``penalty(D, x̃)``",
+    "max_gp": "λ max_i ‖∇D(x̂_i)‖² at interpolates x̂ (StudioGAN's Max-GP)",
+    "spectral": "λ mean_i σ_max(∂f(x_i)/∂x_i)² by power iteration (``iterations``), or a "
+                "Lipschitz target c with ``target=c, one_sided=True``; ``penalty(f, x)``",
+    "hessian": "λ max (or mean) over samples and output units of Var_v(vᵀH v), v Rademacher, "
+               "``k`` directions (Peebles et al. 2020); ``penalty(G, z)``",
 }
 
 _OPTIONS = ("weight", *PenaltyConfig.options())
@@ -104,3 +120,8 @@ jacobian = _preset("jacobian")
 param_grad_norm = _preset("param_grad_norm")
 path_length = _preset("path_length")
 derivative = _preset("derivative")
+approx_r1 = _preset("approx_r1")
+approx_r2 = _preset("approx_r2")
+max_gp = _preset("max_gp")
+spectral = _preset("spectral")
+hessian = _preset("hessian")

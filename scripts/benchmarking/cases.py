@@ -6,7 +6,10 @@ backprop on the per-sample cross-entropy (forward shared with the task); ``resne
 (torchvision's, CIFAR stem, 3x32x32); ``critic_wgan_gp`` / ``critic_r1`` (a 3-block DCGAN critic
 of 3x32x32 images, 3x16x16 in the quick grid) and ``dcgan_wgan_gp`` / ``dcgan_r1`` (the 4-block
 DCGAN critic of 3x64x64 images), with a Wasserstein loss + WGAN-GP at the interpolates (own
-forward) or a non-saturating loss + R1 at the reals (forward shared with the loss).
+forward) or a non-saturating loss + R1 at the reals (forward shared with the loss);
+``generator_hessian``: a tanh MLP generator of 16x16 images (16 latents, two hidden layers of
+width W) with the Hessian penalty at its latents (forward shared with a stand-in task loss, the
+mean squared pixel).
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ def make_case(kind: str, batch: int, width: int, activation: str, dtype: torch.d
             build, shape_of = IMAGE_CLASSIFIERS[kind]
             shape, model = shape_of(width), build(width, activation)
         return classifier_case(kind, convert(model).to(device, dtype), batch, width, shape)
+    if kind == "generator_hessian":
+        return generator_case(MLP(16, 256, hidden=(width, width), activation=activation)
+                              .to(device, dtype), batch, width)
     if kind.startswith("dcgan"):
         family, size, critic = "dcgan", 64, DCGANCritic((3, 64, 64), width)
     else:  # the quick grid's tiny critics see 16x16 images
@@ -148,6 +154,21 @@ def classifier_case(kind: str, model: nn.Module, batch: int, width: int,
 
     return Case(f"{kind}/double_backprop", model, "double_backprop", batch, width,
                 lambda: fn(x, y).mean(), lambda: as_points(x), fn, (y,), True, task_with)
+
+
+def generator_case(generator: nn.Module, batch: int, width: int) -> Case:
+    """The Hessian penalty of a generator at its latents; the task is the mean squared pixel of
+    its samples (a stand-in for the adversarial term: one forward and backward of G)."""
+    parameter = next(generator.parameters())
+    z = torch.randn(batch, 16, device=parameter.device, dtype=parameter.dtype)
+
+    def task_with(p: Tensor) -> tuple[Tensor, Tensor]:
+        images = generator(p)
+        return images.square().mean(), images
+
+    return Case("generator/hessian", generator, "hessian", batch, width,
+                lambda: generator(z).square().mean(), lambda: as_points(z), generator, (), True,
+                task_with)
 
 
 def critic_case(name: str, critic: nn.Module, real: Tensor, fake: Tensor, width: int) -> Case:
@@ -191,4 +212,4 @@ def grid(quick: bool, suite: str = "cpu") -> list[tuple[str, int, int]]:
             ("mlp", 256, 64), ("mlp", 256, 1024), ("digits_mlp", 256, 256),
             ("cnn", 32, 16), ("cnn", 128, 16), ("cnn", 128, 32), ("bn_cnn", 64, 16),
             ("critic_wgan_gp", 16, 32), ("critic_wgan_gp", 64, 32),
-            ("critic_r1", 16, 32), ("critic_r1", 64, 32)]
+            ("critic_r1", 16, 32), ("critic_r1", 64, 32), ("generator_hessian", 64, 64)]

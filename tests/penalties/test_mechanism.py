@@ -182,7 +182,7 @@ def test_state_round_trips_through_state_dict() -> None:
         (lambda: r1(every=0), "every must be an int >= 1"),
         (lambda: wgan_gp(target=-1.0), "target must be a number >= 0"),
         (lambda: r1(p=0), "p .* must be > 0"),
-        (lambda: r1(reduction="max"), "reduction must be one of"),
+        (lambda: r1(reduction="median"), "reduction must be one of"),
         (lambda: make_penalty("intermediate"), "needs layers="),
         (lambda: interpolate(torch.zeros(4, 2), torch.zeros(3, 2)), "same shape, got"),
     ],

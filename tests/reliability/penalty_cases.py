@@ -62,7 +62,7 @@ def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: o
         "perturbed": perturb_dragan,
     }[gp.points]
     points = make_points(x)
-    return gp(model(points), points, **options)
+    return gp(model if gp.needs_callable else model(points), points, **options)
 
 
 def penalty_under(dtype: torch.dtype | None, gp: GradientPenalty, model: nn.Module,

@@ -8,6 +8,7 @@ Marked ``cuda``: skipped without a device (CI has none); run on a GPU machine wi
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,14 @@ from tests.residual_net import ResidualNet
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
 ROOT = Path(__file__).resolve().parents[2]
-# presets whose points and draws can be made on the CPU and moved (path length draws its noise
-# on the device: covered under autocast below); the Jacobian with all K=2 directions is exact
-ORACLE_PRESETS = [name for name in PRESETS if name != "path_length"]
+# presets whose points and draws can be made on the CPU and moved (path length, the perturbation
+# estimate, the spectral norm's power iteration and the Hessian penalty draw on the device: covered
+# under autocast below); the Jacobian with all K=2 directions is exact
+ORACLE_PRESETS = [name for name in PRESETS
+                  if name not in ("path_length", "approx_r1", "approx_r2", "spectral", "hessian")]
+#: Presets that difference two forwards: in bf16 only finite, not compared with fp32 (as on the CPU,
+#: tests/reliability/test_precision.py).
+DIFFERENCING = ("approx_r1", "approx_r2", "hessian")
 
 
 def flat_grads(value: Tensor, model: nn.Module) -> Tensor:
@@ -107,7 +113,9 @@ def test_bf16_autocast_on_cuda_is_finite_and_close_to_fp32(name: str) -> None:
     model = tiny_model().to(CUDA)
     bf16, fp32 = (penalty_under(dtype, penalty(name), model, 0)
                   for dtype in (torch.bfloat16, None))
-    assert abs(bf16 - fp32) <= 0.15 * abs(fp32) + 1e-5, (bf16, fp32)
+    assert math.isfinite(bf16)
+    if name not in DIFFERENCING:
+        assert abs(bf16 - fp32) <= 0.15 * abs(fp32) + 1e-5, (bf16, fp32)
 
 
 def test_fp16_with_a_grad_scaler_on_cuda() -> None:

@@ -30,15 +30,20 @@ BF16_STEPS, BF16_CHECK_EVERY = 1000, 100
 # 1-6% for the others; the absolute floor covers penalties trained down to ~1e-6, below bf16's
 # resolution of the initial penalty.
 BF16_RTOL, BF16_ATOL = 0.15, 1e-5
+#: Presets that difference two forwards (the perturbation estimate, the Hessian penalty's central
+#: difference): in bf16 the difference of two outputs of order 1 keeps a few bits, so they are
+#: not compared with fp32 (measured in docs/benchmarks.md), only run finite.
+DIFFERENCING = ("approx_r1", "approx_r2", "hessian")
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_bf16_autocast_1000_steps_finite_and_close_to_fp32(name: str) -> None:
     """1,000 SGD steps under ``autocast(bfloat16)`` (``precision="bf16-mixed"``), batch 16: every
-    penalty finite (check_finite would raise), and every 100 steps within tolerance of fp32."""
+    penalty finite (check_finite would raise), and every 100 steps within tolerance of fp32
+    (except the :data:`DIFFERENCING` presets)."""
     model, gp = tiny_model(), penalty(name)
     for step in range(BF16_STEPS):
-        if step % BF16_CHECK_EVERY == 0:
+        if step % BF16_CHECK_EVERY == 0 and name not in DIFFERENCING:
             bf16 = penalty_under(torch.bfloat16, gp, model, step)
             fp32 = penalty_under(None, gp, model, step)
             assert abs(bf16 - fp32) <= BF16_RTOL * abs(fp32) + BF16_ATOL, (step, bf16, fp32)

@@ -1,0 +1,125 @@
+r"""Squared per-sample gradient norms from random perturbations: no double backward.
+
+For per-sample outputs :math:`f(x_i) \in \mathbb{R}^K` (a critic score, a per-sample loss,
+logits) and a probe :math:`\varepsilon_i \sim N(0, I)` of each sample's shape,
+
+.. math::
+
+    \widehat{s}_i = \frac{\lVert f(x_i + \sigma\varepsilon_i) - f(x_i) \rVert^2}{\sigma^2}
+                  = \lVert J_i \varepsilon_i \rVert^2 + O(\sigma)\text{ terms of mean zero}
+                    + O(\sigma^2),
+    \qquad \mathbb{E}_\varepsilon \lVert J_i \varepsilon_i \rVert^2 = \lVert J_i \rVert_F^2,
+
+with :math:`J_i = \partial f(x_i)/\partial x_i` (for a scalar output, :math:`\lVert J_i\rVert_F^2
+= \lVert \nabla f(x_i) \rVert^2`, the R1/R2 and double-backprop norm). Dividing by
+:math:`\sigma^2` makes it an estimate of the same squared norm the exact penalties use, so a weight
+means the same coefficient. This is the Seaweed APT approximation of R1 (Lin et al. 2025,
+``‖D(x) − D(x + σε)‖²``, σ = 0.01) rescaled.
+
+Error in expectation over the probes (Taylor expansion, :math:`H_i`, :math:`T_i` the second and
+third derivatives along :math:`\varepsilon`):
+
+* forward difference: :math:`\frac{\sigma^2}{4}\,\mathbb{E}(\varepsilon^\top H\varepsilon)^2
+  + \frac{\sigma^2}{3}\,\mathbb{E}(\varepsilon^\top g)\,T[\varepsilon^3] = O(\sigma^2)`
+  (the :math:`O(\sigma)` term :math:`\sigma (\varepsilon^\top g)(\varepsilon^\top H
+  \varepsilon)` has mean zero: odd moments of a Gaussian vanish);
+* ``central=True``, :math:`\frac{f(x+\sigma\varepsilon) - f(x-\sigma\varepsilon)}{2\sigma}`:
+  the Hessian terms cancel, :math:`\frac{\sigma^2}{3}\,\mathbb{E}(\varepsilon^\top g)\,
+  T[\varepsilon^3] + O(\sigma^4)`, at one more forward (:math:`f(x)` is not used).
+
+Rounding adds a relative error of about :math:`u\,|f| / (\sigma \lVert g\rVert)` (:math:`u` the
+unit roundoff) to each difference: measured figures, and the step where float32 rounding starts to
+dominate, are in ``docs/benchmarks.md``. The variance over the probes is that of
+:math:`(\varepsilon^\top g)^2`, :math:`2\lVert g\rVert^4` for a scalar output: one probe gives a
+relative standard deviation of :math:`\sqrt2` per sample, ``probes=k`` divides the variance by k.
+
+The estimate is an ordinary differentiable function of the parameters (first-order backward
+only): its parameter gradient is :math:`2 (\varepsilon^\top g)\,\nabla_\theta(\varepsilon^\top g)
++ O(\sigma)`, whose mean over the probes is :math:`\nabla_\theta \lVert g \rVert^2`. It works
+where the model has no double backward (``@once_differentiable`` ops, fused attention kernels).
+Samples must not interact (no BatchNorm in training mode): each is moved by its own probe.
+Per-sample estimates do not depend on how a batch is split into micro-batches or DDP ranks
+(the probes are random, so the numbers do, but not their distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from gradreg.autograd import GradientError, as_tuple
+from gradreg.penalties.checks import check_per_sample
+
+__all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
+
+#: The probe's scale per element, Seaweed APT's ``sigma = 0.01``.
+DEFAULT_SIGMA = 0.01
+
+
+def perturbation_sq_norms(
+    fn: Callable[..., Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    *,
+    outputs: Tensor | None = None,
+    sigma: float = DEFAULT_SIGMA,
+    central: bool = False,
+    probes: int = 1,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    r"""Per-sample estimates of :math:`\lVert \partial f(x_i)/\partial x_i \rVert_F^2`, shape [B].
+
+    ``fn(*inputs)`` returns per-sample outputs ([B] or [B, ...]); ``inputs`` are tensors with the
+    batch first (they need not require grad; every one is perturbed, each by its own probe, and
+    the estimate is of the norm over all of them). ``outputs``: ``fn(*inputs)`` where the caller
+    already computed it (the critic's scores of the reals for its loss), to share that forward;
+    it is not used with ``central=True``. ``sigma``: the probe's scale per element, > 0.
+    ``probes``: probes per sample, averaged (each one forward of the batch, two when central).
+    ``generator``: the random generator of the probes (drawn in float32, then cast to each
+    input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
+
+    The mean over probes of :math:`\lVert f(x_i + \sigma\varepsilon_i) - f(x_i)\rVert^2/\sigma^2`
+    (or of :math:`\lVert f(x_i+\sigma\varepsilon_i) - f(x_i-\sigma\varepsilon_i)\rVert^2 /
+    (2\sigma)^2`); bias :math:`O(\sigma^2)` in both cases, see the module docstring.
+    """
+    if not callable(fn) or isinstance(fn, Tensor):
+        raise GradientError(
+            f"the perturbation estimate runs the model itself at perturbed points: pass the "
+            f"model (a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
+        )
+    inputs = as_tuple(inputs)
+    if not (isinstance(sigma, (int, float)) and sigma > 0):
+        raise ValueError(f"sigma (the probe's scale) must be a number > 0, got {sigma!r}.")
+    if not (isinstance(probes, int) and probes >= 1):
+        raise ValueError(f"probes must be an int >= 1 (probes per sample), got {probes!r}.")
+    for x in inputs:
+        if not x.is_floating_point():
+            raise GradientError(
+                f"the perturbation estimate needs floating-point inputs, got {x.dtype}: convert "
+                "the data first, e.g. images.float() / 255."
+            )
+    if outputs is None and not central:
+        outputs = fn(*inputs)
+    if outputs is not None:
+        check_per_sample(outputs, inputs)
+    total = None
+    for _ in range(probes):
+        shifts = tuple(_probe(x, generator) * sigma for x in inputs)
+        plus = fn(*(x + s for x, s in zip(inputs, shifts, strict=True)))
+        if central:
+            check_per_sample(plus, inputs)
+            minus = fn(*(x - s for x, s in zip(inputs, shifts, strict=True)))
+            delta = (plus - minus) / 2
+        else:
+            delta = plus - outputs
+        sq = delta.reshape(delta.shape[0], -1).square().sum(1) / (sigma * sigma)
+        total = sq if total is None else total + sq
+    return total / probes
+
+
+def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """:math:`\\varepsilon \\sim N(0, I)` of ``x``'s shape, drawn in float32 and cast to
+    ``x``'s dtype: one seed gives the same probes to float64, float32 and bf16 runs."""
+    draw = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+    return draw.to(x.dtype)

@@ -1,0 +1,46 @@
+"""approx_r1 and approx_r2 in the GAN: the scores of the adversarial forward are shared, only the
+perturbed samples take a forward of their own; the terms against the formulas written out."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gradreg.lightning.gan_loss import GANLoss
+from gradreg.models import MLP
+from gradreg.penalties import make_penalty
+
+BATCH, LATENT = 8, 2
+
+
+def test_approx_r1_and_r2_share_the_adversarial_scores() -> None:
+    torch.manual_seed(0)
+    generator = MLP(LATENT, 2, hidden=(16,), activation="tanh").double()
+    critic = MLP(2, 1, hidden=(16,), activation="tanh").double()
+    penalties = {"r1": make_penalty("approx_r1", weight=3.0, sigma=0.05),
+                 "r2": make_penalty("approx_r2", weight=5.0, sigma=0.05)}
+    gan_loss = GANLoss(generator, critic, penalties, adversarial="nonsaturating",
+                       latent_dim=LATENT)
+    real = torch.randn(BATCH, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    calls = []
+    hook = critic.register_forward_hook(lambda *_: calls.append(1))
+    torch.manual_seed(7)
+    terms = gan_loss.critic_terms(real)
+    hook.remove()
+    assert len(calls) == 4  # reals and fakes for the loss, one perturbed forward each
+
+    torch.manual_seed(7)
+    fake = generator(torch.randn(BATCH, LATENT, dtype=torch.float64)).detach()
+    eps_real, eps_fake = torch.randn(BATCH, 2).double(), torch.randn(BATCH, 2).double()
+    d_real, d_fake = critic(real), critic(fake)
+    adversarial = (F.softplus(d_fake) + F.softplus(-d_real)).mean()
+    r1 = 3.0 / 2 * ((critic(real + 0.05 * eps_real) - d_real) / 0.05).square().mean()
+    r2 = 5.0 / 2 * ((critic(fake + 0.05 * eps_fake) - d_fake) / 0.05).square().mean()
+    for mine, theirs in [(terms["adversarial"], adversarial), (terms["r1"], r1),
+                         (terms["r2"], r2)]:
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-12, atol=0)
+    params = list(critic.parameters())
+    mine = torch.autograd.grad(sum(terms.values()), params)
+    theirs = torch.autograd.grad(adversarial + r1 + r2, params)
+    for m, t in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(m, t, rtol=1e-10, atol=1e-12)
