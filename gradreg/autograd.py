@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.graph import walk_backward_graph
+from gradreg.torch_compat import once_differentiable_function
 
 __all__ = [
     "GradientError",
@@ -29,6 +30,11 @@ __all__ = [
 _FREED_GRAPH = "Trying to backward through the graph a second time"
 # Node names that autograd puts into the graph of a gradient where an op has no double backward.
 _NO_DOUBLE_BACKWARD_NODES = {"NotImplemented", "Error"}
+_NO_DOUBLE_BACKWARD_FIX = (
+    "use a penalty method that needs no double backward (method='finite_difference', or "
+    "method='perturbation' for squared norms with target 0: approx_r1, approx_r2), or replace the "
+    "op by one that supports double backward (e.g. a plain torch implementation of a custom "
+    "autograd.Function marked @once_differentiable).")
 
 
 class GradientError(RuntimeError):
@@ -207,13 +213,30 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
             handle.remove()
 
 
-def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:
-    """Raise if the graph of ``gradients`` (from ``create_graph=True``) cannot be backpropagated.
+def check_double_backward(gradients: Tensor | Sequence[Tensor],
+                          outputs: Tensor | Sequence[Tensor] = ()) -> None:
+    r"""Raise if the graph of ``gradients`` (from ``create_graph=True``) cannot be backpropagated
+    exactly.
 
     Ops without a double backward leave ``NotImplemented`` or ``Error`` nodes in the graph of the
     gradient; the error would otherwise surface only at the optimizer's backward pass. Where such a
     node is found, one trial backward is run to get torch's own message, which names the op.
+    ``outputs``: what ``gradients`` are the gradient of; their graph is searched for custom
+    ``autograd.Function``\ s whose backward is marked ``@once_differentiable``, which leave no
+    such node where their incoming gradient is a constant (at the model's output) and whose
+    second derivative would then be dropped without an error
+    (:func:`gradreg.torch_compat.once_differentiable_function`).
     """
+    outputs = [y for y in as_tuple(outputs) if y.grad_fn is not None]
+    once = sorted({function.__name__ for node in walk_backward_graph(outputs).nodes
+                   if (function := once_differentiable_function(node)) is not None})
+    if once:
+        raise GradientError(
+            f"the model contains an op without a double backward: {', '.join(once)} is an "
+            "autograd.Function whose backward is marked @once_differentiable, so the penalty's "
+            "gradient w.r.t. the parameters would miss its second derivative. Fix: "
+            f"{_NO_DOUBLE_BACKWARD_FIX}"
+        )
     grads = [g for g in as_tuple(gradients) if g.grad_fn is not None]
     graph = walk_backward_graph(grads)
     if not graph.names() & _NO_DOUBLE_BACKWARD_NODES:
@@ -224,10 +247,7 @@ def check_double_backward(gradients: Tensor | Sequence[Tensor]) -> None:
     except RuntimeError as err:
         raise GradientError(
             f"the model contains an op without a double backward, so the penalty's gradient "
-            f"cannot be backpropagated. Torch said: {err}. Fix: use a penalty method that needs "
-            "no double backward (method='finite_difference'), or replace the op by one that "
-            "supports double backward (e.g. a plain torch implementation of a custom "
-            "autograd.Function marked @once_differentiable)."
+            f"cannot be backpropagated. Torch said: {err}. Fix: {_NO_DOUBLE_BACKWARD_FIX}"
         ) from err
 
 

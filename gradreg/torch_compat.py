@@ -17,16 +17,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FSDP_GROUP_HOLD", "FSDP_POST_BACKWARD_NODE", "FSDP_STATE_HOLD", "BatchNormBase",
-           "FSDPSettings", "TorchDispatchMode", "batchnorm_node_in_training", "dynamo_supported",
-           "fsdp_group_mesh_ndim", "fsdp_group_name", "fsdp_group_of_node",
-           "fsdp_group_offloads_to_cpu", "fsdp_group_params", "fsdp_group_reduces_gradients",
-           "fsdp_module_type", "fsdp_param_groups", "fsdp_param_name",
-           "fsdp_param_received_gradient", "fsdp_sharded_param", "fsdp_step_settings",
-           "run_fsdp_post_backward"]
+__all__ = [
+    "ANOMALY_PARENT_KEY",
+    "FSDP_GROUP_HOLD",
+    "FSDP_POST_BACKWARD_NODE",
+    "FSDP_STATE_HOLD",
+    "BatchNormBase",
+    "FSDPSettings",
+    "TorchDispatchMode",
+    "batchnorm_node_in_training",
+    "created_by_a_backward",
+    "dynamo_supported",
+    "fsdp_group_mesh_ndim",
+    "fsdp_group_name",
+    "fsdp_group_of_node",
+    "fsdp_group_offloads_to_cpu",
+    "fsdp_group_params",
+    "fsdp_group_reduces_gradients",
+    "fsdp_module_type",
+    "fsdp_param_groups",
+    "fsdp_param_name",
+    "fsdp_param_received_gradient",
+    "fsdp_sharded_param",
+    "fsdp_step_settings",
+    "once_differentiable_function",
+    "run_fsdp_post_backward",
+]
 
 #: The base class of ``nn.BatchNorm1d/2d/3d``: their parameters, buffers, state-dict keys and
 #: running-statistics rule, which gradreg's BatchNorm keeps while replacing the forward.
@@ -47,6 +67,37 @@ def batchnorm_node_in_training(node: object) -> bool:
     that does not say (gradreg's BatchNorm, whose forward is its own ``autograd.Function``, is
     there only in training mode) counts as training."""
     return bool(getattr(node, SAVED_TRAINING, True))
+
+
+#: The metadata key under which autograd's anomaly mode records, on every node created while a
+#: backward runs, the node being differentiated (torch/csrc/autograd/python_anomaly_mode.h).
+ANOMALY_PARENT_KEY = "parent_"
+
+
+def created_by_a_backward(node: Any) -> bool:
+    """Whether the autograd node ``node`` was created while a backward ran (a node of the graph
+    of a gradient built with ``create_graph=True``). Only known for nodes created under
+    ``torch.autograd.set_detect_anomaly(True)``; False otherwise."""
+    return ANOMALY_PARENT_KEY in node.metadata
+
+
+#: The code of every backward that ``@once_differentiable`` wraps (one wrapper function, whose
+#: name and docstring ``functools.wraps`` replaces by the wrapped backward's).
+_ONCE_DIFFERENTIABLE_CODE = once_differentiable(lambda ctx: None).__code__
+
+
+def once_differentiable_function(node: Any) -> type | None:
+    """The ``torch.autograd.Function`` whose forward created the autograd node ``node``, where
+    its ``backward`` is decorated with ``@once_differentiable``; else None.
+
+    Such a backward runs under ``no_grad``: where its incoming gradient does not require grad
+    (the op at a model's output, whose incoming gradient is the constant ``grad_outputs``), the
+    gradient it returns carries no graph and its dependence on the op's saved inputs is dropped
+    without an error, so a double backward through it is silently wrong.
+    """
+    function = getattr(node, "_forward_cls", None)  # custom Functions' nodes (BackwardCFunction)
+    backward = getattr(function, "backward", None)
+    return function if getattr(backward, "__code__", None) is _ONCE_DIFFERENTIABLE_CODE else None
 
 
 def dynamo_supported() -> bool:

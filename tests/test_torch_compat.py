@@ -15,11 +15,13 @@ from gradreg.batchnorm import BatchNorm1d
 from gradreg.graph import walk_backward_graph
 from gradreg.sharding import supports_exact_step
 from gradreg.torch_compat import (
+    ANOMALY_PARENT_KEY,
     FSDP_POST_BACKWARD_NODE,
     SAVED_TRAINING,
     BatchNormBase,
     TorchDispatchMode,
     batchnorm_node_in_training,
+    created_by_a_backward,
     dynamo_supported,
     fsdp_group_mesh_ndim,
     fsdp_group_name,
@@ -33,6 +35,7 @@ from gradreg.torch_compat import (
     fsdp_param_received_gradient,
     fsdp_sharded_param,
     fsdp_step_settings,
+    once_differentiable_function,
     run_fsdp_post_backward,
 )
 from tests.one_rank_fsdp import one_rank, shard
@@ -210,3 +213,41 @@ def test_fsdp2s_post_backward_reduces_a_held_gradient(sharded: dict) -> None:
     for p, q in zip(model.parameters(), expected.parameters(), strict=True):
         assert torch.equal(p.grad.full_tensor(), q.grad), moved(
             "FSDPParamGroup.post_backward reducing held gradients (FSDP2)")
+
+
+def test_a_once_differentiable_functions_node_names_its_function() -> None:
+    """``_forward_cls`` on a custom Function's node, and the one wrapper code of
+    ``@once_differentiable``: what check_double_backward finds such ops by."""
+
+    class Plain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v):
+            return v * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class Once(Plain):
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    node = Once.apply(x).grad_fn
+    assert getattr(node, "_forward_cls", None) is Once, moved("BackwardCFunction._forward_cls")
+    assert once_differentiable_function(node) is Once, moved(
+        "one wrapper code object for every @once_differentiable backward")
+    assert once_differentiable_function(Plain.apply(x).grad_fn) is None
+    assert once_differentiable_function((x * 2).grad_fn) is None
+
+
+def test_anomaly_mode_marks_the_nodes_a_backward_creates() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        y = x.tanh()
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert not created_by_a_backward(y.grad_fn)
+    assert created_by_a_backward(g.grad_fn), moved(
+        f"the anomaly-mode metadata key {ANOMALY_PARENT_KEY!r} on nodes created by a backward")

@@ -283,7 +283,7 @@ class GradientPenalty(nn.Module):
             check_per_sample(outputs, inputs)
         norms = PROJECTIONS[self.projection](outputs, inputs, self.config, loss_scale)
         if not self._first_call_checked:
-            check_double_backward(norms)
+            check_double_backward(norms, outputs)
             if self.subsample < 1 or self.chunks > 1:
                 check_independent_samples(
                     norms, f"subsample={self.subsample}, chunks={self.chunks}")

@@ -76,6 +76,15 @@ PLUGINS = {("hparams_search", ""): "hydra_plugins.hydra_optuna_sweeper",
            ("hydra/launcher", "submitit"): "hydra_plugins.hydra_submitit_launcher"}
 
 
+def plugin_installed(module: str) -> bool:
+    """Whether the Hydra plugin module ``module`` (``hydra_plugins.<name>``) is installed; False
+    too where no Hydra plugin is (no ``hydra_plugins`` package to search in)."""
+    try:
+        return find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def check_plugins(argv: list[str]) -> None:
     """Raise ConfigError where the command line selects a sweeper or launcher whose Hydra plugin
     is not installed (Hydra would say "Could not find 'hydra/sweeper/optuna'")."""
@@ -83,7 +92,7 @@ def check_plugins(argv: list[str]) -> None:
         value = override.value() if isinstance(override.value(), str) else ""
         for (group, prefix), plugin in PLUGINS.items():
             if (override.key_or_group == group and value.startswith(prefix)
-                    and find_spec(plugin) is None):
+                    and not plugin_installed(plugin)):
                 package = plugin.split(".")[1].replace("_", "-")
                 raise ConfigError(
                     f"{group}={value} needs Hydra's plugin {package}, of the sweeps extra: "

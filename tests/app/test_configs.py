@@ -23,7 +23,7 @@ from .conftest import compose_config, options, train_script
 BUILD = train_script()["build"]
 VISION = importlib.util.find_spec("torchvision") is not None
 # hparams_search=... selects Hydra's Optuna sweeper (the sweeps extra)
-SWEEPS = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+SWEEPS = train_script()["sweeps"].plugin_installed("hydra_plugins.hydra_optuna_sweeper")
 GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
 IMAGE_GAN_SETUP = ["model=dcgan", "data.shape=[1,16,16]", "penalty=r1"]
 MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",

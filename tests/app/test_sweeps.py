@@ -6,7 +6,6 @@ batches per trial, one thread."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -27,7 +26,7 @@ sweeps = train_script()["sweeps"]
 PLUGINS = ("hydra_plugins.hydra_optuna_sweeper", "hydra_plugins.hydra_joblib_launcher",
            "hydra_plugins.hydra_submitit_launcher")
 needs_extra = pytest.mark.skipif(
-    not all(importlib.util.find_spec(name) for name in PLUGINS),
+    not all(sweeps.plugin_installed(name) for name in PLUGINS),
     reason="needs the sweeps extra (Hydra's Optuna sweeper, joblib and submitit launchers): "
            "pip install -e '.[sweeps]'")
 
@@ -205,7 +204,7 @@ def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: Hydra's "Could not find 'hydra/sweeper/optuna'", which names no package."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sweeps, "find_spec", lambda name: None)
+    monkeypatch.setattr(sweeps, "plugin_installed", lambda name: False)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process(*args, tmp_path=tmp_path)
     assert exit_info.value.code == 2

@@ -221,6 +221,40 @@ def test_outputs_not_depending_on_points_and_missing_double_backward() -> None:
         r1()(layer(OnceTanh.apply(x * 2)).squeeze(1), x)
 
 
+class OnceSquare(torch.autograd.Function):
+    """y = v², backward 2·v·g computed under no_grad (``@once_differentiable``)."""
+
+    @staticmethod
+    def forward(ctx, v):
+        ctx.save_for_backward(v)
+        return v * v
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        (v,) = ctx.saved_tensors
+        return 2 * v * grad_out
+
+
+def test_a_once_differentiable_op_at_the_output_is_refused_not_silently_dropped() -> None:
+    """D(x) = (w·x)²: ∇_x D = 2(w·x)w, R1 = mean ‖∇_x D‖² = 4 mean (w·x)² ‖w‖², whose gradient
+    w.r.t. w needs the op's second derivative. At the output the op's incoming gradient is a
+    constant, so torch leaves no error node: its backward returns 2(w·x) as a constant and the
+    double backward would give 4 mean (w·x)² · 2w instead of the exact value, silently."""
+    torch.manual_seed(0)
+    x = as_points(torch.randn(5, 3))
+    layer = nn.Linear(3, 1, bias=False)
+    outputs = OnceSquare.apply(layer(x)).squeeze(1)
+    g = gradreg.gradient(outputs.sum(), x)
+    (dropped,) = torch.autograd.grad(g.square().sum(1).mean(), layer.weight)
+    w, s = layer.weight.detach(), (x.detach() @ layer.weight.detach().T).squeeze(1)
+    exact = 8 * ((s * s).mean() * w + (s[:, None] * x.detach()).mean(0) * w.square().sum())
+    assert not torch.allclose(dropped, exact, rtol=1e-3)  # what passing it through would give
+    with pytest.raises(GradientError, match="OnceSquare is an autograd.Function whose backward is "
+                       "marked @once_differentiable.*method='perturbation'"):
+        r1()(OnceSquare.apply(layer(x)).squeeze(1), x)
+
+
 def test_non_finite_and_empty_batch_errors() -> None:
     x = torch.randn(3, 2)
     x[1, 0] = float("inf")

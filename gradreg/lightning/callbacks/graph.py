@@ -8,9 +8,9 @@ tensor anyway (:func:`gradreg.graph.walk_backward_graph`).
 
 Which nodes are double-backward: during the training batch whose loss is drawn, autograd's
 anomaly mode is on (without its NaN check), and in anomaly mode every node created while a
-backward runs records the node being differentiated under the metadata key ``parent_`` (what
-:data:`ANOMALY_PARENT_KEY` names; pinned by the tests). Those are exactly the nodes of the
-gradient's graph. Anomaly mode costs a stack trace per node, on that one batch only.
+backward runs records the node being differentiated
+(:func:`gradreg.torch_compat.created_by_a_backward`, pinned by its tests). Those are exactly the
+nodes of the gradient's graph. Anomaly mode costs a stack trace per node, on that one batch only.
 
 Tags: the image ``graph/autograd`` (leaves labelled with the module's parameter names,
 double-backward nodes in orange) and the text ``autograd_graph/text`` and ``autograd_graph/dot``
@@ -37,10 +37,7 @@ from gradreg.lightning.callbacks._logging import (
 )
 from gradreg.lightning.callbacks.graph_figure import graph_figure
 from gradreg.lightning.dashboards import AUTOGRAD_GRAPH, GRAPH_PICTURE
-
-# torch's metadata key of the node that was being differentiated when a node was created
-# (anomaly mode only): torch/csrc/autograd/python_anomaly_mode.h, ANOMALY_PARENT_KEY
-ANOMALY_PARENT_KEY = "parent_"
+from gradreg.torch_compat import created_by_a_backward
 
 
 def _code_block(text: str) -> str:
@@ -61,7 +58,7 @@ def node_kinds(loss: Tensor, parameters: dict[int, str]) -> tuple[list[str], lis
             named = parameters.get(id(variable))
             kinds.append("parameter" if named else "leaf")
             labels[index] = named or f"leaf {list(variable.shape)}"
-        elif ANOMALY_PARENT_KEY in node.metadata:
+        elif created_by_a_backward(node):
             kinds.append("double_backward")
         else:
             kinds.append("forward")
