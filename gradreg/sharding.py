@@ -56,8 +56,10 @@ Layouts not supported (refused on entering, before any computation): torch older
 double backward, which FSDP2 supports as it is: ``method="finite_difference"``.
 
 Outside the step, :func:`check_penalty_graph` refuses a penalty whose graph runs through an
-FSDP2 module that no :func:`penalty_step` holds, before anything is differentiated (the
-penalty mechanism can call it on the outputs it differentiates).
+FSDP2 module that no :func:`penalty_step` holds, before anything is differentiated; every
+exact penalty of :mod:`gradreg.penalties` calls it on the outputs it differentiates (on its first
+call, and on every call once its graph ran through a sharded module), so neither failure above
+reaches a gradreg penalty.
 
 The step also checks its outcome: a parameter that got a gradient during the step and has no
 sharded ``.grad`` after it raises :class:`~gradreg.autograd.GradientError` instead of a silent
@@ -219,15 +221,17 @@ def penalty_step(module: nn.Module) -> Iterator[None]:
         held.release()
 
 
-def check_penalty_graph(outputs: Tensor) -> None:
+def check_penalty_graph(outputs: Tensor) -> bool:
     """Raise where the graph of ``outputs`` (what a penalty differentiates with
     ``create_graph=True``) runs through an FSDP2-sharded module outside :func:`penalty_step`:
-    there FSDP2 either fails in the outer backward or leaves every ``.grad`` None. Cheap where
-    no process group is initialized (one process: nothing to walk)."""
+    there FSDP2 either fails in the outer backward or leaves every ``.grad`` None. Returns
+    whether the graph runs through FSDP2-sharded modules at all (held or not). Cheap where no
+    process group is initialized (one process: nothing to walk)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
+        return False
     groups = {compat.fsdp_group_of_node(node) for node in walk_backward_graph([outputs]).nodes}
-    unheld = {group for group in groups if group is not None and group not in _HELD}
+    groups.discard(None)
+    unheld = {group for group in groups if group not in _HELD}
     if unheld:
         names = sorted(compat.fsdp_group_name(g) for g in unheld)
         raise GradientError(
@@ -237,3 +241,4 @@ def check_penalty_graph(outputs: Tensor) -> None:
             "the forward, the penalty and backward() inside `with "
             f"gradreg.sharding.penalty_step(module):`, or use {_APPROXIMATE}."
         )
+    return bool(groups)

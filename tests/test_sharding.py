@@ -18,12 +18,13 @@ def critic() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def r1_grads(model: nn.Module, step: bool) -> list[torch.Tensor]:
+def r1_grads(model: nn.Module, step: bool, penalty: nn.Module | None = None
+             ) -> list[torch.Tensor]:
+    """The gradients of mean D(x) + R1 (the penalty checks its graph itself)."""
     x = as_points(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
     with sharding.penalty_step(model) if step else torch.enable_grad():
         outputs = model(x)
-        sharding.check_penalty_graph(outputs)
-        (outputs.mean() + r1(1.0)(outputs, x)).backward()
+        (outputs.mean() + (penalty or r1(1.0))(outputs, x)).backward()
     return [p.grad for p in model.parameters()]
 
 
@@ -53,7 +54,11 @@ def test_a_module_sharded_over_one_rank_steps_as_the_unsharded_one() -> None:
         with pytest.raises(GradientError, match="outside gradreg.sharding.penalty_step"):
             r1_grads(model, step=False)
         model.zero_grad()
-        grads = [g.full_tensor() for g in r1_grads(model, step=True)]
+        penalty = r1(1.0)
+        grads = [g.full_tensor() for g in r1_grads(model, step=True, penalty=penalty)]
+        model.zero_grad()
+        with pytest.raises(GradientError, match="outside gradreg.sharding.penalty_step"):
+            r1_grads(model, step=False, penalty=penalty)  # checked on every call
     for got, want in zip(grads, expected, strict=True):
         assert torch.equal(got, want)
 

@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradreg import sharding
 from gradreg.autograd import as_tuple, check_double_backward
 from gradreg.penalties import kinds, methods
 from gradreg.penalties.checks import check_per_sample
@@ -144,6 +145,7 @@ class GradientPenalty(nn.Module):
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
         self._first_call_checked = False
+        self._through_sharded = False  # FSDP2 modules in the graph: checked on every call
 
     def __getattr__(self, name: str) -> Any:
         config = self.__dict__.get("config")
@@ -281,6 +283,8 @@ class GradientPenalty(nn.Module):
         """The unweighted penalty, differentiable by double backward (``create_graph=True``)."""
         if self.config.per_sample:
             check_per_sample(outputs, inputs)
+        if not self._first_call_checked or self._through_sharded:
+            self._through_sharded = sharding.check_penalty_graph(outputs)
         norms = PROJECTIONS[self.projection](outputs, inputs, self.config, loss_scale)
         if not self._first_call_checked:
             check_double_backward(norms, outputs)

@@ -117,6 +117,15 @@ def test_fsdp2_alone_loses_the_update_when_parameters_stay_gathered(sharded: dic
     assert sharded["raw:no_reshard_after_forward"] == [None] * 6
 
 
+@pytest.mark.parametrize("layout", ["default", "no_reshard_after_forward"])
+def test_a_preset_without_the_step_is_refused_before_it_differentiates(sharded: dict,
+                                                                       layout: str) -> None:
+    """Neither of the two failures above reaches a gradreg penalty: it checks its graph."""
+    error = sharded[f"preset:{layout}"]
+    assert isinstance(error, str) and error.startswith("GradientError")
+    assert "outside gradreg.sharding.penalty_step" in error and APPROXIMATE in error
+
+
 def test_a_penalty_graph_through_a_sharded_module_is_refused_outside_the_step(
     sharded: dict,
 ) -> None:
