@@ -137,8 +137,7 @@ class GradientPenalty(nn.Module):
         self.config = PenaltyConfig.from_options(config, options)
         self.weight = weight
         self._method = kinds.choose(self.config, methods.PenaltyFunctions(
-            self._exact, self._of_gradients, lambda norms: self._penalty_of_norms(
-                norms, self.target)))
+            self._exact, self._of_gradients, self._of_norms))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self.register_buffer("ema", torch.zeros(()))
@@ -299,6 +298,10 @@ class GradientPenalty(nn.Module):
         """The unweighted penalty as a function of the per-sample input gradients alone."""
         return self._penalty_of_norms(per_sample_norm(grads, self.p, squared=self.config.squared),
                                       self.target)
+
+    def _of_norms(self, norms: Tensor) -> Tensor:
+        """The unweighted penalty of per-sample norms at the configured (numeric) target."""
+        return self._penalty_of_norms(norms, self.target)
 
     def _penalty_of_norms(self, norms: Tensor, target: float | Tensor) -> Tensor:
         return penalty_from_norms(norms, target=target, one_sided=self.one_sided,

@@ -26,10 +26,10 @@ from .helpers import run_script
 SWEEP = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]
 GAN_OVERRIDES = ["experiment=gan_8gaussians_wgan_gp", "data.n_train=5120", "data.n_val=256",
                  "data.n_test=256", "trainer.max_epochs=1"]
-CLASSIFIER_METRICS = ["val/acc", "test/acc", "test/acc_fgsm", "test/acc_pgd",
+CLASSIFIER_METRICS = ["val/acc", "val/acc_pgd", "test/acc", "test/acc_fgsm", "test/acc_pgd",
                       "test/input_grad_norm"]
-GAN_METRICS = ["test/energy_distance", "test/wasserstein", "test/modes", "test/high_quality",
-               "test/kl", "test/feature_energy_distance"]
+GAN_METRICS = ["val/energy_distance", "test/energy_distance", "test/wasserstein", "test/modes",
+               "test/high_quality", "test/kl", "test/feature_energy_distance"]
 
 
 @pytest.fixture(scope="module")

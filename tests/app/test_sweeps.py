@@ -120,7 +120,7 @@ def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
     assert "Joblib.Parallel(n_jobs=2," in result.stdout + result.stderr
     for folder, (overrides, _) in trials(tmp_path).items():
         row = hparams(folder / "tensorboard")
-        assert (row["weight"], row["generator_lr"], row["critic_lr"]) == (
+        assert (row["weight"], row["generator_lr"], row["lr"]) == (
             float(overrides["penalty.weight"]),
             *[float(overrides["model.generator_optimizer.lr"])] * 2)
 

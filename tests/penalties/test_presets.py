@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import Tensor
 from torch.autograd import grad
 
 from gradreg.penalties import PRESETS, make_penalty
+from gradreg.penalties.methods import PenaltyFunctions
 
 from .conftest import ALL_PRESETS, CATALOGUE_PRESETS, preset_case, preset_kwargs
 
@@ -131,3 +134,19 @@ def test_image_critic_any_output_shape(preset: str, out_shape: str) -> None:
     norms = g.reshape(4, -1).norm(dim=1)  # per sample over C, H, W
     expected = 5 * norms.pow(2).mean() if preset == "r1" else 10 * (norms - 1).pow(2).mean()
     assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_pickles_and_copies_with_its_own_state(name: str) -> None:
+    """Spawned processes (``ddp_spawn``) receive the penalties pickled; a copy's chosen
+    computation must use the copy, not the original."""
+    penalty = make_penalty(name, **{**preset_kwargs(name), "weight": 0.5})
+    penalty.due()
+    for copied in (pickle.loads(pickle.dumps(penalty)), copy.deepcopy(penalty)):
+        assert copied.config == penalty.config and copied.weight == 0.5
+        assert copied.steps_taken == 1
+        method = copied._method
+        functions = getattr(method, "penalty", None)
+        if isinstance(functions, PenaltyFunctions):
+            assert all(f.__self__ is copied for f in (functions.exact, functions.of_gradients,
+                                                      functions.of_norms))
