@@ -32,6 +32,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 from gradreg.penalties import methods
+from gradreg.penalties.finite_difference import check_independent_samples
 from gradreg.penalties.hessian_penalty import hessian_penalty
 from gradreg.penalties.methods import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.spectral_norm import spectral_norms
@@ -54,12 +55,16 @@ class Spectral:
 
 
 class Hessian:
-    """The Hessian penalty of the callable's outputs at its one input."""
+    """The Hessian penalty of the callable's outputs at its one input. Samples must not
+    interact: the model runs at shifted inputs, so BatchNorm in training mode (which would
+    normalize each shifted batch by its own statistics and update the running statistics once
+    per shift) is refused on the first call."""
 
     def __init__(self, config: PenaltyConfig) -> None:
         self.options = {"k": config.k, "epsilon": config.epsilon, "reduction": config.reduction,
                         "method": "exact" if config.method == "double_backward"
                         else "finite_difference"}
+        self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         if len(call.inputs) != 1:
@@ -68,7 +73,11 @@ class Hessian:
                 f"{len(call.inputs)}: pass one tensor, or wrap the model so the others are "
                 "fixed arguments (fn_args)."
             )
-        return hessian_penalty(call.of_points, call.inputs[0], **self.options)
+        value = hessian_penalty(call.of_points, call.inputs[0], **self.options)
+        if not self._checked:
+            check_independent_samples(value, "kind='hessian'")
+            self._checked = True
+        return value
 
 
 #: How each kind other than ``"gradient_norm"`` is built.

@@ -128,6 +128,11 @@ def test_perturbation_refuses_what_it_cannot_estimate() -> None:
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.Flatten(0))
     with pytest.raises(GradientError, match="BatchNorm in training mode"):
         approx_r1()(bn.double(), x)
+    generator = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    for method in ("finite_difference", "double_backward"):
+        with pytest.raises(GradientError, match="kind='hessian' .*BatchNorm in training mode"):
+            hessian(method=method)(generator.double(), x)
+    assert torch.isfinite(hessian()(generator.double().eval(), x))  # eval mode: per sample
 
 
 def test_perturbation_runs_where_double_backward_cannot() -> None:
