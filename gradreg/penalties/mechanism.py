@@ -296,8 +296,7 @@ class GradientPenalty(nn.Module):
 
     def _of_gradients(self, grads: tuple[Tensor, ...]) -> Tensor:
         """The unweighted penalty as a function of the per-sample input gradients alone."""
-        return self._penalty_of_norms(per_sample_norm(grads, self.p, squared=self.config.squared),
-                                      self.target)
+        return self._of_norms(per_sample_norm(grads, self.p, squared=self.config.squared))
 
     def _of_norms(self, norms: Tensor) -> Tensor:
         """The unweighted penalty of per-sample norms at the configured (numeric) target."""
