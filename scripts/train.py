@@ -43,7 +43,6 @@ from typing import NoReturn
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -63,7 +62,6 @@ from train_app.checks import (
 from train_app.resume import ResumedWeights, weight_overrides
 
 from gradreg import GradientError
-from gradreg.lightning.compat import relaunches_script
 
 
 def build(cfg: DictConfig, resuming: bool = False
@@ -94,24 +92,8 @@ def build(cfg: DictConfig, resuming: bool = False
                                           not model.automatic_optimization),
             enable_progress_bar=runtime.progress_bar(cfg.trainer.get("enable_progress_bar")),
             use_distributed_sampler=not cfg.data.get("global_batch", False))
-        check_launcher(trainer)
+        runtime.check_launcher(trainer)
     return datamodule, model, trainer
-
-
-def check_launcher(trainer: L.Trainer) -> None:
-    """Refuse a strategy that re-launches this script per rank inside a Hydra multirun.
-
-    Such a child re-runs the whole sweep (``-m`` is in its command line) with its own timestamped
-    output directories; ``ddp_spawn`` starts the ranks as processes of the current job instead.
-    """
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    if multirun and relaunches_script(trainer):
-        raise ValueError(
-            f"strategy {type(trainer.strategy).__name__} re-launches scripts/train.py for each "
-            "extra rank, which inside a multirun (-m) re-runs the whole sweep with its own output "
-            "directories; use trainer=ddp_spawn_cpu (the ranks are processes of each job), or run "
-            "each job without -m"
-        )
 
 
 def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | None) -> None:

@@ -13,14 +13,27 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
-__all__ = ["attached_trainer", "data_parallel_over_all_ranks", "event_file_writer",
-           "relaunches_script"]
+__all__ = ["accumulating", "attached_trainer", "batches_that_stepped",
+           "data_parallel_over_all_ranks", "event_file_writer", "relaunches_script"]
 
 
 def relaunches_script(trainer: pl.Trainer) -> bool:
     """Whether the trainer's strategy starts its extra ranks by re-running the command line
     (``strategy="ddp"`` on CPUs or GPUs), rather than as processes of this one (``ddp_spawn``)."""
     return isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The optimizer steps taken before the current batch, counted once per batch that stepped
+    (the step Lightning logs ``self.log`` scalars at; ``trainer.global_step`` counts every
+    optimizer's steps, twice per batch in a GAN)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def accumulating(trainer: pl.Trainer) -> bool:
+    """Whether the current batch only accumulates gradients (``accumulate_grad_batches`` > 1 and
+    the optimizer does not step after it)."""
+    return trainer.fit_loop._should_accumulate()
 
 
 def event_file_writer(writer: SummaryWriter) -> FileWriter:

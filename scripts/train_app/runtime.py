@@ -13,8 +13,14 @@ import logging
 import sys
 import warnings
 
+import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
+
+from gradreg.lightning.compat import relaunches_script
 
 from .sweeps import short_number, swept_keys
 
@@ -60,6 +66,34 @@ def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
     if manual_optimization and strategy in ("ddp", "ddp_spawn"):
         return f"{strategy}_find_unused_parameters_true"
     return strategy
+
+
+def check_launcher(trainer: L.Trainer) -> None:
+    """Refuse, inside a Hydra multirun, a strategy that re-launches this script per rank.
+
+    Such a child re-runs the whole sweep (``-m`` is in its command line) with its own
+    timestamped output directories. DDP can start its ranks as processes of the current job
+    instead (``ddp_spawn``); Lightning's ModelParallelStrategy, which ``trainer=fsdp_cpu``'s
+    ShardedPenaltyStrategy extends, only re-launches, so a sharded job runs without ``-m``.
+    """
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    if not relaunches_script(trainer):
+        return
+    chosen = HydraConfig.get().runtime.choices.get("trainer")
+    strategy = type(trainer.strategy).__name__
+    problem = (f"strategy {strategy} (trainer={chosen}) re-launches scripts/train.py for each "
+               "extra rank, which inside a multirun (-m) re-runs the whole sweep with its own "
+               "output directories; ")
+    if isinstance(trainer.strategy, DDPStrategy):
+        raise ValueError(
+            problem + "use trainer=ddp_spawn_cpu (or trainer.strategy=ddp_spawn: the ranks are "
+            "processes of each job), or run each job without -m")
+    raise ValueError(
+        problem + f"{strategy} has no launcher that starts the ranks inside the job, so run "
+        f"each job without -m, one command per value (e.g. python scripts/train.py "
+        f"trainer={chosen} seed=0, then seed=1), or sweep with trainer=ddp_spawn_cpu, which "
+        "does not shard (every rank holds every parameter)")
 
 
 def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:

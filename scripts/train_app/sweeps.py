@@ -23,7 +23,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.utils import get_args_parser  # Hydra's own parser of its command line
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -33,6 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import ConfigError
+from .hydra_compat import command_line_parser
 
 #: the environment variable that hands the swept keys to jobs in other processes
 SWEPT_KEYS_VARIABLE = "GRADREG_SWEPT_KEYS"
@@ -104,7 +104,7 @@ def command_line_overrides(argv: list[str]) -> list[Override]:
     """The overrides of a command line, read with Hydra's own argument parser (flags such as
     ``--cfg job`` are not overrides); none where they do not parse (Hydra itself then says
     why)."""
-    args, _ = get_args_parser().parse_known_args(argv[1:])
+    args, _ = command_line_parser().parse_known_args(argv[1:])
     try:
         return OverridesParser.create().parse_overrides(args.overrides)
     except OverrideParseException:

@@ -32,3 +32,27 @@ def run_in_process(*args: str, tmp_path: Path) -> None:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     finally:
         sys.argv = argv
+
+
+def hparams(log_dir: Path) -> dict[str, float | str]:
+    """The hyperparameters a run gave TensorBoard's HParams tab."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = EventAccumulator(str(log_dir)).Reload().PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    return {name: value.number_value if value.HasField("number_value") else value.string_value
+            for name, value in start.session_start_info.hparams.items()}
+
+
+def check_two_process_gan_run(result: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """A GAN recipe (WGAN-GP, weight 0.1) with its dashboards trained on 2 processes: it exits 0,
+    and its TensorBoard folder is written by one process (rank 0; the event files' names end in
+    the writer's process id) with the run's row of the HParams table."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Starting with 2 processes" in result.stdout + result.stderr
+    log_dir = run_dir / "tensorboard"
+    writers = {path.name.split(".")[-2] for path in log_dir.glob("events.out.tfevents.*")}
+    assert len(writers) == 1, f"event files of processes {sorted(writers)}: one expected"
+    row = hparams(log_dir)
+    assert (row["penalty"], row["weight"], row["n_critic"]) == ("wgan_gp", 0.1, 5)

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from .conftest import CONFIGS, QUIET, SCRIPT, train_script
-from .helpers import TINY, run_in_process, run_script
+from .helpers import TINY, hparams, run_in_process, run_script
 
 sweeps = train_script()["sweeps"]
 
@@ -78,17 +78,6 @@ def with_hydra_config(overrides: list[str]) -> DictConfig:
     """configs/train.yaml with ``overrides``, and its ``hydra`` node (sweeper, launcher)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose("train", overrides=overrides, return_hydra_config=True)
-
-
-def hparams(log_dir: Path) -> dict[str, float | str]:
-    """The hyperparameters a run gave TensorBoard's HParams tab."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    content = EventAccumulator(str(log_dir)).Reload().PluginTagToContent("hparams")
-    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
-    return {name: value.number_value if value.HasField("number_value") else value.string_value
-            for name, value in start.session_start_info.hparams.items()}
 
 
 @needs_extra

@@ -246,15 +246,24 @@ def test_hydra_full_error_shows_the_exception(tmp_path: Path,
     assert isinstance(error_info.value.__cause__, ValueError)
 
 
+@pytest.mark.parametrize(("trainer", "strategy", "fix"), [
+    ("ddp_cpu", "DDPStrategy", "use trainer=ddp_spawn_cpu (or trainer.strategy=ddp_spawn"),
+    ("fsdp_cpu", "ShardedPenaltyStrategy",
+     "ShardedPenaltyStrategy has no launcher that starts the ranks inside the job, so run each "
+     "job without -m, one command per value (e.g. python scripts/train.py trainer=fsdp_cpu "
+     "seed=0, then seed=1), or sweep with trainer=ddp_spawn_cpu, which does not shard"),
+])
 def test_multirun_refuses_a_launcher_that_reruns_the_script(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    trainer: str, strategy: str, fix: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under -m, trainer=ddp_cpu (subprocess re-launch per rank) stops before any rank starts and
-    names the launcher to use instead."""
+    """Under -m, a trainer whose strategy re-launches the script per rank stops before any rank
+    starts and names what to do instead: DDP has a launcher inside the job (ddp_spawn), the
+    sharded strategy has none (its jobs run without -m)."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     argv = sys.argv
-    sys.argv = [str(SCRIPT), "-m", "trainer=ddp_cpu", "seed=0,1", f"hydra.sweep.dir={tmp_path}",
-                *QUIET]
+    sys.argv = [str(SCRIPT), "-m", f"trainer={trainer}", "seed=0,1",
+                f"hydra.sweep.dir={tmp_path}", *QUIET]
     try:
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_path(str(SCRIPT), run_name="__main__")
@@ -262,8 +271,9 @@ def test_multirun_refuses_a_launcher_that_reruns_the_script(
         sys.argv = argv
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: trainer: strategy DDPStrategy re-launches scripts/train.py")
-    assert "use trainer=ddp_spawn_cpu" in err
+    assert err.startswith(f"error: trainer: strategy {strategy} (trainer={trainer}) re-launches "
+                          "scripts/train.py for each extra rank")
+    assert fix in err
     assert not (tmp_path / "0" / "metrics.json").exists()
 
 

@@ -16,6 +16,7 @@ import pytest
 from gradreg.sharding import supports_exact_step
 
 from .conftest import ROOT, SCRIPT
+from .helpers import check_two_process_gan_run
 
 TINY = ["trainer=fsdp_cpu", "trainer.max_epochs=1", "+trainer.limit_train_batches=4",
         "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1",
@@ -25,8 +26,8 @@ TINY = ["trainer=fsdp_cpu", "trainer.max_epochs=1", "+trainer.limit_train_batche
 @pytest.mark.skipif(not supports_exact_step(), reason="fully_shard is public from 2.6")
 @pytest.mark.parametrize(("recipe", "metric"), [
     ([], "train/penalty/double_backprop"),  # the digits MLP classifier, double backprop
-    # the GAN with WGAN-GP (callbacks=none: the HParams logger fails on rank 1 under DDP too)
-    (["experiment=gan_8gaussians_wgan_gp", "callbacks=none"], "train/critic/wgan_gp"),
+    # the GAN with WGAN-GP and its dashboards (its default callbacks=gan_dashboards)
+    (["experiment=gan_8gaussians_wgan_gp"], "train/critic/wgan_gp"),
 ])
 def test_recipe_trains_sharded_on_two_processes(tmp_path: Path, recipe: list[str],
                                                 metric: str) -> None:
@@ -34,6 +35,8 @@ def test_recipe_trains_sharded_on_two_processes(tmp_path: Path, recipe: list[str
     result = subprocess.run([sys.executable, str(SCRIPT), *TINY, *recipe,
                              f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, text=True,
                             capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+    if recipe:
+        check_two_process_gan_run(result, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stdout + result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())

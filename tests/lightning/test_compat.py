@@ -7,9 +7,18 @@ import importlib
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.tensorboard import SummaryWriter
 
-from gradreg.lightning.compat import attached_trainer, event_file_writer, relaunches_script
+from gradreg.lightning.compat import (
+    accumulating,
+    attached_trainer,
+    batches_that_stepped,
+    event_file_writer,
+    relaunches_script,
+)
 
 PRIVATE_NAMES = [("lightning.pytorch.strategies.launchers.subprocess_script",
                   "_SubprocessScriptLauncher")]
@@ -43,3 +52,63 @@ def test_which_strategies_relaunch_the_script(strategy: str, relaunches: bool) -
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
                          enable_checkpointing=False)
     assert relaunches_script(trainer) is relaunches
+
+
+class OneStep(pl.LightningModule):
+    """A linear model; with ``optimizers=2`` it steps two optimizers by hand per batch (as a GAN
+    does), else Lightning steps its one optimizer."""
+
+    def __init__(self, optimizers: int = 1) -> None:
+        super().__init__()
+        self.automatic_optimization = optimizers == 1
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 1) for _ in range(optimizers))
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor | None:
+        if self.automatic_optimization:
+            return self.layers[0](batch[0]).sum()
+        for optimizer, layer in zip(self.optimizers(), self.layers, strict=True):
+            optimizer.zero_grad()
+            self.manual_backward(layer(batch[0]).sum())
+            optimizer.step()
+        return None
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(layer.parameters(), lr=0.0) for layer in self.layers]
+
+
+class AtBatchEnd(pl.Callback):
+    """Records (batches_that_stepped, accumulating, global_step) at every batch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool, int]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.seen.append((batches_that_stepped(trainer), accumulating(trainer),
+                          trainer.global_step))
+
+
+def batch_ends(optimizers: int, accumulate: int, batches: int) -> list[tuple[int, bool, int]]:
+    record = AtBatchEnd()
+    pl.Trainer(max_epochs=1, accumulate_grad_batches=accumulate, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[record]).fit(
+        OneStep(optimizers), DataLoader(TensorDataset(torch.ones(batches, 2)), batch_size=1))
+    return record.seen
+
+
+def test_batches_that_stepped_and_accumulating_follow_the_optimizer_steps() -> None:
+    """5 batches, 2 accumulated per step: steps after batches 2, 4 and 5 (the last batch always
+    steps); at a batch's end the count is of the steps before it."""
+    assert batch_ends(optimizers=1, accumulate=2, batches=5) == [
+        (0, True, 0), (0, False, 1), (1, True, 1), (1, False, 2), (2, False, 3)], (
+        f"Lightning {pl.__version__} moved fit_loop.epoch_loop._batches_that_stepped or "
+        "fit_loop._should_accumulate: update gradreg/lightning/compat.py")
+
+
+def test_batches_that_stepped_counts_a_batch_once_where_global_step_counts_each_optimizer() -> (
+        None):
+    """Two optimizers stepped by hand per batch: global_step 2 per batch, the logging step 1."""
+    assert batch_ends(optimizers=2, accumulate=1, batches=3) == [
+        (0, False, 2), (1, False, 4), (2, False, 6)], (
+        f"Lightning {pl.__version__} counts fit_loop.epoch_loop._batches_that_stepped "
+        "differently: update gradreg/lightning/compat.py")

@@ -3,7 +3,7 @@
 The cadence and the step are those of Lightning's own monitors (``LearningRateMonitor``,
 ``DeviceStatsMonitor``): every ``log_every_n_steps`` optimizer steps, at the step that the
 module's ``self.log`` scalars get, so every chart of a run shares one x-axis. They read the same
-two trainer internals those monitors read; this module is the only place that does.
+two trainer internals those monitors read, through :mod:`gradreg.lightning.compat`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.tensorboard import SummaryWriter
+
+from gradreg.lightning.compat import accumulating, batches_that_stepped
 
 
 def check_every(every_n_steps: int | None) -> None:
@@ -27,7 +29,7 @@ def check_every(every_n_steps: int | None) -> None:
 
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning logs the current batch's metrics at (optimizer steps taken before it)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return batches_that_stepped(trainer)
 
 
 def logging_due(trainer: pl.Trainer, every_n_steps: int | None = None) -> bool:
@@ -39,10 +41,9 @@ def logging_due(trainer: pl.Trainer, every_n_steps: int | None = None) -> bool:
     n = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
     if n == 0:
         return False
-    accumulating = (
-        trainer.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate()
-    )
-    return not accumulating and ((logging_step(trainer) + 1) % n == 0 or trainer.should_stop)
+    if trainer.lightning_module.automatic_optimization and accumulating(trainer):
+        return False
+    return (logging_step(trainer) + 1) % n == 0 or trainer.should_stop
 
 
 def log_scalars(trainer: pl.Trainer, scalars: Mapping[str, float]) -> None:

@@ -81,10 +81,11 @@ class HParamsLogger(pl.Callback):
         self._declare(trainer, pl_module)
 
     def _declare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Write the HParams summaries once per run directory."""
+        """Write the HParams summaries once per run directory, from global rank 0 (the only
+        rank whose logger has a writer; on the others Lightning hands out a stand-in)."""
         warn_without_tensorboard(trainer, "HParamsLogger", "hyperparameters and metrics")
         writer = tensorboard(trainer)
-        if writer is None or writer.log_dir in self._declared:
+        if not trainer.is_global_zero or writer is None or writer.log_dir in self._declared:
             return
         weights = {f"{PENALTY_WEIGHT}/{name}": weight
                    for name, weight in penalty_weights(pl_module).items()}
