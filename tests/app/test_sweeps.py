@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import runpy
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from .conftest import CONFIGS, QUIET, SCRIPT, train_script
+from .conftest import CONFIGS, train_script
 from .helpers import TINY, hparams, run_in_process, run_script
 
 sweeps = train_script()["sweeps"]
@@ -228,14 +226,10 @@ def test_a_database_storage_optuna_cannot_open_is_refused_before_any_trial(
     if int(metadata.version("sqlalchemy").split(".")[0]) < 2:
         pytest.skip("SQLAlchemy < 2: Optuna 2 opens databases")
     monkeypatch.chdir(tmp_path)
-    argv = sys.argv
-    sys.argv = [str(SCRIPT), "-m", "hparams_search=classifier_robustness",
-                "hydra.sweeper.storage=sqlite:///study.db", f"hydra.sweep.dir={tmp_path}", *QUIET]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(SCRIPT), run_name="__main__")
-    finally:
-        sys.argv = argv
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process("-m", "hparams_search=classifier_robustness",
+                       "hydra.sweeper.storage=sqlite:///study.db", f"hydra.sweep.dir={tmp_path}",
+                       tmp_path=tmp_path)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: hydra.sweeper.storage: optuna 2.") and err.count("\n") == 1

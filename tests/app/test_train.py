@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.data.images import write_image_folder
 
-from .conftest import QUIET, SCRIPT, options, train_script
+from .conftest import options, train_script
 from .helpers import TINY, run_in_process, run_script
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
@@ -261,14 +259,9 @@ def test_multirun_refuses_a_launcher_that_reruns_the_script(
     starts and names what to do instead: DDP has a launcher inside the job (ddp_spawn), the
     sharded strategy has none (its jobs run without -m)."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    argv = sys.argv
-    sys.argv = [str(SCRIPT), "-m", f"trainer={trainer}", "seed=0,1",
-                f"hydra.sweep.dir={tmp_path}", *QUIET]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_path(str(SCRIPT), run_name="__main__")
-    finally:
-        sys.argv = argv
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process("-m", f"trainer={trainer}", "seed=0,1", f"hydra.sweep.dir={tmp_path}",
+                       tmp_path=tmp_path)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: trainer: strategy {strategy} (trainer={trainer}) re-launches "
