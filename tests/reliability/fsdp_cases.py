@@ -25,6 +25,8 @@ EXACT_PRESETS = ("wgan_gp", "wgan_lp", "r1", "r2", "dragan", "double_backprop", 
                  "jacobian", "derivative", "path_length", "param_grad_norm")
 #: presets run by finite differences (smooth model): at the points of the critic's outputs
 FD_PRESETS = ("wgan_gp", "r1", "r2")
+#: presets with no double backward of their own (method="perturbation"), called with the critic
+PERTURBATION_PRESETS = ("approx_r1", "approx_r2")
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,19 @@ class Case:
         extra = [f"{k}={v}" for k, v in self.options.items()] + ["bf16_params"] * self.mixed
         return "-".join([self.preset, str(self.dtype)[6:], self.layout, *extra])
 
+    @property
+    def first_order(self) -> bool:
+        """No double backward: finite differences or a perturbation estimate."""
+        return (self.options.get("method") == "finite_difference"
+                or self.preset in PERTURBATION_PRESETS)
+
 
 CASES = [
     *(Case(p, dtype, layout) for p in EXACT_PRESETS for dtype in (torch.float32, torch.float64)
       for layout in LAYOUTS),
     *(Case(p, dtype, layout, {"method": "finite_difference"}, True) for p in FD_PRESETS
+      for dtype in (torch.float32, torch.float64) for layout in LAYOUTS),
+    *(Case(p, dtype, layout, callable_outputs=True) for p in PERTURBATION_PRESETS
       for dtype in (torch.float32, torch.float64) for layout in LAYOUTS),
     *(Case("r1", torch.float32, layout, {"chunks": 2}, True) for layout in LAYOUTS),
     *(Case(p, torch.float32, layout, mixed=True) for p in ("wgan_gp", "r1", "double_backprop")
@@ -78,7 +88,8 @@ def loss(case: Case, model: nn.Module, x: Tensor, rank: int) -> Tensor:
     if not case.callable_outputs:
         return task_loss(model, x) + penalty_value(gp, model, x)
     points = {"wgan_gp": lambda: interpolate(x, x.flip(0) + 0.5), "r1": lambda: as_points(x),
-              "r2": lambda: as_points(x + 0.5)}[case.preset]()
+              "r2": lambda: as_points(x + 0.5), "approx_r1": lambda: as_points(x),
+              "approx_r2": lambda: as_points(x + 0.5)}[case.preset]()
 
     def per_sample(q: Tensor) -> Tensor:
         return model(q).sum(1)

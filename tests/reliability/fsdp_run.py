@@ -1,8 +1,8 @@
 """The FSDP2 side of the parity test; ``python fsdp_run.py OUT`` is one rank (gloo, CPU).
 
 The test starts both ranks with ``RANK``/``WORLD_SIZE``/``MASTER_PORT`` set. Every case of
-``fsdp_cases.CASES`` runs inside :func:`gradreg.sharding.penalty_step`; the finite-difference
-cases also without it, and the failures that the step exists for are recorded (the raw FSDP2
+``fsdp_cases.CASES`` runs inside :func:`gradreg.sharding.penalty_step`; the first-order cases
+(finite differences, perturbation estimates) also without it, and the failures that the step exists for are recorded (the raw FSDP2
 error and the lost gradients of a hand-written R1, and gradreg's refusal of its R1 preset without
 the step), as are the step's refusals. Rank 0 writes one file:
 case name -> the full gradients (gathered from the shards), or the text of the error.
@@ -126,7 +126,7 @@ def main(out: Path) -> None:
     results: dict[str, object] = {}
     for case in CASES:
         results[case.name] = run(case, rank)
-        if case.options.get("method") == "finite_difference":
+        if case.first_order:
             results["plain:" + case.name] = run(case, rank, around=plain)
     r1 = Case("r1")
     for layout in LAYOUTS:  # what FSDP2 does with a double backward on its own

@@ -30,7 +30,7 @@ from gradreg.sharding import supports_exact_step
 pytestmark = pytest.mark.skipif(not supports_exact_step(),
                                 reason="fully_shard is public from torch 2.6")
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
-FD_CASES = [c for c in CASES if c.options.get("method") == "finite_difference"]
+FIRST_ORDER_CASES = [c for c in CASES if c.first_order]
 APPROXIMATE = "method='finite_difference'"
 
 
@@ -87,8 +87,8 @@ def test_sharded_step_gives_the_gradients_of_one_process(sharded: dict, case: Ca
     assert max_difference(grads_of(sharded, case.name), expected) <= TOLERANCE[case.dtype]
 
 
-@pytest.mark.parametrize("case", FD_CASES, ids=lambda c: c.name)
-def test_finite_differences_need_no_step(sharded: dict, case: Case) -> None:
+@pytest.mark.parametrize("case", FIRST_ORDER_CASES, ids=lambda c: c.name)
+def test_finite_differences_and_perturbations_need_no_step(sharded: dict, case: Case) -> None:
     assert max_difference(grads_of(sharded, "plain:" + case.name),
                           reference(case)) <= TOLERANCE[case.dtype]
 
