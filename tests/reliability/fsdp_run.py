@@ -2,10 +2,10 @@
 
 The test starts both ranks with ``RANK``/``WORLD_SIZE``/``MASTER_PORT`` set. Every case of
 ``fsdp_cases.CASES`` runs inside :func:`gradreg.sharding.penalty_step`; the first-order cases
-(finite differences, perturbation estimates) also without it, and the failures that the step exists for are recorded (the raw FSDP2
-error and the lost gradients of a hand-written R1, and gradreg's refusal of its R1 preset without
-the step), as are the step's refusals. Rank 0 writes one file:
-case name -> the full gradients (gathered from the shards), or the text of the error.
+(finite differences, perturbation estimates) also without it, and the failures that the step
+exists for are recorded (the raw FSDP2 error and the lost gradients of a hand-written R1, and
+gradreg's refusal of its R1 preset without the step), as are the step's refusals. Rank 0 writes
+one file: case name -> the full gradients (gathered from the shards), or the text of the error.
 """
 
 from __future__ import annotations
