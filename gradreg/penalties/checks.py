@@ -8,11 +8,34 @@ wrong norm. Nothing in the numbers shows it; only the shapes do.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import Tensor
 
 from gradreg.autograd import GradientError
 
-__all__ = ["check_per_sample"]
+__all__ = ["check_per_sample", "model_without_in_place_updates"]
+
+
+@contextmanager
+def model_without_in_place_updates(what: str) -> Iterator[None]:
+    """Run a ``torch.func`` transform (``jvp``, ``vjp``) of a model, with torch's error for an
+    op that updates a tensor of the model in place (BatchNorm in training mode updating its
+    running statistics) turned into a :class:`~gradreg.GradientError` naming ``what`` and the
+    fix."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "mutate a captured Tensor" not in str(err):
+            raise
+        raise GradientError(
+            f"{what} runs the model under torch.func, which cannot run an op that updates a "
+            "tensor of the model in place, such as BatchNorm in training mode updating its "
+            "running statistics (whose outputs would also couple the samples). Put "
+            "normalization layers in eval mode, or use a per-sample normalization (GroupNorm, "
+            f"LayerNorm). Torch said: {err}"
+        ) from err
 
 
 def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.func import jvp
 
 from gradreg.autograd import GradientError
+from gradreg.penalties.checks import model_without_in_place_updates
 
 __all__ = ["HESSIAN_METHODS", "HESSIAN_REDUCTIONS", "hessian_penalty", "rademacher",
            "second_directional_derivatives"]
@@ -72,18 +73,8 @@ def second_directional_derivatives(
     if method == "exact":
         def tangent(q: Tensor) -> Outputs:
             return jvp(fn, (q,), (direction,))[1]
-        try:
+        with model_without_in_place_updates("kind='hessian' with the exact method"):
             return _as_list(jvp(tangent, (z,), (direction,))[1])
-        except RuntimeError as err:
-            if "mutate a captured Tensor" not in str(err):
-                raise
-            raise GradientError(
-                "kind='hessian' with the exact method runs the model under torch.func.jvp, which "
-                "cannot run an op that updates a tensor of the model in place, such as BatchNorm "
-                "in training mode updating its running statistics (whose outputs would also "
-                "couple the samples). Put normalization layers in eval mode, or use a "
-                f"per-sample normalization (GroupNorm, LayerNorm). Torch said: {err}"
-            ) from err
     shift = epsilon * direction
     at_z = _as_list(fn(z) if outputs is None else outputs)
     plus, minus = _as_list(fn(z + shift)), _as_list(fn(z - shift))

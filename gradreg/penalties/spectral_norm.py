@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.func import jvp, vjp
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.checks import check_per_sample, model_without_in_place_updates
 from gradreg.penalties.norms import per_sample_norm
 
 __all__ = ["power_iteration", "spectral_norms"]
@@ -85,6 +85,7 @@ def spectral_norms(
             f"(a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
     inputs = as_tuple(inputs)
-    u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
-    stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
+    with model_without_in_place_updates("kind='spectral'"):
+        u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
+        stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
     return (u * stretched).reshape(u.shape[0], -1).sum(1)

@@ -133,6 +133,10 @@ def test_perturbation_refuses_what_it_cannot_estimate() -> None:
         with pytest.raises(GradientError, match="kind='hessian' .*BatchNorm in training mode"):
             hessian(method=method)(generator.double(), x)
     assert torch.isfinite(hessian()(generator.double().eval(), x))  # eval mode: per sample
+    with pytest.raises(GradientError, match="kind='spectral' runs the model under torch.func.*"
+                       "BatchNorm in training mode"):
+        spectral()(generator.double().train(), x)
+    assert torch.isfinite(spectral()(generator.double().eval(), x))
 
 
 def test_perturbation_runs_where_double_backward_cannot() -> None:
