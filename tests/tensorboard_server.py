@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.distributed import free_port
+
 READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get(url: str) -> Any:

@@ -29,7 +29,10 @@ third derivatives along :math:`\varepsilon`):
 
 Rounding adds a relative error of about :math:`u\,|f| / (\sigma \lVert g\rVert)` (:math:`u` the
 unit roundoff) to each difference: measured figures, and the step where float32 rounding starts to
-dominate, are in ``docs/benchmarks.md``. The variance over the probes is that of
+dominate, are in ``docs/benchmarks.md``. Arithmetic whose rounding moves the quotient by more
+than 1e-2 of the outputs' size, :math:`2u/\sigma` (:math:`u/\sigma` central), is refused
+(:func:`~gradreg.penalties.precision.check_difference_rounding`): bf16 autocast or TF32 at the
+default σ (0.78 and 0.098). The variance over the probes is that of
 :math:`(\varepsilon^\top g)^2`, :math:`2\lVert g\rVert^4` for a scalar output: one probe gives a
 relative standard deviation of :math:`\sqrt2` per sample, ``probes=k`` divides the variance by k.
 
@@ -51,6 +54,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.precision import check_difference_rounding
 
 __all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
 
@@ -104,9 +108,14 @@ def perturbation_sq_norms(
     if outputs is not None:
         check_per_sample(outputs, inputs)
     total = None
-    for _ in range(probes):
+    for probe in range(probes):
         shifts = tuple(_probe(x, generator) * sigma for x in inputs)
         plus = fn(*(x + s for x, s in zip(inputs, shifts, strict=True)))
+        if probe == 0:
+            check_difference_rounding(
+                [plus], step=sigma, order=1, weight=1 if central else 2, step_name="sigma",
+                what="the perturbation estimate's difference quotient of outputs",
+                exact="method='double_backward' (r1/r2 instead of approx_r1/approx_r2)")
         if central:
             check_per_sample(plus, inputs)
             minus = fn(*(x - s for x, s in zip(inputs, shifts, strict=True)))

@@ -3,10 +3,15 @@
 The unit roundoff :math:`u` of float64, float32, TF32 (what GPUs use for float32 convolutions and,
 at matmul precision ``"high"``, matmuls) or an autocast dtype, read off the outputs and their
 graph; :func:`default_step` turns it into the step of
-:func:`~gradreg.penalties.finite_difference.finite_difference`.
+:func:`~gradreg.penalties.finite_difference.finite_difference`, and
+:func:`check_difference_rounding` refuses a difference quotient of the model's outputs (the
+perturbation estimate, the Hessian penalty's second difference) whose rounding error could pass for
+the quantity it estimates.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -14,7 +19,8 @@ from torch import Tensor
 from gradreg.autograd import GradientError
 from gradreg.graph import graph_node_names
 
-__all__ = ["STEPS", "TF32_ROUNDOFF", "cuda_float32_roundoff", "default_step", "unit_roundoff"]
+__all__ = ["MAX_DIFFERENCE_ROUNDING", "STEPS", "TF32_ROUNDOFF", "check_difference_rounding",
+           "cuda_float32_roundoff", "default_step", "unit_roundoff"]
 
 #: Unit roundoff of TF32 (10 explicit mantissa bits), which cuDNN convolutions use for float32 on
 #: Ampere and newer GPUs by default (``torch.backends.cudnn.allow_tf32``), and cuBLAS matmuls
@@ -26,6 +32,10 @@ TF32_ROUNDOFF = 2.0**-11
 #: softplus, ELU and SiLU MLPs, CNNs and DCGAN-style critics (TF32 emulated on the CPU by rounding
 #: the operands of every convolution and matmul, forward and backward, to 10 mantissa bits).
 STEPS = {2.0**-53: 1e-6, 2.0**-24: 1e-2, TF32_ROUNDOFF: 0.5}
+
+#: The largest rounding error of a difference quotient of outputs, in units of the outputs' size,
+#: that :func:`check_difference_rounding` accepts.
+MAX_DIFFERENCE_ROUNDING = 1e-2
 
 _CONVOLUTIONS = ("Convolution", "CudnnConvolution")
 _MATMULS = ("Mm", "Addmm", "Bmm", "Baddbmm", "Addbmm", "Addmv", "Mv", "Dot", "Linear")
@@ -79,3 +89,34 @@ def default_step(roundoff: float) -> float:
         "float32 or float64 (disable autocast around it), or use method='double_backward'."
     )
 
+
+
+def check_difference_rounding(outputs: Sequence[Tensor], *, step: float, order: int,
+                              weight: float, what: str, step_name: str, exact: str) -> None:
+    r"""Refuse a difference quotient of ``outputs`` that rounding could swamp.
+
+    Each output carries a rounding error of about :math:`u\,|f|` (:math:`u` the
+    :func:`unit_roundoff` of the arithmetic that computed it), so a quotient
+    :math:`\sum_i c_i f(x + a_i h) / h^n` with :math:`\sum_i |c_i|` = ``weight`` carries up to
+    :math:`\text{weight}\cdot u / h^n` of the outputs' size (``h`` = ``step``, ``n`` =
+    ``order``). Above :data:`MAX_DIFFERENCE_ROUNDING` (float32 at the default steps: 1e-5 and
+    below; TF32 or bf16 at the same steps: 0.1 to 1.6) the estimate would measure rounding noise:
+    raises :class:`~gradreg.autograd.GradientError` naming ``what`` was computed, the step
+    that would suffice, and ``exact``, the method without differences.
+    """
+    roundoff = max(unit_roundoff(output) for output in outputs)
+    rounding = weight * roundoff / step**order
+    if rounding <= MAX_DIFFERENCE_ROUNDING:
+        return
+    smallest = (weight * roundoff / MAX_DIFFERENCE_ROUNDING) ** (1 / order)
+    coarse = roundoff > 2.0**-24
+    source = (" (bf16/fp16 autocast, TF32, or float32 matmul precision 'medium')" if coarse
+              else "")
+    fixes = ("run it in float32 or float64 (outside autocast, TF32 off), " if coarse
+             else "run it in float64, ")
+    raise GradientError(
+        f"{what} at {step_name}={step} in arithmetic of unit roundoff {roundoff:.1e}{source} "
+        f"carries a rounding error of up to {rounding:.2g} of the outputs' size (more than "
+        f"{MAX_DIFFERENCE_ROUNDING:g}): it would measure rounding noise. Take a step "
+        f"{step_name} >= {smallest:.2g} in this arithmetic, {fixes}or use {exact}."
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +12,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 
 from gradreg.data import DigitsDataModule
 from gradreg.data.splits import RankSlices
+from tests.distributed import run_processes
 
 
 def test_rank_slices_cut_every_batch_into_contiguous_parts() -> None:
@@ -70,11 +69,9 @@ def test_two_ranks_with_global_batches_take_the_single_process_steps(tmp_path: P
     """Real DDP (2 gloo ranks, ddp_spawn): after 3 steps of double backprop with Adam, the
     parameters are those of one process to float rounding (measured 1.5e-8)."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     for devices in (1, 2):
-        subprocess.run([sys.executable, "-m", "tests.data.global_batch_run", str(devices),
-                        str(tmp_path / f"{devices}.pt")], cwd=root, env=env, check=True,
-                       capture_output=True, timeout=300)
+        run_processes([sys.executable, "-m", "tests.data.global_batch_run", str(devices),
+                       str(tmp_path / f"{devices}.pt")], [{"PYTHONPATH": str(root)}], cwd=root)
     one, two = (torch.load(tmp_path / f"{d}.pt") for d in (1, 2))
     assert one.keys() == two.keys()
     for name in one:

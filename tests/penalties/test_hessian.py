@@ -160,3 +160,16 @@ def test_bad_options_are_refused() -> None:
         hessian_penalty(_g1, z, directions=torch.ones(2, 3, 2))
     with pytest.raises(GradientError, match="floating-point input z"):
         hessian_penalty(_g1, torch.ones(2, 2, dtype=torch.long))
+
+
+def test_a_second_difference_that_rounding_would_swamp_is_refused() -> None:
+    """float32 (u = 2**-24): 4u/ε² is 2.4e-5 at the authors' ε = 0.1 (runs) and 0.24 at ε = 1e-3
+    (refused, naming the smallest ε that passes, sqrt(4u/1e-2) = 4.9e-3, and the exact form)."""
+    z = torch.randn(4, 3)
+
+    def G(q: Tensor) -> Tensor:
+        return torch.tanh(q).prod(1, keepdim=True)
+
+    assert torch.isfinite(hessian_penalty(G, z, epsilon=0.1))
+    with pytest.raises(GradientError, match=r"up to 0\.24 .* epsilon >= 0\.0049 .*method='exact'"):
+        hessian_penalty(G, z, epsilon=1e-3)

@@ -171,3 +171,27 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         perturbation_sq_norms(lambda q: q.sum(1), torch.ones(4, 3, dtype=torch.long))
     with pytest.raises(GradientError, match=r"D\(x\) rather than D\(x\).mean\(\)"):
         perturbation_sq_norms(lambda q: q.sum(), x)
+
+
+@pytest.mark.parametrize(("dtype", "sigma", "central", "smallest"), [
+    (torch.float32, 2e-5, False, None),  # 2u/σ = 6.0e-3 (u = 2**-24)
+    (torch.float32, 1e-5, False, "1.2e-05"),  # 2u/σ = 1.2e-2
+    (torch.float32, 1e-5, True, None),  # central: u/σ = 6.0e-3
+    (torch.float64, 1e-12, False, None),  # 2u/σ = 2.2e-4
+    (torch.bfloat16, 1.0, False, None),  # 2u/σ = 7.8e-3 (u = 2**-8)
+    (torch.bfloat16, 0.5, False, "0.78"),  # 2u/σ = 1.6e-2
+])
+def test_steps_that_rounding_would_swamp_are_refused(dtype: torch.dtype, sigma: float,
+                                                     central: bool, smallest: str | None) -> None:
+    """Refused exactly where the rounding bound 2u/σ (u/σ central) exceeds 1e-2, naming the
+    smallest step that would pass."""
+    x = torch.randn(3, 4).to(dtype)
+
+    def estimate() -> Tensor:
+        return perturbation_sq_norms(lambda q: q.sum(1), x, sigma=sigma, central=central)
+
+    if smallest is None:
+        assert torch.isfinite(estimate()).all()
+    else:
+        with pytest.raises(GradientError, match=f"sigma >= {smallest} in this arithmetic"):
+            estimate()

@@ -13,9 +13,6 @@ other network.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,29 +21,20 @@ import torch
 from ddp_run import DDP_RUNS, SCENARIOS, result_path, train
 from lightning_cases import max_difference, parameters
 
+from tests.distributed import run_processes
+
 TOLERANCE = 2e-7  # fp32; the measured differences are 1.5e-8 to 3e-8
 PARITY_RUNS = DDP_RUNS[:-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Start 2 ranks that run every scenario of ``DDP_RUNS``; the directory of their results."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "NODE_RANK": "0"}
     script = Path(__file__).with_name("ddp_run.py")
-    ranks = [subprocess.Popen([sys.executable, str(script), str(out)],
-                              env={**env, "LOCAL_RANK": str(rank)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    for rank in ranks:
-        _, stderr = rank.communicate(timeout=240)
-        assert rank.returncode == 0, stderr[-3000:]
+    run_processes([sys.executable, str(script), str(out)],
+                  [{"WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+                   for rank in (0, 1)])
     return out
 
 

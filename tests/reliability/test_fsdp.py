@@ -11,9 +11,6 @@ bf16.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +23,7 @@ from lightning_cases import max_difference as max_difference_of_states
 from lightning_cases import parameters
 
 from gradreg.sharding import supports_exact_step
+from tests.distributed import run_processes
 
 pytestmark = pytest.mark.skipif(not supports_exact_step(),
                                 reason="fully_shard is public from torch 2.6")
@@ -34,23 +32,11 @@ FIRST_ORDER_CASES = [c for c in CASES if c.first_order]
 APPROXIMATE = "method='finite_difference'"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(script: str, out: Path) -> None:
     """Start 2 ranks of ``script`` (next to this file) writing into ``out``; wait for both."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "NODE_RANK": "0"}
-    ranks = [subprocess.Popen([sys.executable, str(Path(__file__).with_name(script)), str(out)],
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    for rank in ranks:
-        _, stderr = rank.communicate(timeout=240)
-        assert rank.returncode == 0, stderr[-3000:]
+    run_processes([sys.executable, str(Path(__file__).with_name(script)), str(out)],
+                  [{"WORLD_SIZE": "2", "NODE_RANK": "0", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                   for rank in (0, 1)])
 
 
 @pytest.fixture(scope="module")
