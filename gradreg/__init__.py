@@ -6,6 +6,7 @@ The core (this package's top-level modules and :mod:`gradreg.penalties`) depends
 from gradreg import penalties
 from gradreg.autograd import (
     GradientError,
+    NonFiniteError,
     capture,
     check_double_backward,
     gradient,
@@ -18,6 +19,7 @@ from gradreg.graph import AutogradGraph, autograd_graph
 __all__ = [
     "AutogradGraph",
     "GradientError",
+    "NonFiniteError",
     "autograd_graph",
     "capture",
     "check_double_backward",

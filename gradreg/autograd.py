@@ -19,6 +19,7 @@ from gradreg.torch_compat import once_differentiable_function
 
 __all__ = [
     "GradientError",
+    "NonFiniteError",
     "as_tuple",
     "capture",
     "check_double_backward",
@@ -39,6 +40,11 @@ _NO_DOUBLE_BACKWARD_FIX = (
 
 class GradientError(RuntimeError):
     """A gradient cannot be taken as asked; the message names the cause and the fix."""
+
+
+class NonFiniteError(GradientError):
+    """A penalty's points, outputs or value are NaN or Inf: corrupt data, or a model that
+    overflowed or diverged (raised by the penalties' ``check_finite``)."""
 
 
 def as_tuple(tensors: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:

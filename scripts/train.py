@@ -29,7 +29,7 @@ training with exit status 2 and one line on stderr naming the config key and the
 Unknown group options (``penalty=foo``) are Hydra's own error, which lists the options (status 1).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
-line.
+line; in an Optuna search a NaN or Inf penalty fails only its trial, and the study goes on.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from train_app.checks import (
 )
 from train_app.resume import ResumedWeights, weight_overrides
 
-from gradreg import GradientError
+from gradreg import GradientError, NonFiniteError
 
 
 def build(cfg: DictConfig, resuming: bool = False
@@ -136,6 +136,12 @@ def main(cfg: DictConfig) -> float | None:
         if trainer.is_global_zero:  # under DDP, Lightning re-runs this script for the other ranks
             report(trainer, metrics, output_dir)
         return sweeps.objective(metrics, cfg.optimized_metric)
+    except NonFiniteError as error:  # a diverged Optuna trial fails alone; else as below
+        if not sweeps.fails_trial_only():
+            exit_with(error)
+        print(f"error: training diverged, this trial fails and the search goes on: {error}",
+              file=sys.stderr, flush=True)
+        raise sweeps.DivergedTrial(str(error)) from None
     except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
         exit_with(error)
 

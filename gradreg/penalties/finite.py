@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradreg.autograd import GradientError
+from gradreg.autograd import NonFiniteError
 
 __all__ = ["FiniteCheck"]
 
@@ -42,8 +42,9 @@ ENTRIES = ("points", "outputs", "penalty", "weighted")
 
 class FiniteCheck:
     """Record, for each call of a penalty, whether its points, its outputs, its value and its
-    weighted value are finite; raise :class:`~gradreg.GradientError` for the first call with a
-    non-finite one as soon as it can be read without a device sync.
+    weighted value are finite; raise :class:`~gradreg.NonFiniteError` (a
+    :class:`~gradreg.GradientError`) for the first call with a non-finite one as soon as it can be
+    read without a device sync.
 
     The points and the outputs are each reduced on their device to one sum, which is finite
     exactly when all their elements are; the two sums and the two values travel in one
@@ -96,7 +97,7 @@ class FiniteCheck:
                 late = "" if recorded.call == self._calls else (
                     f" (found at call {self._calls}: on a GPU the check reads the value "
                     "asynchronously, after that call's optimizer step)")
-                raise GradientError(_message(found, recorded, values, late))
+                raise NonFiniteError(_message(found, recorded, values, late))
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with nothing pending (events cannot be copied)."""

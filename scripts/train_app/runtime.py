@@ -10,6 +10,7 @@ took 170 s with torch's 2 threads and 15 s with one. ``threads`` (default 1) set
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
 
@@ -104,7 +105,9 @@ def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120
     value ``ckpt_path=`` accepts without quotes), floats longer than 4 significant digits are
     shortened to 4 (a sampler's values); whole overrides past ``limit`` characters are left out
     (``+...``); ``""`` without overrides."""
-    items = [item for item in overrides.replace("/", "_").replace(",", "_").split("+") if item]
+    safe = overrides.replace("/", "_").replace(",", "_")
+    # split at each "+" that joins two overrides, not at the sign of an exponent (lr:1e+20)
+    items = [item for item in re.split(r"\+(?![0-9])", safe) if item]
     items = [f"{key}:{short_number(value)}" if sep else key
              for key, sep, value in (item.partition(":") for item in items)]
     if only_swept:

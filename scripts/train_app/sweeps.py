@@ -9,6 +9,12 @@ its folder on their ``PYTHONPATH``, and the keys the command line sweeps (which 
 folder, :func:`swept_keys`) in ``GRADREG_SWEPT_KEYS`` (:func:`jobs_environment`). At the end of
 a search :class:`SearchReport` prints its best parameters in one line and saves that line in the
 sweep's folder (``best_trial.txt``, next to the sweeper's ``optimization_results.yaml``).
+
+A trial of an Optuna search whose training diverges (:class:`~gradreg.NonFiniteError`: a NaN or
+Inf penalty, typically at a large weight or learning rate) fails alone: the job raises
+:class:`DivergedTrial`, the sweeper records the trial as failed (``max_failure_rate: 1.0`` in
+``configs/hydra/sweeper/penalty_search.yaml``) and the study goes on; any other error ends the
+search (:func:`fails_trial_only`).
 """
 
 from __future__ import annotations
@@ -53,6 +59,18 @@ def objective(metrics: Mapping[str, float], name: str | None) -> float | None:
             f"{sorted(metrics)}, e.g. optimized_metric=val/acc_pgd"
         )
     return metrics[name]
+
+
+class DivergedTrial(RuntimeError):
+    """A trial of an Optuna search whose training diverged; the study records it as failed."""
+
+
+def fails_trial_only() -> bool:
+    """Whether an error of this job fails only its own trial: a job of an Optuna search (which
+    records failed trials and goes on). Single runs and grid sweeps stop at the first error."""
+    hydra = HydraConfig.get()
+    return (hydra.mode == RunMode.MULTIRUN
+            and "optuna" in str(hydra.sweeper.get("_target_", "")).lower())
 
 
 def check_search_mode() -> None:

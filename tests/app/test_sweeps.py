@@ -72,6 +72,29 @@ def check_study(result: subprocess.CompletedProcess, sweep_dir: Path, metric: st
     assert (sweep_dir / "best_trial.txt").read_text() == line + "\n"
 
 
+@needs_extra
+def test_a_diverged_trial_fails_alone_and_the_study_goes_on(tmp_path: Path) -> None:
+    """4 trials over lr in {0.001, 1e20} (TPE's seeded start draws 1e20, 0.001, 1e20, 1e20): the
+    trials at lr 1e20 diverge (a NaN output, NonFiniteError), each is recorded as failed with one
+    line naming it, and the study goes on to the end; the best trial is the one that trained."""
+    space = ('hydra.sweeper.params={model.optimizer.lr:"choice(0.001,1e20)",'
+             'penalty.weight:"choice(0.1)"}')
+    result = run_script("-m", "hparams_search=classifier_robustness", space,
+                        "hydra.sweeper.n_trials=4", *TRIAL, f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folders = sorted(path.name for path in tmp_path.iterdir() if path.is_dir())
+    assert folders == [f"{index}_model.optimizer.lr:{lr}+penalty.weight:0.1" for index, lr in
+                       enumerate(["1e+20", "0.001", "1e+20", "1e+20"])]
+    assert [(tmp_path / name / "metrics.json").is_file() for name in folders] == [
+        False, True, False, False]
+    assert result.stderr.count("error: training diverged, this trial fails and the search goes "
+                               "on: the outputs of call") == 3
+    best = OmegaConf.load(tmp_path / "optimization_results.yaml").best_params
+    assert best["model.optimizer.lr"] == 0.001
+    assert "best trial: penalty.weight=0.1 model.optimizer.lr=0.001 -> val/acc_pgd=" in (
+        result.stdout)
+
+
 def with_hydra_config(overrides: list[str]) -> DictConfig:
     """configs/train.yaml with ``overrides``, and its ``hydra`` node (sweeper, launcher)."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):

@@ -171,6 +171,9 @@ BAD_CONFIGS = {
     "penalty method the model refuses": (["+penalty.method=finite_difference"], 2, [
         "error: training: method='finite_difference' on a piecewise-linear model (Relu in its "
         "graph)"]),
+    "a run that diverges": (["model.optimizer.lr=1e20"], 2, [
+        "error: training: the outputs of call 2 contain NaN or Inf although the points are "
+        "finite"]),
     # each of these was a traceback, a bare AssertionError, or a run that trained anyway
     "seed not a number": (["seed=abc"], 2, ["error: seed: must be an integer, got 'abc'"]),
     "max_epochs not a number": (["trainer.max_epochs=abc"], 2, [
@@ -294,3 +297,4 @@ def test_run_folder_names_keep_whole_overrides_and_no_slashes(
     assert suffix("a:x_y,z+b:c_d") == "_a:x_y_z+b:c_d"
     assert suffix("model.input_shape:[1,16,16]+seed:1") == "_model.input_shape:[1_16_16]+seed:1"
     assert suffix("a:1+b:2+c:3", limit=7) == "_a:1+b:2+..."
+    assert suffix("lr:1e+20+weight:0.1") == "_lr:1e+20+weight:0.1"  # an exponent's sign stays

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from gradreg import GradientError
+from gradreg import GradientError, NonFiniteError
 from gradreg.penalties import make_penalty
 from gradreg.penalties.finite import FiniteCheck, _Recorded
 
@@ -18,8 +18,8 @@ NAN = torch.tensor(float("nan"))
 def test_cpu_values_are_checked_at_once_naming_the_call() -> None:
     check = FiniteCheck()
     check(torch.tensor(1.0))
-    with pytest.raises(GradientError, match=r"penalty of call 2 is nan \(not finite\): the"):
-        check(NAN)
+    with pytest.raises(NonFiniteError, match=r"penalty of call 2 is nan \(not finite\): the"):
+        check(NAN)  # a GradientError of its own kind: a sweep fails only the diverged trial
     check(torch.tensor(2.0))  # reported once; the check goes on
 
 
