@@ -90,7 +90,6 @@ def default_step(roundoff: float) -> float:
     )
 
 
-
 def check_difference_rounding(outputs: Sequence[Tensor], *, step: float, order: int,
                               weight: float, what: str, step_name: str, exact: str) -> None:
     r"""Refuse a difference quotient of ``outputs`` that rounding could swamp.
@@ -99,8 +98,8 @@ def check_difference_rounding(outputs: Sequence[Tensor], *, step: float, order: 
     :func:`unit_roundoff` of the arithmetic that computed it), so a quotient
     :math:`\sum_i c_i f(x + a_i h) / h^n` with :math:`\sum_i |c_i|` = ``weight`` carries up to
     :math:`\text{weight}\cdot u / h^n` of the outputs' size (``h`` = ``step``, ``n`` =
-    ``order``). Above :data:`MAX_DIFFERENCE_ROUNDING` (float32 at the default steps: 1e-5 and
-    below; TF32 or bf16 at the same steps: 0.1 to 1.6) the estimate would measure rounding noise:
+    ``order``). Above :data:`MAX_DIFFERENCE_ROUNDING` (float32 at the default steps: 1.2e-5 to
+    2.4e-5; TF32 or bf16 there: 0.1 to 1.6) the estimate would measure rounding noise:
     raises :class:`~gradreg.autograd.GradientError` naming ``what`` was computed, the step
     that would suffice, and ``exact``, the method without differences.
     """
