@@ -1,9 +1,14 @@
 """Three steps of the digits classifier with data.global_batch, in one process or on two gloo
-ranks (``ddp_spawn``): ``python -m tests.data.global_batch_run <devices> <out.pt>`` saves the
-parameters of rank 0."""
+ranks: ``python -m tests.data.global_batch_run <devices> <out.pt>`` saves the parameters of rank
+0. With 2 devices the test starts both ranks itself (``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_PORT``), as ``tests/reliability/ddp_run.py`` does, and each rank ends with ``os._exit``
+once its result is saved: gloo's threads sometimes abort the interpreter's teardown
+("terminate called without an active exception", measured under ``ddp_spawn`` on torch 2.13 and
+2.14 after training had finished)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import lightning as L
@@ -20,7 +25,7 @@ def main(devices: int, out: str) -> None:
     L.seed_everything(0)
     model = Classifier(MLP(64, 10, hidden=[32]), {"db": double_backprop(0.1)}, pgd_steps=0)
     data = DigitsDataModule(shape=[64], batch_size=64, global_batch=True)
-    ddp = {"strategy": "ddp_spawn", "devices": 2} if devices == 2 else {}
+    ddp = {"strategy": "ddp", "devices": 2} if devices == 2 else {}
     trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         inference_mode=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -32,3 +37,6 @@ def main(devices: int, out: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

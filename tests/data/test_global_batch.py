@@ -66,12 +66,15 @@ def test_batch_size_must_be_a_positive_integer(size: object) -> None:
 
 
 def test_two_ranks_with_global_batches_take_the_single_process_steps(tmp_path: Path) -> None:
-    """Real DDP (2 gloo ranks, ddp_spawn): after 3 steps of double backprop with Adam, the
-    parameters are those of one process to float rounding (measured 1.5e-8)."""
+    """Real DDP (2 gloo ranks): after 3 steps of double backprop with Adam, the parameters are
+    those of one process to float rounding (measured 1.5e-8)."""
     root = Path(__file__).resolve().parents[2]
     for devices in (1, 2):
+        ranks = [{"PYTHONPATH": str(root)}] if devices == 1 else [
+            {"PYTHONPATH": str(root), "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
+            for rank in range(2)]
         run_processes([sys.executable, "-m", "tests.data.global_batch_run", str(devices),
-                       str(tmp_path / f"{devices}.pt")], [{"PYTHONPATH": str(root)}], cwd=root)
+                       str(tmp_path / f"{devices}.pt")], ranks, cwd=root)
     one, two = (torch.load(tmp_path / f"{d}.pt") for d in (1, 2))
     assert one.keys() == two.keys()
     for name in one:
