@@ -9,6 +9,7 @@ from torch import nn
 
 import gradreg
 from gradreg import GradientError
+from tests.once_differentiable import OnceSquare
 
 
 def test_non_scalar_output_needs_grad_outputs_and_says_so() -> None:
@@ -112,18 +113,6 @@ def test_graph_of_gradient_is_freed_after_backward() -> None:
 
 
 def test_check_double_backward_names_the_op() -> None:
-    class OnceSquare(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            return 2 * x * grad
-
     w = torch.randn(3, requires_grad=True)
     x = torch.randn(4, 3, requires_grad=True)
     g = gradreg.gradient((OnceSquare.apply(x) * w).sum(), x)

@@ -82,12 +82,23 @@ def second_directional_derivatives(
             return jvp(fn, (q,), (direction,))[1]
         with model_without_in_place_updates("kind='hessian' with the exact method"):
             return _as_list(jvp(tangent, (z,), (direction,))[1])
-    shift = epsilon * direction
     at_z = _as_list(fn(z) if outputs is None else outputs)
+    _check_rounding(at_z, epsilon)
+    return _second_difference(fn, z, direction, epsilon, at_z)
+
+
+def _check_rounding(at_z: list[Tensor], epsilon: float) -> None:
+    """Refuse a second difference at ``epsilon`` that rounding would swamp (module docstring)."""
     check_difference_rounding(
         at_z, step=epsilon, order=2, weight=4, step_name="epsilon",
         exact="the exact form (method='exact'; a GradientPenalty's method='double_backward')",
         what="the Hessian penalty's second difference (G(z+eps*v) - 2G(z) + G(z-eps*v))/eps^2")
+
+
+def _second_difference(fn: Callable[[Tensor], Outputs], z: Tensor, direction: Tensor,
+                       epsilon: float, at_z: list[Tensor]) -> list[Tensor]:
+    """(G(z + εv) − 2G(z) + G(z − εv))/ε² for each output, ``at_z`` being G(z)."""
+    shift = epsilon * direction
     plus, minus = _as_list(fn(z + shift)), _as_list(fn(z - shift))
     if not len(plus) == len(minus) == len(at_z):
         raise GradientError(
@@ -131,10 +142,13 @@ def hessian_penalty(
             f"directions have shape {tuple(directions.shape)}; expected [k, *z.shape] = "
             f"{[k, *z.shape]}."
         )
-    if method == "finite_difference" and outputs is None:
-        outputs = fn(z)
-    per_direction = [second_directional_derivatives(fn, z, v, method=method, epsilon=epsilon,
-                                                     outputs=outputs) for v in directions]
+    if method == "exact":
+        per_direction = [second_directional_derivatives(fn, z, v, method="exact")
+                         for v in directions]
+    else:  # one forward at z and one rounding check, shared by the k directions
+        at_z = _as_list(fn(z) if outputs is None else outputs)
+        _check_rounding(at_z, epsilon)
+        per_direction = [_second_difference(fn, z, v, epsilon, at_z) for v in directions]
     total = None
     for layer in zip(*per_direction, strict=True):  # k tensors of one output's shape
         variance = torch.stack(layer).var(dim=0, correction=1)

@@ -19,6 +19,7 @@ from gradreg.penalties import (
     r1,
     wgan_gp,
 )
+from tests.once_differentiable import OnceSquare
 
 from .conftest import mlp
 
@@ -219,21 +220,6 @@ def test_outputs_not_depending_on_points_and_missing_double_backward() -> None:
     layer = nn.Linear(3, 1)
     with pytest.raises(GradientError, match="once_differentiable.*method='finite_difference'"):
         r1()(layer(OnceTanh.apply(x * 2)).squeeze(1), x)
-
-
-class OnceSquare(torch.autograd.Function):
-    """y = v², backward 2·v·g computed under no_grad (``@once_differentiable``)."""
-
-    @staticmethod
-    def forward(ctx, v):
-        ctx.save_for_backward(v)
-        return v * v
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        (v,) = ctx.saved_tensors
-        return 2 * v * grad_out
 
 
 def test_a_once_differentiable_op_at_the_output_is_refused_not_silently_dropped() -> None:
