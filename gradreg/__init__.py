@@ -4,6 +4,7 @@ The core (this package's top-level modules and :mod:`gradreg.penalties`) depends
 """
 
 from gradreg import penalties
+from gradreg.attention import differentiable_attention
 from gradreg.autograd import (
     GradientError,
     NonFiniteError,
@@ -24,6 +25,7 @@ __all__ = [
     "capture",
     "check_double_backward",
     "convert_batchnorm",
+    "differentiable_attention",
     "gradient",
     "nth_derivative",
     "penalties",

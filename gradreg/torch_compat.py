@@ -13,9 +13,13 @@ their post-backward. The functions below are the only places gradreg reads or dr
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -29,6 +33,7 @@ __all__ = [
     "BatchNormBase",
     "FSDPSettings",
     "TorchDispatchMode",
+    "attention_in_functional",
     "batchnorm_node_in_training",
     "created_by_a_backward",
     "dynamo_supported",
@@ -98,6 +103,34 @@ def once_differentiable_function(node: Any) -> type | None:
     function = getattr(node, "_forward_cls", None)  # custom Functions' nodes (BackwardCFunction)
     backward = getattr(function, "backward", None)
     return function if getattr(backward, "__code__", None) is _ONCE_DIFFERENTIABLE_CODE else None
+
+
+#: ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, the transformer layers) calls
+#: the module attribute ``torch.nn.functional.scaled_dot_product_attention`` from its body, which
+#: a ``TorchFunctionMode`` does not see (the function dispatches to the mode as a whole).
+_ATTENTION_NAME = "scaled_dot_product_attention"
+_attention_lock = threading.Lock()
+_attention_state: dict[str, Any] = {"users": 0, "original": None}
+
+
+@contextmanager
+def attention_in_functional(replacement: Callable[..., Any]) -> Iterator[None]:
+    """``torch.nn.functional.scaled_dot_product_attention`` is ``replacement`` while this is
+    active (the attention that ``F.multi_head_attention_forward`` calls); the fused function is
+    restored when the last user leaves. ``replacement`` must compute the same output (it is
+    seen by every thread meanwhile)."""
+    with _attention_lock:
+        if _attention_state["users"] == 0:
+            _attention_state["original"] = getattr(F, _ATTENTION_NAME)
+            setattr(F, _ATTENTION_NAME, replacement)
+        _attention_state["users"] += 1
+    try:
+        yield
+    finally:
+        with _attention_lock:
+            _attention_state["users"] -= 1
+            if _attention_state["users"] == 0:
+                setattr(F, _ATTENTION_NAME, _attention_state["original"])
 
 
 def dynamo_supported() -> bool:

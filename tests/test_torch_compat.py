@@ -20,6 +20,7 @@ from gradreg.torch_compat import (
     SAVED_TRAINING,
     BatchNormBase,
     TorchDispatchMode,
+    attention_in_functional,
     batchnorm_node_in_training,
     created_by_a_backward,
     dynamo_supported,
@@ -251,3 +252,23 @@ def test_anomaly_mode_marks_the_nodes_a_backward_creates() -> None:
     assert not created_by_a_backward(y.grad_fn)
     assert created_by_a_backward(g.grad_fn), moved(
         f"the anomaly-mode metadata key {ANOMALY_PARENT_KEY!r} on nodes created by a backward")
+
+
+
+def test_multihead_attention_calls_the_functional_modules_attention() -> None:
+    fused = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return fused(*args, **kwargs)
+
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    expected = attention(x, x, x, need_weights=False)[0]
+    with attention_in_functional(counted):
+        got = attention(x, x, x, need_weights=False)[0]
+    assert calls, moved("torch.nn.functional.scaled_dot_product_attention as the attention "
+                        "that F.multi_head_attention_forward calls from its body")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.nn.functional.scaled_dot_product_attention is fused

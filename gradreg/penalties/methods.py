@@ -54,14 +54,11 @@ from typing import TYPE_CHECKING
 import torch  # noqa: F401  (``methods.torch.compile`` is what tests replace)
 from torch import Tensor
 
+from gradreg.attention import differentiable_attention
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
 from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable
-from gradreg.penalties.finite_difference import (
-    PIECEWISE_LINEAR,
-    check_independent_samples,
-    check_smooth,
-    finite_difference,
-)
+from gradreg.penalties.coupling import check_independent_samples
+from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
@@ -71,6 +68,7 @@ from gradreg.penalties.precision import (
     default_step,
     unit_roundoff,
 )
+from gradreg.penalties.randomness import RandomState, SharedForward
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -127,6 +125,14 @@ class PenaltyCall:
         """The callable at other points, with the same further arguments."""
         return self.fn(*points, *self.fn_args)
 
+    def forward(self) -> Callable[..., Tensor]:
+        """The callable as a function of the points alone (:meth:`of_points`); a
+        :class:`~gradreg.penalties.randomness.SharedForward` stays one, so the methods that run
+        the model again replay the random state of the task's forward."""
+        if isinstance(self.fn, SharedForward):
+            return self.fn.with_args(self.fn_args)
+        return self.of_points
+
 
 @dataclass(frozen=True)
 class PenaltyFunctions:
@@ -146,13 +152,17 @@ Method = Callable[[PenaltyCall], Tensor]
 
 
 class DoubleBackward:
-    """Exact: the penalty of the outputs (given, or the callable's), by double backward."""
+    """Exact: the penalty of the outputs (given, or the callable's), by double backward. The
+    callable runs inside :func:`~gradreg.attention.differentiable_attention` (fused attention
+    kernels have no double backward)."""
 
     def __init__(self, penalty: PenaltyFunctions) -> None:
         self.penalty = penalty
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        return self.penalty.exact(call.evaluate(), call.inputs, call.loss_scale)
+        with differentiable_attention():
+            outputs = call.evaluate()
+        return self.penalty.exact(outputs, call.inputs, call.loss_scale)
 
 
 class InChunks:
@@ -163,7 +173,9 @@ class InChunks:
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         def penalty_of_points(xs: tuple[Tensor, ...], args: tuple[Tensor, ...]) -> Tensor:
-            return self.penalty.exact(call.fn(*xs, *args), xs, call.loss_scale)
+            with differentiable_attention():
+                outputs = call.fn(*xs, *args)
+            return self.penalty.exact(outputs, xs, call.loss_scale)
 
         return in_chunks(penalty_of_points, call.inputs, self.chunks, args=call.fn_args,
                          mean=self.mean, loss_scale=call.loss_scale)

@@ -1,0 +1,218 @@
+"""Attention with a double backward: gradcheck/gradgradcheck in float64, and exact penalties
+through transformer models equal to the same models with MATH attention everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import gradcheck, gradgradcheck
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gradreg import GradientError, differentiable_attention
+from gradreg.attention import scaled_dot_product_attention
+from gradreg.graph import walk_backward_graph
+from gradreg.penalties import presets
+
+
+def has_gqa() -> bool:
+    """Whether this torch's attention takes ``enable_gqa`` (torch >= 2.5)."""
+    x = torch.zeros(1, 2, 1, 1)
+    try:
+        F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+def qkv(heads: int = 3, lq: int = 5, lk: int = 6, kv_heads: int | None = None
+        ) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    kv = heads if kv_heads is None else kv_heads
+    shapes = ((2, heads, lq, 4), (2, kv, lk, 4), (2, kv, lk, 3))
+    return tuple(torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                 for s in shapes)
+
+
+def with_dead_row() -> torch.Tensor:
+    mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[2] = False  # no key allowed: the fused kernels give 0 there
+    mask[:, 0] = mask[:, 0] | (torch.arange(5) != 2)
+    return mask
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"attn_mask": "bool"}, {"is_causal": True}, {"scale": 0.3}, {"attn_mask": "float"},
+], ids=["plain", "bool_mask", "causal", "scale", "float_mask"])
+def test_gradcheck_and_gradgradcheck(options: dict) -> None:
+    q, k, v = qkv()
+    kind = options.pop("attn_mask", None)
+    inputs: tuple[torch.Tensor, ...] = (q, k, v)
+    if kind == "bool":
+        options["attn_mask"] = with_dead_row()
+    if kind == "float":  # an additive mask that is learned: its gradient is checked too
+        mask = torch.randn(2, 1, 5, 6, dtype=torch.float64, requires_grad=True)
+        inputs = (q, k, v, mask)
+
+    def attention(*xs: torch.Tensor) -> torch.Tensor:
+        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
+        return scaled_dot_product_attention(*xs[:3], **options, **extra)
+
+    assert gradcheck(attention, inputs)
+    assert gradgradcheck(attention, inputs)
+
+
+def test_causal_with_more_queries_than_keys_is_top_left_aligned() -> None:
+    q, k, v = qkv(lq=7, lk=4)
+    ours = scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, reference)
+    assert gradgradcheck(lambda *xs: scaled_dot_product_attention(*xs, is_causal=True), (q, k, v))
+
+
+@pytest.mark.skipif(not has_gqa(), reason="this torch has no enable_gqa")
+def test_grouped_query_attention() -> None:
+    q, k, v = qkv(heads=4, kv_heads=2)
+
+    def attention(*xs: torch.Tensor) -> torch.Tensor:
+        return scaled_dot_product_attention(*xs, enable_gqa=True)
+
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(attention(q, k, v), reference)
+    assert gradgradcheck(attention, (q, k, v))
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        scaled_dot_product_attention(*qkv(heads=3, kv_heads=2), enable_gqa=True)
+
+
+def test_the_forward_is_the_fused_kernels_bitwise() -> None:
+    q, k, v = (t.float() for t in qkv())
+    mask = with_dead_row()
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               rtol=0, atol=0)
+
+
+def test_nested_tensors_are_refused() -> None:
+    nested = torch.nested.nested_tensor([torch.randn(2, 3, 4), torch.randn(2, 5, 4)])
+    with pytest.raises(GradientError, match="nested"):
+        scaled_dot_product_attention(nested, nested, nested)
+
+
+def transformer_critic(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=dropout, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    class Critic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = encoder, nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x).mean(dim=1)).squeeze(-1)
+
+    return Critic().double()
+
+
+def r1_gradients(critic: nn.Module, x: torch.Tensor, context, *, own_forward: bool = False,
+                 seed: int = 1, **options) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """R1 (weight 10) and its parameter gradient, the critic's forward run in ``context``
+    (or by the penalty itself where ``own_forward``)."""
+    critic.zero_grad(set_to_none=True)
+    points = x.clone().requires_grad_()
+    penalty = presets.r1(10.0, **options)
+    torch.manual_seed(seed)
+    with context():
+        value = penalty(critic, points) if own_forward else penalty(critic(points), points)
+    value.backward()
+    return value.detach(), [torch.zeros_like(p) if p.grad is None else p.grad
+                            for p in critic.parameters()]
+
+
+def math_backend():
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_r1_on_a_transformer_encoder_equals_the_math_backend(training: bool) -> None:
+    critic = transformer_critic().train(training)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    with pytest.raises(GradientError, match="double backward"):
+        r1_gradients(critic, x, lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+    value, grads = r1_gradients(critic, x, differentiable_attention)
+    expected_value, expected = r1_gradients(critic, x, math_backend)
+    torch.testing.assert_close(value, expected_value)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_attention_dropout_in_training_equals_the_math_backend_with_the_same_seed() -> None:
+    critic = transformer_critic(dropout=0.2).train()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    value, grads = r1_gradients(critic, x, differentiable_attention)
+    expected_value, expected = r1_gradients(critic, x, math_backend)
+    assert value == expected_value
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    other_seed, _ = r1_gradients(critic, x, differentiable_attention, seed=2)
+    assert other_seed != value  # dropout is on: another seed, another value
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_penalty_that_runs_the_critic_routes_the_attention_itself(chunks: int) -> None:
+    critic = transformer_critic()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    value, grads = r1_gradients(critic, x, torch.enable_grad, own_forward=True, chunks=chunks)
+    expected_value, expected = r1_gradients(critic, x, math_backend)
+    torch.testing.assert_close(value, expected_value)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def attention_nodes(output: torch.Tensor) -> int:
+    return sum(type(node).__name__ == "_AttentionBackward"
+               for node in walk_backward_graph([output]).nodes)
+
+
+def test_only_forwards_inside_the_context_are_routed() -> None:
+    critic = transformer_critic()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    with differentiable_attention():
+        with differentiable_attention():  # nested: one context
+            inside = critic(x)
+        also_inside = critic(x)
+    outside = critic(x)
+    assert attention_nodes(inside) == attention_nodes(also_inside) == 2
+    assert attention_nodes(outside) == 0
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_the_fused_function_is_restored_after_an_error() -> None:
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="does not match"), differentiable_attention():
+        attention(x, x, x[:, :, :3], need_weights=False)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_multihead_attention_with_a_key_padding_mask() -> None:
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+
+    def r1_parameter_gradient(context) -> list[torch.Tensor]:
+        with context():
+            out = attention(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        params = list(attention.parameters())
+        grads = torch.autograd.grad(g.square().sum(), params, allow_unused=True)
+        return [torch.zeros_like(p) if d is None else d for p, d in zip(params, grads, strict=True)]
+
+    for got, want in zip(r1_parameter_gradient(differentiable_attention),
+                         r1_parameter_gradient(math_backend), strict=True):
+        torch.testing.assert_close(got, want)
