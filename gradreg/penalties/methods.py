@@ -57,8 +57,12 @@ from torch import Tensor
 from gradreg.attention import differentiable_attention
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
 from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable
-from gradreg.penalties.coupling import check_independent_samples
-from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
+from gradreg.penalties.finite_difference import (
+    PIECEWISE_LINEAR,
+    check_independent_samples,
+    check_smooth,
+    finite_difference,
+)
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
@@ -68,7 +72,6 @@ from gradreg.penalties.precision import (
     default_step,
     unit_roundoff,
 )
-from gradreg.penalties.randomness import RandomState, SharedForward
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -124,14 +127,6 @@ class PenaltyCall:
     def of_points(self, *points: Tensor) -> Tensor:
         """The callable at other points, with the same further arguments."""
         return self.fn(*points, *self.fn_args)
-
-    def forward(self) -> Callable[..., Tensor]:
-        """The callable as a function of the points alone (:meth:`of_points`); a
-        :class:`~gradreg.penalties.randomness.SharedForward` stays one, so the methods that run
-        the model again replay the random state of the task's forward."""
-        if isinstance(self.fn, SharedForward):
-            return self.fn.with_args(self.fn_args)
-        return self.of_points
 
 
 @dataclass(frozen=True)
