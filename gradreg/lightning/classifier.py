@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradreg import capture, gradient
+from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
@@ -117,7 +117,11 @@ class Classifier(L.LightningModule):
         if any(gp.points == "inputs" for gp in due.values()):
             x = as_points(x)
         layers = sorted({layer for gp in due.values() for layer in gp.layers})
-        with capture(self.backbone, *layers) if layers else nullcontext({}) as activations:
+        # a penalty that differentiates this forward's graph twice needs attention with a
+        # double backward; without one due, the task loss keeps the fused kernels
+        shared = any(not gp.needs_callable for gp in due.values())
+        with (differentiable_attention() if shared else nullcontext(),
+              capture(self.backbone, *layers) if layers else nullcontext({}) as activations):
             logits = self.backbone(x)
         per_sample = F.cross_entropy(logits, y, reduction="none")
         loss = per_sample.mean()

@@ -36,11 +36,13 @@ penalty itself: a penalty enters the sum only on the steps where ``gp.due()`` is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradreg.attention import differentiable_attention
 from gradreg.penalties import GradientPenalty, as_points, interpolate, perturb_dragan
 
 # name -> (a_D, a_G), each of (real scores, fake scores); a_G gets real=None unless the name is
@@ -113,7 +115,10 @@ class GANLoss:
         shared = {gp.points for gp in due.values() if shares_forward(gp)}
         samples = {"real": real, "fake": fake}
         samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
-        scores = {k: self.critic(v) for k, v in samples.items()}
+        scores = {}
+        for k, v in samples.items():  # attention with a double backward where R1/R2 shares it
+            with differentiable_attention() if k in shared else nullcontext():
+                scores[k] = self.critic(v)
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
         for name, gp in due.items():
             if shares_forward(gp):  # differentiate the adversarial forward's scores
