@@ -1,5 +1,11 @@
 """The Lightning layer: LightningModules, callbacks and TensorBoard dashboards (no Hydra here).
 
 Import the parts you use, e.g. ``from gradreg.lightning.callbacks import GradientNormMonitor``;
-this package itself imports nothing, so ``import gradreg.lightning`` stays cheap.
+this package only looks up the packages of the ``lightning`` extra, without importing them, so
+``import gradreg.lightning`` stays cheap; where one is missing, importing any of its modules fails
+with one line naming the extra.
 """
+
+from gradreg.extras import require
+
+require("lightning", "gradreg.lightning", "lightning", "tensorboard", "matplotlib", "numpy")

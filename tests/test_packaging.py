@@ -1,0 +1,160 @@
+"""The package as people install it: ``pip install gradreg`` is the core with torch alone, the
+layers above it come with extras, and a missing extra is one line naming it.
+
+Each check runs in a fresh Python (a subprocess): what a module imports shows only in a process
+that has not imported it yet. ``sys.modules[name] = None`` stands for a package that is not
+installed (``import name`` then raises ``ModuleNotFoundError``, ``find_spec`` finds nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradreg
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11")
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+
+#: the packages of the extras, which the core must not import
+OPTIONAL = ("lightning", "pytorch_lightning", "hydra", "omegaconf", "sklearn", "matplotlib",
+            "tensorboard", "torchvision")
+#: the modules of the core, all of them torch only
+CORE = ("gradreg", "gradreg.penalties", "gradreg.models", "gradreg.evaluation.metrics",
+        "gradreg.evaluation.sample_quality", "gradreg.sharding", "gradreg.tf32")
+
+
+def python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python, from the checkout, with ``blocked`` not importable."""
+    block = "".join(f"sys.modules[{name!r}] = None\n" for name in blocked)
+    return subprocess.run([sys.executable, "-c", f"import sys\n{block}{code}"], cwd=ROOT,
+                          text=True, capture_output=True, timeout=120)
+
+
+def test_core_imports_no_optional_package():
+    result = python(f"import {', '.join(CORE)}\n"
+                    f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(OPTIONAL)}))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_core_computes_a_penalty_without_the_extras():
+    """With every optional package made unimportable, R1 of the critic D(x) = x·w is
+    γ/2 · ‖w‖² = 10/2 · (1 + 4 + 4) = 45 for every sample (∇ₓD = w), and the parameter gradient
+    of the mean penalty is γ · w = (10, 20, -20)."""
+    code = """
+import torch
+import gradreg, gradreg.penalties
+w = torch.tensor([1.0, 2.0, -2.0], dtype=torch.float64, requires_grad=True)
+x = gradreg.penalties.as_points(torch.randn(4, 3, dtype=torch.float64))
+penalty = gradreg.penalties.r1(10.0)(x @ w, x)
+penalty.backward()
+print(penalty.item(), w.grad.tolist())
+"""
+    result = python(code, blocked=OPTIONAL)
+    assert result.returncode == 0, result.stderr
+    value, grad = result.stdout.split(" ", 1)
+    assert float(value) == 45.0
+    assert grad.strip() == "[10.0, 20.0, -20.0]"
+
+
+@pytest.mark.parametrize(("module", "missing", "message"), [
+    ("gradreg.lightning.classifier", "lightning", "gradreg.lightning needs lightning"),
+    ("gradreg.lightning.dashboards", "tensorboard", "gradreg.lightning needs tensorboard"),
+    ("gradreg.lightning.callbacks", "matplotlib", "gradreg.lightning needs matplotlib"),
+    ("gradreg.lightning", "numpy", "gradreg.lightning needs numpy"),
+    ("gradreg.data", "sklearn", "gradreg.data needs scikit-learn"),
+    ("gradreg.data.toy", "lightning", "gradreg.data needs lightning"),
+])
+def test_a_missing_extra_is_one_line_naming_it(module: str, missing: str, message: str):
+    result = python(f"import {module}", blocked=(missing,))
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"ImportError: {message}, which is not installed: pip install 'gradreg[lightning]'")
+
+
+def test_several_missing_packages_are_named_together():
+    result = python("import gradreg.lightning", blocked=("lightning", "tensorboard"))
+    assert result.stderr.splitlines()[-1] == (
+        "ImportError: gradreg.lightning needs lightning, tensorboard, which are not installed: "
+        "pip install 'gradreg[lightning]'")
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of the modules ``path`` imports, other than gradreg's, the standard
+    library's and ``importlib.import_module`` calls with a literal name."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names.add(node.args[0].value.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"gradreg", "__future__"}
+
+
+def requirement_name(requirement: str) -> str:
+    """``"scikit-learn>=1.3"`` -> ``"scikit-learn"``."""
+    for i, char in enumerate(requirement):
+        if not (char.isalnum() or char in "-_."):
+            return requirement[:i]
+    return requirement
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {requirement_name(requirement) for requirement in requirements}
+
+
+#: import name -> distribution name (PIL: torchvision's dependency, imported by image_folder.py)
+DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision"}
+
+
+@pytest.mark.parametrize(("package", "extras"), [
+    ("", ()),  # the top-level modules and gradreg/penalties, gradreg/models, gradreg/evaluation
+    ("lightning", ("lightning",)),
+    ("data", ("lightning", "vision")),
+])
+def test_what_each_layer_imports_is_installed_by_its_extras(package: str, extras: tuple[str]):
+    """Every third-party module a layer's source imports is torch or in one of its extras
+    (torchvision, the vision extra, only in the modules imported by path)."""
+    if package:
+        files = sorted((ROOT / "gradreg" / package).rglob("*.py"))
+    else:
+        files = [*sorted((ROOT / "gradreg").glob("*.py")),
+                 *(path for sub in ("penalties", "models", "evaluation")
+                   for path in sorted((ROOT / "gradreg" / sub).rglob("*.py"))
+                   if path.name not in ("resnet.py", "torchvision_import.py"))]
+    allowed = {"torch"} | set().union(*(names(PROJECT["optional-dependencies"][extra])
+                                        for extra in extras))
+    for path in files:
+        imported = {DISTRIBUTION.get(name, name) for name in third_party_imports(path)}
+        assert imported <= allowed, f"{path.relative_to(ROOT)} imports {imported - allowed}"
+
+
+def test_the_core_depends_on_torch_alone_and_the_extras_build_on_each_other():
+    extras = PROJECT["optional-dependencies"]
+    assert names(PROJECT["dependencies"]) == {"torch"}
+    assert names(extras["lightning"]) == {"lightning", "tensorboard", "scikit-learn",
+                                          "matplotlib", "numpy"}
+    assert names(extras["app"]) == {"gradreg", "hydra-core"}
+    assert "gradreg[lightning]" in extras["app"]
+    assert "gradreg[app]" in extras["dev"] and "gradreg[app]" in extras["sweeps"]
+
+
+def test_license_version_and_citation_agree():
+    assert PROJECT["license"] == "MIT"
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    citation = (ROOT / "CITATION.cff").read_text()
+    assert f'\nversion: "{PROJECT["version"]}"\n' in citation
+    assert "\nlicense: MIT\n" in citation
+    assert gradreg.__version__ == PROJECT["version"]
+    assert f"## [{PROJECT['version']}]" in (ROOT / "CHANGELOG.md").read_text()

@@ -1,0 +1,69 @@
+"""What the repository tracks: source and text, no large files, no binaries but the
+documentation's screenshots (a wheel, a checkpoint or a data file belongs in a package index, a
+release or the run's output folder, which .gitignore keeps out)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the largest file the repository tracks
+MAX_BYTES = 1_000_000
+#: the binary files it tracks: the screenshots and plots of docs/
+ALLOWED_BINARIES = frozenset({
+    "docs/benchmark.png",
+    "docs/critic_landscape.png",
+    "docs/dashboard.png",
+    "docs/dashboard_histograms.png",
+    "docs/dashboard_hparams.png",
+    "docs/dashboard_images.png",
+})
+#: extensions of binary files (any other file is binary if its first 8 KiB hold a NUL byte)
+BINARY_EXTENSIONS = frozenset({
+    ".whl", ".egg", ".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".7z", ".so", ".dll", ".dylib",
+    ".exe", ".o", ".a", ".pyc", ".pt", ".pth", ".ckpt", ".safetensors", ".bin", ".onnx", ".npy",
+    ".npz", ".pkl", ".pickle", ".h5", ".hdf5", ".parquet", ".db", ".sqlite", ".png", ".jpg",
+    ".jpeg", ".gif", ".bmp", ".webp", ".ico", ".pdf", ".mp4", ".webm",
+})
+
+
+def tracked_files() -> list[str]:
+    """The paths git tracks that exist in the working tree (relative, ``/``-separated)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode()
+    return [path for path in listing.split("\0") if path and (ROOT / path).is_file()]
+
+
+def is_binary(path: Path) -> bool:
+    if path.suffix.lower() in BINARY_EXTENSIONS:
+        return True
+    with path.open("rb") as file:
+        return b"\0" in file.read(8192)
+
+
+def test_no_tracked_file_is_over_1_mb():
+    large = [f"{path} ({(ROOT / path).stat().st_size:,} bytes)" for path in tracked_files()
+             if (ROOT / path).stat().st_size > MAX_BYTES]
+    assert not large, f"tracked files over {MAX_BYTES:,} bytes: {large}"
+
+
+def test_no_tracked_binary_but_the_docs_screenshots():
+    binaries = {path for path in tracked_files() if is_binary(ROOT / path)}
+    assert binaries <= ALLOWED_BINARIES, (
+        f"tracked binary files: {sorted(binaries - ALLOWED_BINARIES)}; a screenshot of the docs "
+        "is listed in ALLOWED_BINARIES, anything else stays out of the repository")
+
+
+def test_the_checks_see_a_binary(tmp_path: Path):
+    """The detection itself: by extension, by a NUL byte, and not on text."""
+    (tmp_path / "wheel.whl").write_text("not really a wheel")
+    (tmp_path / "data").write_bytes(b"header\0payload")
+    (tmp_path / "notes.md").write_text("# text only, ünïcode too\n")
+    assert is_binary(tmp_path / "wheel.whl") and is_binary(tmp_path / "data")
+    assert not is_binary(tmp_path / "notes.md")
