@@ -89,10 +89,14 @@ def build(cfg: DictConfig, resuming: bool = False
         trainer = instantiate(
             cfg.trainer, logger=loggers or False, callbacks=callbacks,
             strategy=runtime.ddp_strategy(cfg.trainer.get("strategy", "auto"),
-                                          not model.automatic_optimization),
+                                          not model.automatic_optimization,
+                                          cfg.data.get("global_batch", False)),
             enable_progress_bar=runtime.progress_bar(cfg.trainer.get("enable_progress_bar")),
             use_distributed_sampler=not cfg.data.get("global_batch", False))
         runtime.check_launcher(trainer)
+    if cfg.data.get("global_batch", False):
+        with building("data.global_batch"):
+            runtime.check_global_batch(trainer, model.penalties)
     return datamodule, model, trainer
 
 

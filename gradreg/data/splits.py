@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 import lightning as L
@@ -47,21 +48,41 @@ class SeededShuffle(Sampler[int]):
 
 
 class RankSlices(Sampler[list[int]]):
-    """The batches of ``batches``, each cut into ``world`` contiguous slices (sizes differing by
+    r"""The batches of ``batches``, each cut into ``world`` contiguous slices (sizes differing by
     at most one), of which this sampler yields slice ``rank``: the ranks together see exactly the
-    batches of one process, in its order."""
+    batches of one process, in its order.
+
+    DDP averages the ranks' gradients with equal weights, which is the gradient of the whole batch
+    only when the slices are equal. A batch of :math:`N` samples that does not divide (the last
+    one of an epoch, e.g. digits: 1257 = 19 x 64 + 41 gives slices of 20 and 21) needs each
+    rank's loss, a mean over its :math:`n_r` samples, scaled by :math:`w_r = n_r W / N`:
+
+    .. math::
+
+        \frac1W \sum_r w_r \frac1{n_r} \sum_{i \in r} g_i = \frac1N \sum_i g_i.
+
+    ``weights`` holds :math:`w_r` of every slice yielded and not yet trained on, oldest first
+    (a loader may fetch ahead); :class:`~gradreg.lightning.global_batch.GlobalBatchDDPStrategy`
+    takes one per training step. A slice that would be empty (a last batch of fewer than ``world``
+    samples) is the batch's first sample with weight 0: the rank still takes part in DDP's
+    gradient all-reduce, with no effect on it.
+    """
 
     def __init__(self, batches: BatchSampler, rank: int, world: int) -> None:
         self.batches, self.rank, self.world = batches, rank, world
+        self.weights: deque[float] = deque()
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.batches.sampler, "set_epoch"):
             self.batches.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        self.weights.clear()  # a new pass over the data: what an earlier pass fetched is gone
         for batch in self.batches:
-            yield batch[len(batch) * self.rank // self.world:
-                        len(batch) * (self.rank + 1) // self.world]
+            start = len(batch) * self.rank // self.world
+            stop = len(batch) * (self.rank + 1) // self.world
+            self.weights.append((stop - start) * self.world / len(batch))
+            yield batch[start:stop] if stop > start else batch[:1]
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -80,7 +101,9 @@ class SplitDataModule(L.LightningDataModule):
     draws that order and takes its contiguous 1/W of each batch (:class:`RankSlices`), so W ranks
     train on exactly the batches that one process with ``global_batch=True`` trains on. The
     trainer needs ``use_distributed_sampler=False`` (the app sets it), and ``batch_size`` must be
-    a multiple of W. Validation and test run whole on every rank.
+    a multiple of W, and the strategy must weight the ranks' slices of a batch that does not
+    divide (:class:`~gradreg.lightning.global_batch.GlobalBatchDDPStrategy`). Validation and test
+    run whole on every rank.
     """
 
     splits: dict[str, Dataset]
@@ -104,6 +127,11 @@ class SplitDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"batch_size={self.batch_size} is the global batch (global_batch=True) and "
                     f"must be a multiple of the {world} ranks")
+            if world > 1 and not getattr(trainer.strategy, "weights_global_batches", False):
+                raise ValueError(
+                    f"global_batch=True on {world} ranks needs a strategy that weights the ranks' "
+                    "slices of each batch (DDP's plain mean is wrong for a last batch that does "
+                    "not divide): strategy=gradreg.lightning.global_batch.GlobalBatchDDPStrategy()")
             data = self.splits[split]
             order = SeededShuffle(len(data), self.shuffle_seed) if shuffle else None
             batches = BatchSampler(order or SequentialSampler(data), self.batch_size,

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 
 import lightning as L
 import torch
@@ -22,6 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 from gradreg.lightning.compat import relaunches_script
+from gradreg.lightning.global_batch import GlobalBatchDDPStrategy, check_splittable
+from gradreg.penalties import GradientPenalty
 
 from .sweeps import short_number, swept_keys
 
@@ -59,14 +62,32 @@ def progress_bar(configured: bool | None) -> bool:
     return sys.stdout.isatty() if configured is None else configured
 
 
-def ddp_strategy(strategy: object, manual_optimization: bool) -> object:
+def ddp_strategy(strategy: object, manual_optimization: bool, global_batch: bool = False
+                 ) -> object:
     """``"ddp"`` / ``"ddp_spawn"`` with DDP's ``find_unused_parameters`` for modules with manual
     optimization, whose phases leave a network without gradient (plain DDP stops them at their
     second step); unchanged otherwise (where it finds no unused parameter, torch warns once per
-    rank that the search slows every step)."""
-    if manual_optimization and strategy in ("ddp", "ddp_spawn"):
-        return f"{strategy}_find_unused_parameters_true"
-    return strategy
+    rank that the search slows every step). With ``global_batch`` (``data.global_batch``), the
+    same DDP as a :class:`~gradreg.lightning.global_batch.GlobalBatchDDPStrategy`, which weights
+    the ranks' slices of a batch that does not divide over them."""
+    if strategy not in ("ddp", "ddp_spawn"):
+        return strategy
+    if global_batch:
+        return GlobalBatchDDPStrategy(find_unused_parameters=manual_optimization,
+                                      start_method="popen" if strategy == "ddp" else "spawn")
+    return f"{strategy}_find_unused_parameters_true" if manual_optimization else strategy
+
+
+def check_global_batch(trainer: L.Trainer, penalties: Mapping[str, GradientPenalty]) -> None:
+    """Raise ``ValueError`` where ``data.global_batch`` cannot give the one-process steps: more
+    than one rank under a strategy other than DDP (``trainer=fsdp_cpu``), or a penalty of the
+    parameter gradient (:func:`~gradreg.lightning.global_batch.check_splittable`)."""
+    if trainer.world_size > 1 and not isinstance(trainer.strategy, GlobalBatchDDPStrategy):
+        raise ValueError(
+            f"global batches are split over the ranks by DDP only, not by "
+            f"{type(trainer.strategy).__name__}: use trainer=ddp_cpu or trainer=ddp_spawn_cpu, "
+            "or data.global_batch=false (data.batch_size per rank)")
+    check_splittable(penalties, trainer.world_size)
 
 
 def check_launcher(trainer: L.Trainer) -> None:

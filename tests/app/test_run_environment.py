@@ -101,3 +101,16 @@ def test_find_unused_parameters_only_for_manual_optimization(strategy: str, manu
     """The GAN's phases leave a network without gradient; the classifier uses every parameter,
     where the search finds nothing and torch warned on every rank."""
     assert ddp_strategy(strategy, manual) == expected
+
+
+@pytest.mark.parametrize(("strategy", "manual", "start_method"), [
+    ("ddp", False, "popen"), ("ddp_spawn", True, "spawn")])
+def test_global_batches_get_the_ddp_that_weights_uneven_slices(strategy: str, manual: bool,
+                                                                start_method: str) -> None:
+    from gradreg.lightning.global_batch import GlobalBatchDDPStrategy
+
+    chosen = ddp_strategy(strategy, manual, global_batch=True)
+    assert isinstance(chosen, GlobalBatchDDPStrategy)
+    assert chosen._start_method == start_method
+    assert chosen._ddp_kwargs.get("find_unused_parameters", False) is manual
+    assert ddp_strategy("auto", manual, global_batch=True) == "auto"

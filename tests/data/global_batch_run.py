@@ -1,6 +1,8 @@
-"""Three steps of the digits classifier with data.global_batch, in one process or on two gloo
-ranks: ``python -m tests.data.global_batch_run <devices> <out.pt>`` saves the parameters of rank
-0. With 2 devices the test starts both ranks itself (``LOCAL_RANK``, ``WORLD_SIZE``,
+"""Steps of the digits classifier with data.global_batch, in one process or on two gloo ranks:
+``python -m tests.data.global_batch_run <devices> <out.pt> <steps> <batch_size> <val_fraction>``
+saves the parameters of rank 0 (double backprop, weight 0.1; the digits' training split is
+1797 - 270 - round(val_fraction 1797) samples: 1257 with 0.15).
+With 2 devices the test starts both ranks itself (``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_PORT``), as ``tests/reliability/ddp_run.py`` does, and each rank ends with ``os._exit``
 once its result is saved: gloo's threads sometimes abort the interpreter's teardown
 ("terminate called without an active exception", measured under ``ddp_spawn`` on torch 2.13 and
@@ -16,19 +18,23 @@ import torch
 
 from gradreg.data import DigitsDataModule
 from gradreg.lightning.classifier import Classifier
+from gradreg.lightning.global_batch import GlobalBatchDDPStrategy
 from gradreg.models import MLP
 from gradreg.penalties import double_backprop
 
 
-def main(devices: int, out: str) -> None:
+def main(devices: int, out: str, steps: int, batch_size: int, val_fraction: float) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
-    model = Classifier(MLP(64, 10, hidden=[32]), {"db": double_backprop(0.1)}, pgd_steps=0)
-    data = DigitsDataModule(shape=[64], batch_size=64, global_batch=True)
-    ddp = {"strategy": "ddp", "devices": 2} if devices == 2 else {}
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        inference_mode=False, num_sanity_val_steps=0, limit_val_batches=0,
+    model = Classifier(MLP(64, 10, hidden=[32]), {"db": double_backprop(0.1)},
+                       pgd_steps=0)
+    data = DigitsDataModule(shape=[64], batch_size=batch_size, val_fraction=val_fraction,
+                            global_batch=True)
+    ddp = {"strategy": GlobalBatchDDPStrategy(), "devices": 2} if devices == 2 else {}
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, inference_mode=False,
+                        num_sanity_val_steps=0, limit_val_batches=0,
                         use_distributed_sampler=False, **ddp)
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
@@ -36,7 +42,7 @@ def main(devices: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
