@@ -195,6 +195,15 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
     latest call, a non-leaf tensor inside the graph, so that gradients can be taken w.r.t.
     intermediate activations (``gradient(loss, captured["linear1"])``). Hooks are removed on exit,
     also when the block raises.
+
+    The rest of the forward pass gets a copy of a captured tensor output (``output.clone()``,
+    whose derivative is the identity), so an in-place op after the submodule
+    (``ReLU(inplace=True)``, ``out += identity`` in a residual block, ``x.add_()``) modifies
+    the copy: the captured tensor stays the submodule's output, and the gradient dy/dh is taken at
+    that output, not at what the in-place op made of it (which would, e.g., keep
+    the gradient of units that a later in-place ReLU zeroes). The copy costs one tensor of the
+    output's size per captured submodule. Outputs that are not tensors (tuples) are recorded as
+    they are, without a copy.
     """
     if not names:
         raise ValueError("capture needs at least one submodule name.")
@@ -206,8 +215,9 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
     captured: dict[str, Tensor] = {}
 
     def recorder(name: str):
-        def hook(_module: nn.Module, _args: object, output: Tensor) -> None:
+        def hook(_module: nn.Module, _args: object, output: Tensor) -> Tensor | None:
             captured[name] = output
+            return output.clone() if isinstance(output, Tensor) else None
 
         return hook
 
@@ -269,6 +279,10 @@ def regularized_backward(
     penalty's points, which no one reads, is not computed, which saves the first layer's input
     matmul in both the forward graph and the double-backward graph (about 10% of an MLP's
     penalty step). Returns the detached total. The loss and every penalty must be scalars.
+
+    Raises :class:`GradientError` where no given parameter requires grad (none given, or all
+    frozen): ``backward`` would then fill the ``.grad`` of every leaf of the graph, parameters
+    that were not given included.
     """
     penalties = list(penalties)
     for what, value in [("the loss", loss)] + [(f"penalties[{i}]", p)
@@ -281,10 +295,22 @@ def regularized_backward(
                 "gradreg.penalties preset, which is a scalar)."
             )
     parameters = list(parameters)
+    for i, parameter in enumerate(parameters):
+        if not isinstance(parameter, Tensor):
+            raise GradientError(f"parameters[{i}] is a {type(parameter).__name__}, not a tensor: "
+                                "pass model.parameters() (or a list of tensors).")
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        what = (f"all {len(parameters)} parameters given are frozen (requires_grad=False)"
+                if parameters else "no parameters were given")
+        raise GradientError(
+            f"{what}: there is nothing to take gradients for, and a backward without them would "
+            "write .grad into every leaf of the graph. Pass the parameters to train (e.g. "
+            "[p for p in model.parameters() if p.requires_grad]), or skip the step.")
     for parameter in parameters:
         parameter.grad = None
     total = loss
     for penalty in penalties:
         total = total + penalty
-    total.backward(inputs=[p for p in parameters if p.requires_grad] or None)
+    total.backward(inputs=trainable)
     return total.detach()

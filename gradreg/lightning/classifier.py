@@ -18,7 +18,11 @@ where each penalty :math:`P_k` is evaluated where its ``points`` say:
 The step returns :math:`L`, so Lightning's gradient accumulation, clipping and DDP apply to the
 penalty as to the loss. Penalties are computed from per-sample values (``reduction="none"``), so
 for a backbone without batch interaction (no BatchNorm) a batch split into micro-batches gives the
-same gradient as the whole batch.
+same gradient as the whole batch. Lightning divides each of ``accumulate_grad_batches``
+micro-batches' :math:`L` by their number, which turns means over the micro-batches into the mean
+over the accumulated batch; a penalty with ``reduction="sum"`` is multiplied by that number, so
+that it is the sum over the accumulated batch too (one batch of 8 and two accumulated batches of
+4 give the same gradient).
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
 ``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
@@ -126,7 +130,9 @@ class Classifier(L.LightningModule):
         per_sample = F.cross_entropy(logits, y, reduction="none")
         loss = per_sample.mean()
         penalties = {}
-        scale = loss_scale(attached_trainer(self))  # fp16 GradScaler: PyTorch's penalty recipe
+        trainer = attached_trainer(self)
+        scale = loss_scale(trainer)  # fp16 GradScaler: PyTorch's penalty recipe
+        accumulated = 1 if trainer is None else trainer.accumulate_grad_batches
         for name, gp in due.items():
             if gp.points == "inputs":
                 outputs, fn_args = self._outputs(gp, x, logits, per_sample, y)
@@ -137,6 +143,9 @@ class Classifier(L.LightningModule):
             else:  # "parameters"
                 params = [p for p in self.backbone.parameters() if p.requires_grad]
                 penalties[name] = gp(loss, params, loss_scale=scale)
+            if gp.reduction == "sum" and gp.config.per_sample and accumulated > 1:
+                # a sum over the accumulated batch, as a mean is the mean over it
+                penalties[name] = penalties[name] * accumulated
         return loss, penalties
 
     def _outputs(

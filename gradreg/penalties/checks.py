@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 
-__all__ = ["check_per_sample", "model_without_in_place_updates"]
+__all__ = ["check_per_sample", "check_points", "model_without_in_place_updates"]
 
 
 @contextmanager
@@ -38,10 +38,47 @@ def model_without_in_place_updates(what: str) -> Iterator[None]:
         ) from err
 
 
+def check_points(inputs: tuple[Tensor, ...], outputs: Tensor | None = None, *,
+                 per_sample: bool = True) -> None:
+    """Raise :class:`~gradreg.GradientError` for points a penalty would silently get wrong: the
+    same tensor twice (its gradient would be counted twice: the penalty of ``[a, a]`` is that
+    of ``a`` with the gradient doubled), complex points or outputs (the "penalty" would be
+    complex), and, per sample, points of different batch sizes (torch would broadcast a batch
+    of one against the others)."""
+    if not inputs:
+        raise GradientError("no points given: pass the tensor(s) to differentiate against.")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, Tensor):
+            raise GradientError(f"point {i} is a {type(x).__name__}, not a tensor: pass the "
+                                "tensor(s) the outputs were computed from.")
+        if x.is_complex():
+            raise GradientError(
+                f"point {i} is complex ({x.dtype}): a gradient penalty is defined for real "
+                "points. Pass the real and imaginary parts as two real points "
+                "(torch.view_as_real(x)) before the forward pass.")
+        for j in range(i):
+            if inputs[j] is x:
+                raise GradientError(
+                    f"points {j} and {i} are the same tensor: its gradient would be counted "
+                    "twice. Pass each point once.")
+    if outputs is not None and outputs.is_complex():
+        raise GradientError(
+            f"the outputs are complex ({outputs.dtype}): a penalty differentiates real "
+            "per-sample values. Penalize a real function of them (outputs.abs(), or "
+            "torch.view_as_real(outputs)).")
+    sizes = [x.shape[0] if x.ndim > 0 else 1 for x in inputs]
+    if per_sample and len(set(sizes)) > 1:
+        raise GradientError(
+            f"the points have batch sizes {sizes}: every point of a per-sample penalty is one "
+            "row per sample of the same batch (a batch of 1 would be broadcast against the "
+            "others, mixing samples). Pass points of the same batch size.")
+
+
 def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:
     """Raise :class:`~gradreg.GradientError` for an empty batch, or for ``outputs`` that are not
     one row per sample of the points ``inputs`` (a scalar such as ``D(x).mean()``, or another
-    batch size)."""
+    batch size), and for the points :func:`check_points` refuses."""
+    check_points(inputs, outputs)
     batch = inputs[0].shape[0] if inputs[0].ndim > 0 else 1
     if batch == 0 or (outputs.ndim > 0 and outputs.shape[0] == 0):
         raise GradientError(

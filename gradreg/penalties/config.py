@@ -9,14 +9,26 @@ penalty.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from gradreg.penalties.methods import BUILDERS
 from gradreg.penalties.projections import PROJECTIONS
 
-__all__ = ["KINDS", "POINTS", "REDUCTIONS", "PenaltyConfig", "require", "squared_norm_penalty"]
+__all__ = ["KINDS", "POINTS", "REDUCTIONS", "PenaltyConfig", "finite_number", "require",
+           "squared_norm_penalty"]
+
+#: The options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
+#: ``float`` at construction; ``target`` also takes ``"ema"``, ``fd_eps`` also ``None``.
+NUMBERS = ("target", "power", "p", "gain", "ema_decay", "subsample", "fd_eps", "sigma", "epsilon")
+#: The options that are flags.
+FLAGS = ("one_sided", "check_finite", "central")
 
 POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
           "parameters")
@@ -75,7 +87,9 @@ class PenaltyConfig:
             (:func:`~gradreg.penalties.chunks.in_chunks`): the same gradient, about
             ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
             double backward, per-sample points and a numeric target.
-        fd_eps: the finite-difference step (input-space length of each sample's shift);
+        fd_eps: the finite-difference step (input-space length of each sample's shift; for
+            ``points="parameters"``, the parameter-space length :math:`r` of the shift,
+            :mod:`~gradreg.penalties.param_gradient`);
             ``None`` picks :func:`~gradreg.penalties.precision.default_step` for the precision
             the model's arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`:
             float64, float32, or TF32 on GPUs).
@@ -126,6 +140,7 @@ class PenaltyConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
+        self._check_types()
         target, method = self.target, self.method
         require(target == "ema" or (isinstance(target, (int, float)) and target >= 0),
                  f"target must be a number >= 0 or 'ema', got {target!r}")
@@ -151,9 +166,11 @@ class PenaltyConfig:
         require(method in BUILDERS, f"method must be one of {tuple(BUILDERS)}, got {method!r}")
         require(method in ("double_backward", "perturbation") or (
             self.projection == "sum" and self.order == 1 and target != "ema"
-            and self.points not in ("parameters", "activations")),
+            and self.points != "activations"
+            and (self.points != "parameters" or method == "finite_difference")),
             f"method={method!r} supports projection='sum', order=1, a numeric target and "
-            "per-sample points other than 'activations'; use method='double_backward'")
+            "per-sample points other than 'activations' (and points='parameters' with "
+            "method='finite_difference'); use method='double_backward'")
         self._check_perturbation()
         self._check_kind()
         require(self.reduction != "max" or (self.subsample == 1 and self.chunks == 1),
@@ -170,6 +187,20 @@ class PenaltyConfig:
                                  and self.points != "parameters"),
                  f"chunks={chunks} needs method='double_backward', a numeric target (an 'ema' "
                  "target couples the samples) and per-sample points; use chunks=1")
+
+    def _check_types(self) -> None:
+        """Numbers (numpy scalars and 0-d tensors converted to float), flags as bools: anything
+        else (a string, a bool for a number, an int too large for a float) is refused here."""
+        for name in NUMBERS:
+            value = getattr(self, name)
+            if (name == "target" and value == "ema") or (name == "fd_eps" and value is None):
+                continue
+            number = finite_number(name, value, infinite=name == "p")
+            if type(value) not in (int, float):
+                object.__setattr__(self, name, number)
+        for name in FLAGS:
+            require(isinstance(getattr(self, name), bool),
+                    f"{name} is a flag: pass True or False, got {getattr(self, name)!r}")
 
     def _check_perturbation(self) -> None:
         require(isinstance(self.sigma, (int, float)) and self.sigma > 0,
@@ -278,6 +309,31 @@ class PenaltyConfig:
 def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:
     """Whether a penalty of these options is the squared 2-norm itself (target 0, power 2)."""
     return isinstance(target, (int, float)) and target == 0 and power == 2 and p == 2
+
+
+def finite_number(name: str, value: object, *, minimum: float | None = None,
+                  infinite: bool = False) -> float:
+    """``value`` as a float: a real number (Python's, numpy's) or a 0-d real tensor, finite
+    (``infinite``: also +-inf, never NaN) and ``>= minimum``; :class:`ValueError` naming
+    ``name`` otherwise (a bool, a string, an int too large for a float)."""
+    if isinstance(value, Tensor):
+        require(value.ndim == 0 and not (value.is_complex() or value.dtype == torch.bool),
+                f"{name} must be a number, got a tensor of shape {tuple(value.shape)} and dtype "
+                f"{value.dtype}: pass a float or a 0-d real tensor")
+        value = value.item()
+    require(isinstance(value, numbers.Real) and not isinstance(value, bool),
+            f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is an integer of {int(value).bit_length()} bits, too large for "
+                         "a float (at most about 1.8e308): pass a finite number.") from None
+    bound = "" if minimum is None else f" >= {minimum:g}"
+    require((math.isfinite(number) or (infinite and not math.isnan(number)))
+            and (minimum is None or number >= minimum),
+            f"{name} must be a {'' if infinite else 'finite '}number{bound}, got {value!r}")
+    return number
+
 
 
 def require(condition: bool, message: str) -> None:

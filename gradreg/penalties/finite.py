@@ -46,10 +46,11 @@ class FiniteCheck:
     :class:`~gradreg.GradientError`) for the first call with a non-finite one as soon as it can be
     read without a device sync.
 
-    The points and the outputs are each reduced on their device to one sum, which is finite
-    exactly when all their elements are; the two sums and the two values travel in one
-    4-element tensor: on CUDA one asynchronous copy per call, read once an event says it has
-    completed.
+    The points and the outputs are each reduced on their device to one number, 0 exactly when
+    all their elements are finite and NaN otherwise (:func:`_nonfinite`: no overflow, whatever
+    their magnitude); the two and the two values travel in one 4-element tensor of the value's
+    dtype (at least float32, so a finite float64 value above float32's range stays finite): on
+    CUDA one asynchronous copy per call, read once an event says it has completed.
     """
 
     def __init__(self) -> None:
@@ -65,10 +66,12 @@ class FiniteCheck:
         ``factor * value``; ``points`` and ``outputs``: the tensors it was computed from.
         """
         self._calls += 1
+        dtype = torch.promote_types(value.dtype, torch.float32)
+        weighted = value if weighted is None else weighted
         entries = torch.stack([
-            _sum(points, value), _sum(() if outputs is None else (outputs,), value),
-            value.detach().float().reshape(()),
-            (value if weighted is None else weighted).detach().float().reshape(()),
+            _nonfinite(points, value.device, dtype),
+            _nonfinite(() if outputs is None else (outputs,), value.device, dtype),
+            value.detach().reshape(()).to(dtype), weighted.detach().reshape(()).to(dtype),
         ])
         if value.device.type == "cuda":
             host = entries.to("cpu", non_blocking=True)  # pinned, asynchronous
@@ -104,13 +107,20 @@ class FiniteCheck:
         return {"_recorded": deque(), "_calls": self._calls}
 
 
-def _sum(tensors: tuple[Tensor, ...], like: Tensor) -> Tensor:
-    """The sum of every element of ``tensors`` in float32 (on their device): finite exactly when
-    every element is (a NaN or an Inf makes any sum NaN or Inf), short of an overflow that needs
-    values near 1e38. One reduction per tensor, no elementwise mask."""
-    if not tensors:
-        return torch.zeros((), device=like.device)
-    return sum(t.detach().sum(dtype=torch.float32) for t in tensors)
+def _nonfinite(tensors: tuple[Tensor, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """0 where every element of ``tensors`` is finite, else NaN (on ``device``, in ``dtype``).
+
+    The smallest and largest element of each tensor, in its own dtype, times 0: a NaN or an Inf
+    anywhere makes the minimum or the maximum NaN or +-Inf, and that times 0 is NaN. One
+    reduction per tensor (``aminmax``), no elementwise mask, and no sum, which could overflow
+    for finite values (a float32 sum of float64 values above 3.4e38 would).
+    """
+    zero = torch.zeros((), dtype=dtype, device=device)
+    for t in tensors:
+        if t.numel():
+            low, high = torch.aminmax(t.detach())
+            zero = zero + (low * 0 + high * 0).to(device=device, dtype=dtype)
+    return zero
 
 
 def _message(found: str, recorded: _Recorded, values: list[float], late: str) -> str:

@@ -65,7 +65,6 @@ A new way of forming :math:`g_i` is an entry of
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,11 +72,17 @@ import torch
 from torch import Tensor, nn
 
 from gradreg import sharding
-from gradreg.autograd import as_tuple, check_double_backward
+from gradreg.autograd import GradientError, as_tuple, check_double_backward
 from gradreg.penalties import kinds, methods
-from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.checks import check_per_sample, check_points
 from gradreg.penalties.chunks import subsample
-from gradreg.penalties.config import POINTS, PenaltyConfig, require, squared_norm_penalty
+from gradreg.penalties.config import (
+    POINTS,
+    PenaltyConfig,
+    finite_number,
+    require,
+    squared_norm_penalty,
+)
 from gradreg.penalties.finite import FiniteCheck
 from gradreg.penalties.finite_difference import check_independent_samples
 from gradreg.penalties.norms import penalty_from_norms, per_sample_norm
@@ -140,6 +145,7 @@ class GradientPenalty(nn.Module):
             self._exact, self._of_gradients, self._of_norms))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
+        self._due = False  # what the latest due() returned: whether a lazy penalty may be called
         self.register_buffer("ema", torch.zeros(()))
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
@@ -165,10 +171,8 @@ class GradientPenalty(nn.Module):
         return self._weight
 
     @weight.setter
-    def weight(self, value: float) -> None:
-        require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
-                f"weight must be a finite number >= 0, got {value!r}")
-        self._weight = float(value)
+    def weight(self, value: float | Tensor) -> None:
+        self._weight = finite_number("weight", value, minimum=0.0)
 
     def extra_repr(self) -> str:
         return (f"weight={self.weight}, target={self.target}, points={self.points!r}, "
@@ -204,7 +208,21 @@ class GradientPenalty(nn.Module):
         is_due = self._steps % self.every == 0
         self._steps += 1
         self.step.fill_(self._steps)
+        self._due = is_due
         return is_due
+
+    def _check_due(self) -> None:
+        """Refuse a lazy penalty (``every > 1``) called without a ``due()`` that allowed it: it
+        is scaled by ``every``, so computed on every step it would be ``every`` times too large
+        (and ``every``² times with a loop's own lazy gain on top)."""
+        if self.every > 1 and not self._due:
+            raise GradientError(
+                f"this penalty has every={self.every}: its value is multiplied by "
+                f"{self.every} to stand for the {self.every} steps it skips, so it may only be "
+                "computed on the steps where penalty.due() returned True. Call due() once per "
+                "training step and the penalty only when it is True (`if penalty.due(): loss = "
+                "loss + penalty(outputs, points)`), without a gain of your own; or build the "
+                "penalty with every=1 to compute it on every step.")
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         saved_ema = state_dict.get(prefix + "ema")
@@ -234,6 +252,7 @@ class GradientPenalty(nn.Module):
         batch first and not differentiated (the labels of a per-sample loss), called as
         ``fn(*points, *fn_args)`` and subsampled or split into ``chunks`` with the points.
         """
+        self._check_due()
         inputs = as_tuple(inputs)
         call = self._call(outputs, inputs, loss_scale, tuple(fn_args))
         value = self._unsubsampled(self._method(call), inputs[0], call.inputs[0])
@@ -244,6 +263,7 @@ class GradientPenalty(nn.Module):
               fn_args: tuple[Tensor, ...]) -> methods.PenaltyCall:
         """The call, checked, with the points (and ``fn_args``) subsampled."""
         fn = None if isinstance(outputs, Tensor) else outputs
+        check_points(inputs, outputs if fn is None else None, per_sample=self.config.per_sample)
         require(fn is not None or not fn_args, "fn_args need outputs as a callable")
         require(fn is not None or not self.needs_callable,
                 f"method={self.method!r}, kind={self.kind!r}, subsample={self.subsample} and "
@@ -315,9 +335,14 @@ class GradientPenalty(nn.Module):
         that is wider: a float64 run promotes the buffer to float64 (in place, so optimizers,
         DDP and checkpoints keep the same tensor), a bf16 run does not lose the small updates
         to bf16 rounding.
+
+        A batch whose mean norm is NaN or Inf leaves the running mean as it was (``torch.where``,
+        no host sync): its penalty is not finite (refused by ``check_finite``), and the next
+        finite batch goes on from the last finite mean.
         """
         self._promote_ema(norms.dtype)
-        ema = self.ema.lerp(norms.mean().to(self.ema.dtype), self.ema_decay)
+        mean = norms.mean().to(self.ema.dtype)
+        ema = torch.where(torch.isfinite(mean), self.ema.lerp(mean, self.ema_decay), self.ema)
         self.ema.copy_(ema.detach())
         return ema
 

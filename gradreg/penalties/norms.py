@@ -10,7 +10,8 @@ from torch import Tensor
 
 from gradreg.autograd import as_tuple
 
-__all__ = ["REDUCE", "penalty_from_norms", "per_sample_norm", "safe_sqrt"]
+__all__ = ["REDUCE", "penalty_from_norms", "per_sample_norm", "per_sample_rows", "safe_pow",
+           "safe_sqrt"]
 
 
 def per_sample_norm(
@@ -25,10 +26,11 @@ def per_sample_norm(
     With ``squared=True`` (only for ``p=2``) returns :math:`\sum g_i^2` without a square root.
     The root has a finite gradient (zero) where the gradient vanishes, so a penalty stays finite
     for a model that is constant in its input. ``per_sample=False`` gives one norm over
-    everything (shape []).
+    everything (shape []). A gradient of shape [B] (points of one scalar per sample) is one
+    feature per sample: :math:`\lVert g_i \rVert_p = |g_i|`.
     """
     grads = as_tuple(grads)
-    flat = [g.flatten(1) if per_sample else g.reshape(1, -1) for g in grads]
+    flat = [per_sample_rows(g) if per_sample else g.reshape(1, -1) for g in grads]
     if p == 2:
         sq = sum(f.square().sum(1) for f in flat)
         if squared:
@@ -43,10 +45,24 @@ def per_sample_norm(
     return norm if per_sample else norm[0]
 
 
+def per_sample_rows(x: Tensor) -> Tensor:
+    """``x`` as [B, features]: all non-batch dims flattened, a [B] tensor as one feature per
+    sample (``flatten(1)`` refuses a 1-d tensor)."""
+    return x.reshape(x.shape[0], -1)
+
+
 def safe_sqrt(sq: Tensor) -> Tensor:
     """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
     positive = sq != 0  # sq >= 0 or NaN: a NaN stays NaN (check_finite sees it), 0 -> 0
     return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
+
+
+def safe_pow(deviation: Tensor, power: float) -> Tensor:
+    """``deviation ** power`` for ``deviation >= 0``, with gradient 0 at 0 (a subgradient) for
+    every power: below 1 torch's is infinite there (power * 0 ** (power - 1)), which times the
+    zero derivative of ``abs`` or ``clamp_min`` at the kink gives NaN parameter gradients."""
+    positive = deviation != 0  # a NaN stays NaN
+    return torch.where(positive, torch.where(positive, deviation, 1.0).pow(power), 0.0)
 
 
 #: The reductions over samples by name (``"max"``: Max-GP's largest per-sample value; ``"none"``:
@@ -64,7 +80,7 @@ def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool
     else:
         deviation = norms - target
         deviation = deviation.clamp_min(0) if one_sided else deviation.abs()
-        values = deviation if power == 1 else deviation.pow(power)
+        values = deviation if power == 1 else safe_pow(deviation, power)
     if reduction not in REDUCE:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(map(repr, REDUCE))}.")
     return REDUCE[reduction](values)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient, nth_derivative
-from gradreg.penalties.norms import per_sample_norm, safe_sqrt
+from gradreg.penalties.norms import per_sample_norm, per_sample_rows, safe_sqrt
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -110,8 +110,8 @@ def latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:
     of the squared norm over ``w_dim`` (``pl_grads.square().sum(2).mean(1)``); [B, w_dim] is
     the same with one layer, i.e. the squared norm. Other shapes take all non-batch dims.
     """
-    return sum(g.square().sum(2).mean(1) if g.ndim == 3 else g.flatten(1).square().sum(1)
-               for g in grads)
+    return sum(g.square().sum(2).mean(1) if g.ndim == 3
+               else per_sample_rows(g).square().sum(1) for g in grads)
 
 
 Norms = Callable[[Tensor, tuple[Tensor, ...], "PenaltyConfig", LossScale], Tensor]

@@ -131,6 +131,29 @@ def test_accumulating_k_batches_equals_one_k_times_larger_batch() -> None:
     assert int(models[8].penalties["db"].step) == 8 and int(models[32].penalties["db"].step) == 2
 
 
+@pytest.mark.parametrize("points", ["inputs", "activations"])
+def test_a_sum_penalty_over_accumulated_batches_is_the_sum_over_their_union(points: str) -> None:
+    """reduction='sum': one SGD step on one batch of 8 == two accumulated batches of 4 (Lightning
+    halves each micro-batch's loss; the sum is doubled back). Before, the penalty's part of the
+    step was half as large."""
+    dataset = TensorDataset(*data(n=8))
+    options = {"layers": ["act1"]} if points == "activations" else {}
+    name = "intermediate" if points == "activations" else "double_backprop"
+    models = {}
+    for batch_size, accumulate in [(4, 2), (8, 1)]:
+        models[batch_size] = model = classifier(
+            {"p": make_penalty(name, weight=3.0, reduction="sum", **options)},
+            optimizer=partial(torch.optim.SGD, lr=1.0))
+        trainer(max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+            model, DataLoader(dataset, batch_size=batch_size))
+    without = classifier({}, optimizer=partial(torch.optim.SGD, lr=1.0))
+    trainer(max_steps=1, limit_val_batches=0).fit(without, DataLoader(dataset, batch_size=8))
+    split, whole, task = (m.backbone.state_dict() for m in (models[4], models[8], without))
+    for key in split:
+        torch.testing.assert_close(split[key], whole[key], rtol=0, atol=1e-12)
+        assert not torch.allclose(whole[key], task[key], atol=1e-6)  # the penalty moved it
+
+
 def test_evaluation_metrics() -> None:
     x, y = data(n=16)
     model = classifier({}, fgsm_eps=0.0, optimizer=partial(torch.optim.Adam, lr=0.05))
