@@ -45,6 +45,7 @@ from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty, as_points
+from gradreg.penalties.param_gradient import LossAt
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -86,7 +87,7 @@ class Classifier(L.LightningModule):
         penalties = dict(penalties or {})
         check_penalties(penalties, backbone, CLASSIFIER_POINTS, "Classifier")
         for key, gp in penalties.items():
-            if gp.needs_callable and gp.points != "inputs":
+            if gp.needs_callable and gp.points not in ("inputs", "parameters"):
                 raise ValueError(
                     f"penalty {key!r} (points={gp.points!r}) asks for its own forward pass "
                     f"(subsample={gp.subsample}, chunks={gp.chunks}), which a Classifier runs at "
@@ -142,7 +143,8 @@ class Classifier(L.LightningModule):
                                      loss_scale=scale)
             else:  # "parameters"
                 params = [p for p in self.backbone.parameters() if p.requires_grad]
-                penalties[name] = gp(loss, params, loss_scale=scale)
+                at = LossAt(partial(self._mean_loss, x, y), loss) if gp.needs_callable else loss
+                penalties[name] = gp(at, params, loss_scale=scale)
             if gp.reduction == "sum" and gp.config.per_sample and accumulated > 1:
                 # a sum over the accumulated batch, as a mean is the mean over it
                 penalties[name] = penalties[name] * accumulated
@@ -210,6 +212,9 @@ class Classifier(L.LightningModule):
                 attacked = pgd(partial(self._summed_loss, y=y), x, self.fgsm_eps,
                                steps=self.pgd_steps, bounds=self.input_range, generator=start)
             log(f"{stage}/acc_pgd", accuracy(self.backbone(attacked), y), prog_bar=True)
+
+    def _mean_loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self.backbone(x), y)
 
     def _summed_loss(self, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(self.backbone(x), y, reduction="sum")

@@ -64,6 +64,7 @@ from gradreg.penalties.finite_difference import (
     finite_difference,
 )
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
     STEPS,
@@ -252,7 +253,9 @@ def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method
 #: How each method is built from the configuration and the penalty's functions.
 BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
-    "finite_difference": lambda config, penalty: FiniteDifference(penalty, config.fd_eps),
+    "finite_difference": lambda config, penalty: (
+        ParameterFiniteDifference(penalty, config.fd_eps, config.p, config.squared)
+        if config.points == "parameters" else FiniteDifference(penalty, config.fd_eps)),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
     "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }
