@@ -51,12 +51,14 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_app import runtime, sweeps
+from train_app import hydra_compat, runtime, sweeps
 from train_app.checks import (
     ConfigError,
     building,
+    check_slurm,
     check_values,
     check_writable,
+    hydra_error,
     resolve_checkpoint,
 )
 from train_app.resume import ResumedWeights, weight_overrides
@@ -159,10 +161,20 @@ def exit_with(error: ConfigError | GradientError) -> NoReturn:
     sys.exit(2)
 
 
+def report_hydra_error(error: BaseException) -> None:
+    """End the run as :func:`exit_with` does for an error Hydra meets outside :func:`main` that
+    is the user's to fix (an override or config file that does not parse, a run folder it
+    cannot create, a SLURM launcher off a cluster); return for the others (Hydra reports them)."""
+    config_error = hydra_error(error)
+    if config_error is not None:
+        exit_with(config_error)
+
+
 if __name__ == "__main__":
     try:
         sweeps.check_plugins(sys.argv)
+        check_slurm(sweeps.command_line_overrides(sys.argv))
     except ConfigError as error:
         exit_with(error)
-    with sweeps.jobs_environment(sys.argv):
+    with sweeps.jobs_environment(sys.argv), hydra_compat.reporting_errors(report_hydra_error):
         main()

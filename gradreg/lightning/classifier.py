@@ -30,6 +30,7 @@ Validation and test differentiate too (FGSM, PGD, input-gradient norm): they nee
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
@@ -99,6 +100,11 @@ class Classifier(L.LightningModule):
         self.optimizer = optimizer or partial(torch.optim.Adam, lr=1e-3)
         if not (isinstance(pgd_steps, int) and pgd_steps >= 0):
             raise ValueError(f"pgd_steps must be an integer >= 0 (0: no PGD), got {pgd_steps!r}")
+        if not (isinstance(fgsm_eps, (int, float)) and not isinstance(fgsm_eps, bool)
+                and math.isfinite(fgsm_eps) and fgsm_eps >= 0):
+            # a negative step descends the loss: the attack helps, FGSM accuracy above clean
+            raise ValueError(f"fgsm_eps must be a finite number >= 0 (the L-inf radius of the "
+                             f"attacks), got {fgsm_eps!r}")
         self.fgsm_eps = fgsm_eps
         self.pgd_steps = pgd_steps
         self.input_range = None if input_range is None else tuple(input_range)

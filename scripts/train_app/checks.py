@@ -1,19 +1,26 @@
 """What the app checks before it trains: values a run cannot use, a folder it cannot write, a
-checkpoint it cannot load. Each failure is a :class:`ConfigError` whose message starts with the
-config key, so that ``train.py`` prints it as one line and exits with status 2."""
+checkpoint it cannot load, callbacks made for another kind of model; and what it makes of the
+errors Hydra meets before the run (an override or a config file that does not parse, a run
+folder it cannot create, a launcher this machine cannot run). Each failure is a
+:class:`ConfigError` whose message starts with the config key, so that ``train.py`` prints it as
+one line and exits with status 2."""
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+import yaml
+from hydra.core.override_parser.types import Override
+from hydra.errors import InstantiationException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
 
 
 class ConfigError(Exception):
@@ -44,9 +51,19 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: the largest seed numpy accepts (Lightning seeds numpy with the run's seed)
+MAX_SEED = 2**32 - 1
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
 #: key -> (test of the value, what the value must be); checked before anything is built.
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "seed": (_is_int, "an integer"),
+    "seed": (lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
+             f"an integer from 0 to {MAX_SEED} (numpy's seed range)"),
     "threads": (lambda v: v is None or (_is_int(v) and v >= 1),
                 "an integer >= 1 (torch's CPU threads), or null for torch's default"),
     "trainer.max_epochs": (lambda v: v is None or (_is_int(v) and v >= 1),
@@ -60,7 +77,10 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first value of :data:`VALUE_RULES` that breaks its rule."""
+    """Raise ConfigError for the first value of :data:`VALUE_RULES` that breaks its rule, for a
+    learning rate that is not a finite number > 0 (``model.<any>optimizer.lr``: 0 trains
+    nothing, a negative one ascends the loss), for a name given to two penalties, or for a
+    callback made for another kind of model."""
     for key, (valid, requirement) in VALUE_RULES.items():
         section, _, name = key.rpartition(".")
         node = cfg.get(section) if section else cfg
@@ -69,6 +89,63 @@ def check_values(cfg: DictConfig) -> None:
         value = node[name]
         if not valid(value):
             raise ConfigError(f"{key}: must be {requirement}, got {value!r}")
+    for name, node in (cfg.get("model") or {}).items():
+        if (str(name).endswith("optimizer") and isinstance(node, DictConfig) and "lr" in node
+                and not _is_positive_number(node.lr)):
+            raise ConfigError(f"model.{name}.lr: must be a finite number > 0 (the optimizer's "
+                              f"step size), got {node.lr!r}")
+    _check_penalty_names(cfg)
+    _check_callbacks(cfg)
+
+
+def _check_penalty_names(cfg: DictConfig) -> None:
+    """The model gets ``penalty`` under its preset name and each ``penalties`` entry under its
+    key: one name for two penalties would keep one of them and drop the other."""
+    main = cfg.penalty.get("name") if cfg.get("penalty") is not None else None
+    if main not in (None, "none") and main in (cfg.get("penalties") or {}):
+        raise ConfigError(
+            f"penalties.{main}: the name of penalty={main} already; the model takes one penalty "
+            f"per name, so this one would replace it. Give it another name, e.g. "
+            f"+penalties.{main}_2=..., or set penalty=none"
+        )
+
+
+GAN_2D, GAN_IMAGES = "GAN on 2D points", "GAN on images"
+#: callbacks made for some kinds of model: class -> (those kinds, how a message names them)
+CALLBACK_KINDS: dict[str, tuple[set[str], str]] = {
+    "SaliencyMaps": ({"Classifier"}, "a Classifier"),
+    "InterpolatesGradientNorm": ({GAN_2D, GAN_IMAGES}, "a GAN"),
+    "CriticLandscape": ({GAN_2D}, f"a {GAN_2D}"),
+    "SampleGrid": ({GAN_IMAGES}, f"a {GAN_IMAGES}"),
+}
+#: the callbacks config made for each kind of model
+DASHBOARDS = {"Classifier": "dashboards", GAN_2D: "gan_dashboards",
+              GAN_IMAGES: "image_gan_dashboards"}
+
+
+def _model_kind(cfg: DictConfig) -> str | None:
+    """Classifier, GAN on 2D points or GAN on images (its data has ``shape``); None for a
+    model class of the user's."""
+    name = str(cfg.model.get("_target_", "")).rpartition(".")[2]
+    if name == "GAN":
+        shape = OmegaConf.select(cfg, "data.shape", throw_on_resolution_failure=False)
+        return GAN_IMAGES if shape is not None else GAN_2D
+    return name if name == "Classifier" else None
+
+
+def _check_callbacks(cfg: DictConfig) -> None:
+    """A dashboard callback made for another kind of model fails mid-training (a classifier
+    has no critic; a 2D landscape of an image critic means nothing): refuse it up front."""
+    kind = _model_kind(cfg)
+    for name, node in (cfg.get("callbacks") or {}).items():
+        target = str(node.get("_target_", "")) if isinstance(node, DictConfig) else ""
+        kinds, described = CALLBACK_KINDS.get(target.rpartition(".")[2], (None, ""))
+        if kind is not None and kinds is not None and kind not in kinds:
+            raise ConfigError(
+                f"callbacks: {target.rpartition('.')[2]} (callbacks.{name}) is for {described}, "
+                f"but the model is a {kind}; use callbacks={DASHBOARDS[kind]} (or default, "
+                "none)"
+            )
 
 
 def check_writable(output_dir: Path) -> None:
@@ -121,3 +198,81 @@ def resolve_checkpoint(ckpt_path: str | None, runs_root: Path, output_dir: Path)
             "another checkpoint of the run"
         )
     return path
+
+
+def hydra_error(error: BaseException) -> ConfigError | None:
+    """The ConfigError (caused by ``error``) of an error Hydra meets outside the app's function
+    that is the user's to fix: a run (or sweep) folder it cannot create, an override that does
+    not parse, a config file that is not YAML. None for the others, which Hydra reports."""
+    message = _hydra_error_message(error)
+    if message is None:
+        return None
+    config_error = ConfigError(message)
+    config_error.__cause__ = error
+    return config_error
+
+
+def _hydra_error_message(error: BaseException) -> str | None:
+    if isinstance(error, OSError) and _raised_by_hydra(error):
+        return (f"hydra.run.dir: cannot create the run folder {error.filename!r} "
+                f"({error.strerror or error}); choose a folder you can write: "
+                "hydra.run.dir=<folder> or paths.runs=<folder> (with -m: hydra.sweep.dir or "
+                "paths.sweeps)")
+    if isinstance(error, OverrideParseException):
+        return _override_message(error)
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, yaml.YAMLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    # where the construct that fails starts (an unclosed bracket), else where parsing stopped
+    mark = getattr(cause, "context_mark", None) or getattr(cause, "problem_mark", None)
+    what = ", ".join(str(part) for part in (getattr(cause, "context", None),
+                                              getattr(cause, "problem", None)) if part)
+    if mark is None:
+        return f"a config file is not valid YAML: {' '.join(str(cause).split())}"
+    return (f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: not valid YAML "
+            f"({what}); fix that line of the config file")
+
+
+def _raised_by_hydra(error: OSError) -> bool:
+    """Whether the innermost frame of ``error`` outside the standard library's file functions
+    is Hydra's or its plugins' own code (creating a run or sweep folder), not the app's."""
+    module = ""
+    frame = error.__traceback__
+    while frame is not None:
+        name = frame.tb_frame.f_globals.get("__name__", "")
+        if name not in ("os", "pathlib", "shutil"):
+            module = name
+        frame = frame.tb_next
+    return module.startswith(("hydra.", "hydra_plugins."))
+
+
+def _override_message(error: OverrideParseException) -> str:
+    """One line for an override Hydra's grammar rejects: the override, where, and the fix."""
+    lines = [line for line in error.message.splitlines() if not line.startswith("See https")]
+    if lines[0].startswith("LexerNoViableAltException: "):  # then a caret under the character
+        at = lines[1].index("^") - len("LexerNoViableAltException: ")
+        reason = f"{error.override[at]!r} at character {at + 1} is not in Hydra's grammar"
+    else:
+        reason = lines[-1]
+    return (f"override {error.override!r} does not parse: {reason}. Quote a value with special "
+            "characters (key='\"value\"' in the shell), write a home folder as $HOME/... (the "
+            "shell expands it, not ~ after =), close brackets and quotes; Hydra's override "
+            "grammar: hydra.cc, docs/advanced/override_grammar/basic")
+
+
+def check_slurm(overrides: Iterable[Override]) -> None:
+    """Raise ConfigError where the command line picks SLURM's launcher and this machine has no
+    ``sbatch`` and ``srun`` (not a cluster's node): submitit would fail inside Hydra with a
+    traceback."""
+    missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
+    for override in overrides:
+        if (override.key_or_group == "hydra/launcher" and override.value() == "submitit_slurm"
+                and missing):
+            raise ConfigError(
+                f"hydra/launcher=submitit_slurm: {' and '.join(missing)} not found on this "
+                "machine (this launcher submits jobs to a SLURM cluster from one of its nodes); "
+                "here run the jobs with hydra/launcher=submitit_local or hydra/launcher=joblib, "
+                "or without a launcher option"
+            )

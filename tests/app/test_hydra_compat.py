@@ -10,7 +10,8 @@ import pytest
 
 from .conftest import train_script
 
-PRIVATE_NAMES = [("hydra._internal.utils", "get_args_parser")]
+PRIVATE_NAMES = [("hydra._internal.utils", "get_args_parser"),
+                 ("hydra._internal.utils", "run_and_report")]
 
 
 @pytest.mark.parametrize(("module", "name"), PRIVATE_NAMES)
@@ -29,3 +30,25 @@ def test_the_command_line_parser_separates_overrides_from_hydra_flags() -> None:
         ["penalty=none,double_backprop", "seed=range(3)"], True, "job", []), (
         f"Hydra {hydra.__version__} parses its command line differently: update "
         "scripts/train_app/hydra_compat.py")
+
+
+def test_hydra_reports_through_the_wrapped_function(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``reporting_errors``, an error Hydra reports reaches the app's function first;
+    where that returns, Hydra's own report follows (status 1), and the wrapper is gone after."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    train_script()
+    compat = importlib.import_module("train_app.hydra_compat")
+    utils = importlib.import_module("hydra._internal.utils")
+    original, seen = utils.run_and_report, []
+
+    def fail() -> None:
+        raise ZeroDivisionError("from inside Hydra")
+
+    with compat.reporting_errors(seen.append), pytest.raises(SystemExit) as exit_info:
+        utils.run_and_report(fail)
+    assert [type(error) for error in seen] == [ZeroDivisionError], (
+        f"Hydra {hydra.__version__} reports its errors elsewhere: update "
+        "scripts/train_app/hydra_compat.py")
+    assert exit_info.value.code == 1 and "from inside Hydra" in capsys.readouterr().err
+    assert utils.run_and_report is original

@@ -1,0 +1,129 @@
+"""Mistakes a user makes on the command line, each refused before training with one line on
+stderr naming the problem and the fix, and status 2 (in-process runs of scripts/train.py): two
+penalties under one name, an attack radius, seed or learning rate out of range, an override or
+a config file that does not parse, a run folder that cannot be created, SLURM's launcher where
+there is no cluster, dashboards made for another kind of model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .helpers import run_in_process
+
+A_SECOND_DOUBLE_BACKPROP = (
+    "+penalties.double_backprop={_target_:gradreg.penalties.make_penalty,"
+    "name:double_backprop,weight:0.5}")
+
+REFUSED = {
+    "two penalties under one name": (["penalty=double_backprop", A_SECOND_DOUBLE_BACKPROP], [
+        "error: penalties.double_backprop: the name of penalty=double_backprop already",
+        "+penalties.double_backprop_2=..."]),
+    "negative fgsm_eps": (["model.fgsm_eps=-1"], [
+        "error: model: fgsm_eps must be a finite number >= 0", "got -1"]),
+    "nan fgsm_eps": (["model.fgsm_eps=nan"], ["error: model: fgsm_eps must be", "got nan"]),
+    "negative seed": (["seed=-5"], [
+        "error: seed: must be an integer from 0 to 4294967295 (numpy's seed range), got -5"]),
+    "seed above numpy's range": (["seed=4294967296"], ["got 4294967296"]),
+    "negative lr": (["model.optimizer.lr=-1"], [
+        "error: model.optimizer.lr: must be a finite number > 0 (the optimizer's step size), "
+        "got -1"]),
+    "zero lr": (["model.optimizer.lr=0"], ["error: model.optimizer.lr: must be", "got 0"]),
+    "nan lr": (["model.optimizer.lr=nan"], ["error: model.optimizer.lr: must be", "got nan"]),
+    "GAN lr": (["experiment=gan_8gaussians_wgan_gp", "model.generator_optimizer.lr=-0.1"], [
+        "error: model.generator_optimizer.lr: must be a finite number > 0", "got -0.1"]),
+    "override with an open bracket": (["penalty.weight=[1,"], [
+        "error: override 'penalty.weight=[1,' does not parse: no viable alternative at input "
+        "'[1,'. Quote a value"]),
+    "~ after =": (["data.root=~/pets"], [
+        "error: override 'data.root=~/pets' does not parse: '~' at character 11 is not in "
+        "Hydra's grammar", "write a home folder as $HOME/..."]),
+    "classifier with GAN dashboards": (["callbacks=gan_dashboards"], [
+        "error: callbacks: InterpolatesGradientNorm (callbacks.interpolates) is for a GAN, but "
+        "the model is a Classifier; use callbacks=dashboards"]),
+    "GAN with classifier dashboards": (
+        ["experiment=gan_8gaussians_wgan_gp", "callbacks=dashboards"], [
+            "error: callbacks: SaliencyMaps (callbacks.saliency) is for a Classifier, but the "
+            "model is a GAN on 2D points; use callbacks=gan_dashboards"]),
+    "image GAN with the 2D GAN's dashboards": (["experiment=gan_digits_r1",
+                                                "callbacks=gan_dashboards"], [
+        "error: callbacks: CriticLandscape (callbacks.critic_landscape) is for a GAN on 2D "
+        "points, but the model is a GAN on images; use callbacks=image_gan_dashboards"]),
+}
+
+
+def refused(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """stderr of a run of ``args`` that must end with status 2 and one line, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(*args, tmp_path=tmp_path)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(("args", "messages"), REFUSED.values(), ids=REFUSED)
+def test_refused_in_one_line(args: list[str], messages: list[str], tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    err = refused(args, tmp_path / "run", capsys)
+    for message in messages:
+        assert message in err
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_a_config_file_that_is_not_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: yaml's ParserError as a traceback, status 1."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    broken = tmp_path / "configs" / "experiment" / "broken.yaml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("# a recipe\nmodel:\n  fgsm_eps: [0.1\n")
+    err = refused([f"hydra.searchpath=[file://{tmp_path / 'configs'}]", "experiment=broken"],
+                  tmp_path / "run", capsys)
+    assert err.startswith(
+        f"error: {broken}, line 3, column 13: not valid YAML (while parsing a flow sequence, "
+        "expected ',' or ']', but got '<stream end>'); fix that line of the config file")
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_folder_behind_a_file(multirun: bool, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: NotADirectoryError from Hydra's mkdir as a traceback, status 1."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    (tmp_path / "a_file").write_text("")
+    folder = tmp_path / "a_file" / "run"
+    sweep = ["-m", "seed=0,1", f"hydra.sweep.dir={folder}"] if multirun else []
+    err = refused(sweep, folder, capsys)
+    assert err.startswith(
+        f"error: hydra.run.dir: cannot create the run folder '{folder}' (Not a directory); "
+        "choose a folder you can write: hydra.run.dir=<folder> or paths.runs=<folder>")
+
+
+def test_slurm_launcher_off_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: submitit's RuntimeError ('Could not detect "srun"') as a traceback, status 1."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    if shutil.which("sbatch") and shutil.which("srun"):
+        pytest.skip("a SLURM node: the launcher can run here")
+    err = refused(["-m", "hydra/launcher=submitit_slurm", "seed=0,1",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path / "run", capsys)
+    assert "error: hydra/launcher=submitit_slurm: " in err
+    assert "not found on this machine" in err
+    assert "hydra/launcher=submitit_local or hydra/launcher=joblib" in err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_hydra_full_error_shows_hydra_own_exception(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """HYDRA_FULL_ERROR=1: the traceback, of the error and of Hydra's own exception under it."""
+    from hydra.errors import OverrideParseException
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(Exception, match="override 'penalty.weight=.1,' does not") as error_info:
+        run_in_process("penalty.weight=[1,", tmp_path=tmp_path)
+    assert isinstance(error_info.value.__cause__, OverrideParseException)
