@@ -45,7 +45,7 @@ from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
-from gradreg.penalties import GradientPenalty, as_points
+from gradreg.penalties import GradientPenalty, RandomState, SharedForward, as_points
 from gradreg.penalties.param_gradient import LossAt
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
@@ -131,6 +131,7 @@ class Classifier(L.LightningModule):
         # a penalty that differentiates this forward's graph twice needs attention with a
         # double backward; without one due, the task loss keeps the fused kernels
         shared = any(not gp.needs_callable for gp in due.values())
+        state = RandomState.capture(x)  # replayed where a penalty runs the model at other points
         with (differentiable_attention() if shared else nullcontext(),
               capture(self.backbone, *layers) if layers else nullcontext({}) as activations):
             logits = self.backbone(x)
@@ -142,7 +143,7 @@ class Classifier(L.LightningModule):
         accumulated = 1 if trainer is None else trainer.accumulate_grad_batches
         for name, gp in due.items():
             if gp.points == "inputs":
-                outputs, fn_args = self._outputs(gp, x, logits, per_sample, y)
+                outputs, fn_args = self._outputs(gp, x, logits, per_sample, y, state)
                 penalties[name] = gp(outputs, x, loss_scale=scale, fn_args=fn_args)
             elif gp.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers],
@@ -157,14 +158,17 @@ class Classifier(L.LightningModule):
         return loss, penalties
 
     def _outputs(
-        self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor
+        self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
+        state: RandomState,
     ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
         """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
         and the callable's per-sample arguments besides the inputs (the labels).
 
         Double backward shares the task's forward pass, and so do ``finite_difference`` and
-        ``perturbation`` at the points themselves (the callable hands back the task's outputs
-        when called on ``x``); the shifted points, ``compiled``, ``subsample``, ``chunks`` and
+        ``perturbation`` at the points themselves (a :class:`~gradreg.penalties.SharedForward`
+        hands back the task's outputs when called on ``x``, and ``state``, the random state the
+        task's forward began with, is replayed at the other points: the same dropout mask); the
+        shifted points, ``compiled``, ``subsample``, ``chunks`` and
         the kinds other than the gradient norm run their own forward (``gp.needs_callable``).
         """
         task_outputs = logits if gp.of == "outputs" else per_sample
@@ -173,7 +177,7 @@ class Classifier(L.LightningModule):
         forward, fn_args = ((self.backbone, ()) if gp.of == "outputs"
                             else (self._per_sample_loss, (y,)))
         if gp.method in ("finite_difference", "perturbation"):
-            return (lambda q, *args: task_outputs if q is x else forward(q, *args)), fn_args
+            return SharedForward(forward, x, task_outputs, state), fn_args
         return forward, fn_args
 
     def _per_sample_loss(self, x: Tensor, y: Tensor) -> Tensor:

@@ -14,8 +14,10 @@ so every penalty ``method``, ``subsample`` and ``chunks`` work. The exception is
 double backward: as in StyleGAN2, they differentiate the critic scores of the adversarial term
 itself (the reals or fakes are made points before that forward), which saves a forward and a
 backward of the critic on those samples; and the perturbation estimate (``approx_r1``,
-``approx_r2``) gets a callable that hands back those scores at the samples themselves, so only the
-perturbed samples take a forward of their own.
+``approx_r2``) gets those scores as a :class:`~gradreg.penalties.SharedForward`, so only the
+perturbed samples take a forward of their own, with the random state the scores' forward began
+with (captured before it): a critic with dropout perturbs the function of the adversarial
+forward's mask.
 
 Adversarial terms :math:`(a_D, a_G)`, functions of the real and fake scores:
 
@@ -43,7 +45,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradreg.attention import differentiable_attention
-from gradreg.penalties import GradientPenalty, as_points, interpolate, perturb_dragan
+from gradreg.penalties import (
+    GradientPenalty,
+    RandomState,
+    SharedForward,
+    as_points,
+    interpolate,
+    perturb_dragan,
+)
 
 # name -> (a_D, a_G), each of (real scores, fake scores); a_G gets real=None unless the name is
 # in PAIRED
@@ -115,8 +124,9 @@ class GANLoss:
         shared = {gp.points for gp in due.values() if shares_forward(gp)}
         samples = {"real": real, "fake": fake}
         samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
-        scores = {}
+        scores, states = {}, {}
         for k, v in samples.items():  # attention with a double backward where R1/R2 shares it
+            states[k] = RandomState.capture(v)  # replayed by a perturbation estimate's forwards
             with differentiable_attention() if k in shared else nullcontext():
                 scores[k] = self.critic(v)
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
@@ -124,9 +134,9 @@ class GANLoss:
             if shares_forward(gp):  # differentiate the adversarial forward's scores
                 terms[name] = gp(scores[gp.points], samples[gp.points], loss_scale=loss_scale)
             elif gp.points in samples and gp.method == "perturbation":  # D(x) from the loss
-                at, score = samples[gp.points], scores[gp.points]
-                terms[name] = gp(lambda q, at=at, score=score: score if q is at else self.critic(q),
-                                 at, loss_scale=loss_scale)
+                at = samples[gp.points]
+                terms[name] = gp(SharedForward(self.critic, at, scores[gp.points],
+                                               states[gp.points]), at, loss_scale=loss_scale)
             else:
                 terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
                                  loss_scale=loss_scale)

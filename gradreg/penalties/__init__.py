@@ -33,6 +33,7 @@ from gradreg.penalties.presets import (
     wgan_gp,
     wgan_lp,
 )
+from gradreg.penalties.randomness import RandomState, SharedForward
 
 __all__ = [
     "METHODS",
@@ -40,6 +41,8 @@ __all__ = [
     "PRESETS",
     "GradientPenalty",
     "PenaltyConfig",
+    "RandomState",
+    "SharedForward",
     "approx_r1",
     "approx_r2",
     "as_points",

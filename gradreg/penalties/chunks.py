@@ -16,6 +16,7 @@ __all__ = ["in_chunks", "subsample", "with_gradients"]
 
 PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
 
+
 def with_gradients(value: Tensor, tensors: list[Tensor], gradients: list[Tensor]) -> Tensor:
     r"""``value`` (detached) plus a zero whose gradient w.r.t. each ``tensors[j]`` is
     ``gradients[j]``: :math:`v + S - \operatorname{detach}(S)`,
@@ -63,6 +64,9 @@ def in_chunks(
     penalty that could have shared the task's forward (R1 on the reals, double backprop) pays
     one more forward and backward. Samples must not interact (BatchNorm in training mode is
     refused); leaf points receive no gradient (as with :func:`gradreg.regularized_backward`).
+    Nor may the model draw random numbers (dropout in training mode): a micro-batch's forward
+    draws other numbers for its samples than the batch's forward would, so the sum would not be
+    the penalty of any one forward (:class:`~gradreg.penalties.methods.InChunks` refuses it).
     Under a ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after,
     like the penalty itself.
     """
@@ -103,7 +107,9 @@ def in_chunks(
 
 
 def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]:
-    r"""The first :math:`k = \lceil \text{fraction} \cdot B \rceil` samples of every input.
+    r"""The first :math:`k = \max(2, \lceil \text{fraction} \cdot B \rceil)` samples of every
+    input (all of them for :math:`B \le 2`); at least two, so that a coupling of samples shows
+    in the subsample's forward (:mod:`~gradreg.penalties.coupling`).
 
     StyleGAN2's batch shrink. With a batch in random order the penalty of the subset is an
     unbiased estimate of the batch's for ``reduction="mean"`` (the caller rescales a sum by
@@ -112,6 +118,6 @@ def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]
     """
     if fraction >= 1:
         return inputs
-    k = max(1, math.ceil(fraction * inputs[0].shape[0]))
+    k = max(2, math.ceil(fraction * inputs[0].shape[0]))
     return tuple(x[:k] for x in inputs)
 

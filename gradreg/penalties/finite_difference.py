@@ -1,5 +1,8 @@
 r"""The penalty's parameter gradient by a finite difference of first derivatives (no double
-backward), and the checks of the models it is refused on (kinks, coupled samples).
+backward), and the check of the models it is refused on (kinks); coupled samples are refused by
+:func:`~gradreg.penalties.coupling.check_independent_samples`, and the forward at the shifted
+points draws the random numbers of the forward at the points
+(:class:`~gradreg.penalties.randomness.Replaying`).
 
 Notation as in :mod:`gradreg.penalties.methods`: per-sample outputs :math:`f_i`, points
 :math:`x_i`, input gradients :math:`g_i`, the unweighted penalty :math:`P(g)`, parameters
@@ -14,13 +17,14 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient
-from gradreg.graph import graph_node_names, walk_backward_graph
+from gradreg.graph import graph_node_names
 from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.torch_compat import batchnorm_node_in_training
+from gradreg.penalties.randomness import Replaying
 
-__all__ = ["PIECEWISE_LINEAR", "check_independent_samples", "check_smooth", "finite_difference"]
+__all__ = ["PIECEWISE_LINEAR", "check_smooth", "finite_difference"]
 
 #: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
 #: abs, max/min): a finite difference across a kink has an O(1) error.
@@ -31,16 +35,11 @@ PIECEWISE_LINEAR = (
 )
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
-PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
 PerSampleFunction = Callable[..., Tensor]
 
 
 def _broadcast(per_sample: Tensor, like: Tensor) -> Tensor:
     return per_sample.view((-1,) + (1,) * (like.ndim - 1))
-
-
-PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
-PerSampleFunction = Callable[..., Tensor]
 
 
 def finite_difference(
@@ -79,14 +78,19 @@ def finite_difference(
     :math:`x` and :math:`x + hv`, which happens with probability :math:`O(h)` and costs
     :math:`O(1/h)`: an :math:`O(1)` error that a smaller step does not remove: with ``check``
     the graph of the outputs at :math:`x` is searched and such models are refused
-    (:func:`check_smooth`). Samples must not interact: BatchNorm in training mode is refused
-    (:func:`check_independent_samples`).
+    (:func:`check_smooth`). Samples must not interact: with ``check`` a model whose samples are
+    coupled (BatchNorm in training mode, a minibatch standard deviation) is refused
+    (:func:`~gradreg.penalties.coupling.check_independent_samples`). The forward at the shifted
+    points replays the random state of the one at :math:`x` (the same dropout mask; ``fn`` may
+    be a :class:`~gradreg.penalties.randomness.SharedForward` carrying the task's state), so
+    :math:`S` differences one function.
     """
-    outputs = fn(*inputs)
+    forward = Replaying(fn, "method='finite_difference'")
+    outputs = forward(*inputs)
     check_per_sample(outputs, inputs)
     if check:
         check_smooth(outputs)
-        check_independent_samples(outputs, "method='finite_difference'")
+        check_independent_samples(outputs, inputs, "method='finite_difference'")
     grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs), create_graph=False,
                      retain_graph=True)
     with torch.enable_grad():
@@ -99,7 +103,7 @@ def finite_difference(
     h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)
     shifted = tuple(x.detach() + _broadcast(h, v) * v
                     for x, v in zip(inputs, directions, strict=True))
-    delta = (fn(*shifted) - outputs).reshape(len(norms), -1).sum(1)
+    delta = (forward(*shifted) - outputs).reshape(len(norms), -1).sum(1)
     surrogate = (delta * torch.where(moving, norms / step, 0.0)).sum()
     return value.detach() + (surrogate - surrogate.detach())
 
@@ -117,25 +121,3 @@ def check_smooth(outputs: Tensor) -> None:
             "off by O(1), and a smaller step does not help. Use method='double_backward' (or "
             "'compiled'), or a smooth activation (softplus, elu, tanh, gelu, silu)."
         )
-
-
-def check_independent_samples(outputs: Tensor, method: str) -> None:
-    """Raise where the graph of ``outputs`` holds BatchNorm in training mode (torch's, whose node
-    saves ``training``, or gradreg's): its outputs depend on the whole batch, so a penalty that
-    runs the model on part of the batch (``subsample``, ``chunks``) or on shifted points with
-    per-sample steps (``finite_difference``) would compute another penalty, and its extra forward
-    would update the running statistics again."""
-    coupled = sorted({name for node in walk_backward_graph([outputs]).nodes
-                      if "BatchNorm" in (name := type(node).__name__)
-                      and "BackwardBackward" not in name  # forward nodes say the mode
-                      and batchnorm_node_in_training(node)})
-    if coupled:
-        raise GradientError(
-            f"{method} runs the model on part of the batch or on shifted points, but its graph "
-            f"holds BatchNorm in training mode ({', '.join(coupled)}), whose outputs depend on "
-            "the whole batch: the penalty would change, and the running statistics would be "
-            "updated again. Use the exact penalty on the task's forward (method="
-            "'double_backward', subsample=1, chunks=1), BatchNorm in eval mode, or a per-sample "
-            "normalization (GroupNorm, LayerNorm)."
-        )
-

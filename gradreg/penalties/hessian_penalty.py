@@ -33,6 +33,11 @@ the model ran in), so the second difference carries up to :math:`4u|G|/\epsilon^
 the outputs' size (:func:`~gradreg.penalties.precision.check_difference_rounding`; float32 at the
 default ``epsilon=0.1``: 2.4e-5, TF32: 0.2, bf16: 1.6) its variance would measure rounding noise.
 
+Every forward of one call (the one at :math:`z`, the shifted ones, one per direction of the exact
+form) draws the random numbers of the first (:class:`~gradreg.penalties.randomness.Replaying`):
+with dropout in training mode the penalty is that of :math:`G(\cdot\,; m)` for one mask
+:math:`m`, and the finite difference differences one function.
+
 Batch splitting: ``reduction="mean"`` over equal micro-batches (or DDP ranks) averages to the
 full batch's value; ``"max"`` over the batch is not the mean of the micro-batches' maxima.
 """
@@ -48,6 +53,7 @@ from torch.func import jvp
 from gradreg.autograd import GradientError
 from gradreg.penalties.checks import model_without_in_place_updates
 from gradreg.penalties.precision import check_difference_rounding
+from gradreg.penalties.randomness import RandomState, Replaying, SharedForward
 
 __all__ = ["HESSIAN_METHODS", "HESSIAN_REDUCTIONS", "hessian_penalty", "rademacher",
            "second_directional_derivatives"]
@@ -76,15 +82,19 @@ def second_directional_derivatives(
 ) -> list[Tensor]:
     r""":math:`v^\top H_j v` for every output unit :math:`j` of every tensor ``fn(z)`` returns,
     for one direction :math:`v` (``direction``, ``z``'s shape): a list with one tensor of each
-    output's shape. ``outputs``: ``fn(z)`` where already computed (finite difference only)."""
+    output's shape. ``outputs``: ``fn(z)`` where already computed (finite difference only; the
+    shifted forwards replay the random state of the first forward they see, so a model that
+    draws random numbers needs ``outputs`` left out)."""
     if method == "exact":
         def tangent(q: Tensor) -> Outputs:
             return jvp(fn, (q,), (direction,))[1]
         with model_without_in_place_updates("kind='hessian' with the exact method"):
             return _as_list(jvp(tangent, (z,), (direction,))[1])
-    at_z = _as_list(fn(z) if outputs is None else outputs)
+    forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, None),
+                        "the Hessian penalty")
+    at_z = _as_list(forward(z))
     _check_rounding(at_z, epsilon)
-    return _second_difference(fn, z, direction, epsilon, at_z)
+    return _second_difference(forward, z, direction, epsilon, at_z)
 
 
 def _check_rounding(at_z: list[Tensor], epsilon: float) -> None:
@@ -119,6 +129,7 @@ def hessian_penalty(
     outputs: Outputs | None = None,
     directions: Tensor | None = None,
     generator: torch.Generator | None = None,
+    random_state: RandomState | None = None,
 ) -> Tensor:
     r"""The Hessian penalty of ``fn`` at ``z`` (module docstring), a differentiable scalar.
 
@@ -126,7 +137,9 @@ def hessian_penalty(
     ``k``: Rademacher directions per sample, >= 2 (a variance needs two); ``epsilon`` > 0: the
     finite-difference step; ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
     ``method``: ``"finite_difference"`` or ``"exact"``. ``outputs``: ``fn(z)`` where the caller
-    already computed it (finite difference: saves a forward). ``directions``: the directions
+    already computed it (finite difference: saves a forward), with ``random_state`` the random
+    state its forward began with (replayed by the shifted forwards; needed where the model
+    draws random numbers). ``directions``: the directions
     themselves, shape [k, *z.shape] (to reproduce a draw); else drawn from ``generator``.
     """
     _check_options(k, epsilon, reduction, method)
@@ -142,13 +155,15 @@ def hessian_penalty(
             f"directions have shape {tuple(directions.shape)}; expected [k, *z.shape] = "
             f"{[k, *z.shape]}."
         )
+    forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, random_state),
+                        "the Hessian penalty")
     if method == "exact":
-        per_direction = [second_directional_derivatives(fn, z, v, method="exact")
+        per_direction = [second_directional_derivatives(forward, z, v, method="exact")
                          for v in directions]
     else:  # one forward at z and one rounding check, shared by the k directions
-        at_z = _as_list(fn(z) if outputs is None else outputs)
+        at_z = _as_list(forward(z))
         _check_rounding(at_z, epsilon)
-        per_direction = [_second_difference(fn, z, v, epsilon, at_z) for v in directions]
+        per_direction = [_second_difference(forward, z, v, epsilon, at_z) for v in directions]
     total = None
     for layer in zip(*per_direction, strict=True):  # k tensors of one output's shape
         variance = torch.stack(layer).var(dim=0, correction=1)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 from gradreg.penalties import methods
-from gradreg.penalties.finite_difference import check_independent_samples
+from gradreg.penalties.coupling import probe_independent_samples
 from gradreg.penalties.hessian_penalty import hessian_penalty
 from gradreg.penalties.methods import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.spectral_norm import spectral_norms
@@ -44,21 +44,29 @@ __all__ = ["KIND_BUILDERS", "Hessian", "Spectral", "choose"]
 
 
 class Spectral:
-    """Per-sample spectral norms of the input Jacobian, in the penalty of the norms."""
+    """Per-sample spectral norms of the input Jacobian, in the penalty of the norms. The
+    Jacobian-vector products of the whole batch are per sample only where samples do not
+    interact: checked on the first call (:func:`~gradreg.penalties.coupling
+    .probe_independent_samples`)."""
 
     def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
         self.penalty, self.iterations, self.squared = penalty, config.iterations, config.squared
+        self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        norms = spectral_norms(call.of_points, call.inputs, iterations=self.iterations)
+        norms = spectral_norms(call.forward(), call.inputs, iterations=self.iterations)
+        if not self._checked:
+            probe_independent_samples(call.fn, call.inputs, "kind='spectral'", call.fn_args)
+            self._checked = True
         return self.penalty.of_norms(norms.square() if self.squared else norms)
 
 
 class Hessian:
     """The Hessian penalty of the callable's outputs at its one input. Samples must not
-    interact: the model runs at shifted inputs, so BatchNorm in training mode (which would
-    normalize each shifted batch by its own statistics and update the running statistics once
-    per shift) is refused on the first call."""
+    interact: the model runs at shifted inputs, so a model whose samples are coupled (BatchNorm
+    in training mode, which would normalize each shifted batch by its own statistics and update
+    the running statistics once per shift; a minibatch standard deviation) is refused on the
+    first call (:func:`~gradreg.penalties.coupling.probe_independent_samples`)."""
 
     def __init__(self, config: PenaltyConfig) -> None:
         self.options = {"k": config.k, "epsilon": config.epsilon, "reduction": config.reduction,
@@ -73,11 +81,10 @@ class Hessian:
                 f"{len(call.inputs)}: pass one tensor, or wrap the model so the others are "
                 "fixed arguments (fn_args)."
             )
-        value = hessian_penalty(call.of_points, call.inputs[0], **self.options)
         if not self._checked:
-            check_independent_samples(value, "kind='hessian'")
+            probe_independent_samples(call.fn, call.inputs, "kind='hessian'", call.fn_args)
             self._checked = True
-        return value
+        return hessian_penalty(call.forward(), call.inputs[0], **self.options)
 
 
 #: How each kind other than ``"gradient_norm"`` is built.

@@ -83,8 +83,8 @@ from gradreg.penalties.config import (
     require,
     squared_norm_penalty,
 )
+from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite import FiniteCheck
-from gradreg.penalties.finite_difference import check_independent_samples
 from gradreg.penalties.norms import penalty_from_norms, per_sample_norm
 from gradreg.penalties.projections import PROJECTIONS, gradient_norms
 
@@ -309,7 +309,7 @@ class GradientPenalty(nn.Module):
             check_double_backward(norms, outputs)
             if self.subsample < 1 or self.chunks > 1:
                 check_independent_samples(
-                    norms, f"subsample={self.subsample}, chunks={self.chunks}")
+                    outputs, inputs, f"subsample={self.subsample}, chunks={self.chunks}")
             self._first_call_checked = True
         target = self._ema_target(norms) if self.target == "ema" else self.target
         return self._penalty_of_norms(norms, target)

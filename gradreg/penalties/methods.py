@@ -55,14 +55,11 @@ import torch  # noqa: F401  (``methods.torch.compile`` is what tests replace)
 from torch import Tensor
 
 from gradreg.attention import differentiable_attention
+from gradreg.autograd import GradientError
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
-from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable
-from gradreg.penalties.finite_difference import (
-    PIECEWISE_LINEAR,
-    check_independent_samples,
-    check_smooth,
-    finite_difference,
-)
+from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable, check_not_compiled
+from gradreg.penalties.coupling import check_independent_samples
+from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.perturbation import perturbation_sq_norms
@@ -73,6 +70,7 @@ from gradreg.penalties.precision import (
     default_step,
     unit_roundoff,
 )
+from gradreg.penalties.randomness import RandomState, SharedForward
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -129,6 +127,14 @@ class PenaltyCall:
         """The callable at other points, with the same further arguments."""
         return self.fn(*points, *self.fn_args)
 
+    def forward(self) -> Callable[..., Tensor]:
+        """The callable as a function of the points alone (:meth:`of_points`); a
+        :class:`~gradreg.penalties.randomness.SharedForward` stays one, so the methods that run
+        the model again replay the random state of the task's forward."""
+        if isinstance(self.fn, SharedForward):
+            return self.fn.with_args(self.fn_args)
+        return self.of_points
+
 
 @dataclass(frozen=True)
 class PenaltyFunctions:
@@ -154,40 +160,67 @@ class DoubleBackward:
 
     def __init__(self, penalty: PenaltyFunctions) -> None:
         self.penalty = penalty
+        self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         with differentiable_attention():
             outputs = call.evaluate()
+        if not self._checked:  # a torch.compile'd model: refused on the first call
+            check_not_compiled(outputs)
+            self._checked = True
         return self.penalty.exact(outputs, call.inputs, call.loss_scale)
 
 
 class InChunks:
-    """Exact, ``chunks`` micro-batches at a time (:func:`~gradreg.penalties.chunks.in_chunks`)."""
+    """Exact, ``chunks`` micro-batches at a time (:func:`~gradreg.penalties.chunks.in_chunks`).
+    On the first call every micro-batch holds at least two samples (split into fewer pieces
+    where the batch is small), so that the probe of coupled samples
+    (:func:`~gradreg.penalties.coupling.check_independent_samples`, run on the first
+    micro-batch's graph) can see one sample's outputs move with another's input."""
 
     def __init__(self, penalty: PenaltyFunctions, chunks: int, *, mean: bool) -> None:
         self.penalty, self.chunks, self.mean = penalty, chunks, mean
+        self._probed = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
+        batch = call.inputs[0].shape[0] if call.inputs[0].ndim else 1
+        chunks = self.chunks if self._probed else max(1, min(self.chunks, batch // 2))
+        watch = chunks > 1  # the first micro-batch's forward, when there are several
+
         def penalty_of_points(xs: tuple[Tensor, ...], args: tuple[Tensor, ...]) -> Tensor:
+            nonlocal watch
+            state, watch = RandomState.capture(*xs) if watch else None, False
             with differentiable_attention():
                 outputs = call.fn(*xs, *args)
+            check_not_compiled(outputs)
+            if state is not None and state.moved():
+                raise GradientError(
+                    f"chunks={self.chunks} runs the model one micro-batch at a time, but the "
+                    "model draws random numbers (dropout or another random layer in training "
+                    "mode): a micro-batch's forward draws other masks for its samples than the "
+                    "batch's forward, so the chunked penalty would not be that of one forward. "
+                    "Put the random layers in eval mode for the penalty, or use chunks=1 (the "
+                    "exact double backward of one forward).")
             return self.penalty.exact(outputs, xs, call.loss_scale)
 
-        return in_chunks(penalty_of_points, call.inputs, self.chunks, args=call.fn_args,
-                         mean=self.mean, loss_scale=call.loss_scale)
+        value = in_chunks(penalty_of_points, call.inputs, chunks, args=call.fn_args,
+                          mean=self.mean, loss_scale=call.loss_scale)
+        self._probed = True
+        return value
 
 
 class FiniteDifference:
     """Exact value, parameter gradient by a finite difference
     (:func:`~gradreg.penalties.finite_difference.finite_difference`); the model is checked
-    (smooth, samples independent) on the first call."""
+    (smooth, samples independent) on the first call. The forward at the shifted points replays
+    the random state of the one at the points (:meth:`PenaltyCall.forward`)."""
 
     def __init__(self, penalty: PenaltyFunctions, eps: float | None) -> None:
         self.penalty, self.eps = penalty, eps
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        value = finite_difference(call.of_points, call.inputs, self.penalty.of_gradients,
+        value = finite_difference(call.forward(), call.inputs, self.penalty.of_gradients,
                                   eps=self.eps, check=not self._checked)
         self._checked = True  # only once the check has passed
         return value
@@ -196,9 +229,10 @@ class FiniteDifference:
 class Perturbation:
     """The squared norms estimated from perturbed forwards
     (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`), no double backward; the
-    forward at the points themselves is the callable's (a closure can hand back the task's
-    outputs there, as for ``finite_difference``). Samples are checked independent on the first
-    call (BatchNorm in training mode is refused)."""
+    forward at the points themselves is the callable's (a
+    :class:`~gradreg.penalties.randomness.SharedForward` hands back the task's outputs there and
+    the random state their forward began with, which the perturbed forwards replay). Samples
+    are checked independent on the first call (coupled samples are refused)."""
 
     def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
         self.penalty = penalty
@@ -207,10 +241,9 @@ class Perturbation:
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        sq = perturbation_sq_norms(call.of_points, call.inputs, **self.options)
-        if not self._checked:
-            check_independent_samples(sq, "method='perturbation'")
-            self._checked = True
+        sq = perturbation_sq_norms(call.forward(), call.inputs, check_samples=not self._checked,
+                                   **self.options)
+        self._checked = True  # only once the check has passed
         return self.penalty.of_norms(sq)
 
 

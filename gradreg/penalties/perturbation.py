@@ -40,9 +40,14 @@ The estimate is an ordinary differentiable function of the parameters (first-ord
 only): its parameter gradient is :math:`2 (\varepsilon^\top g)\,\nabla_\theta(\varepsilon^\top g)
 + O(\sigma)`, whose mean over the probes is :math:`\nabla_\theta \lVert g \rVert^2`. It works
 where the model has no double backward (``@once_differentiable`` ops, fused attention kernels).
-Samples must not interact (no BatchNorm in training mode): each is moved by its own probe.
-Per-sample estimates do not depend on how a batch is split into micro-batches or DDP ranks
-(the probes are random, so the numbers do, but not their distribution).
+Samples must not interact: each is moved by its own probe (a model whose samples are coupled,
+BatchNorm in training mode or a minibatch standard deviation, is refused:
+:func:`~gradreg.penalties.coupling.check_independent_samples`). Every forward of one call draws
+the random numbers of the first (dropout's mask: :mod:`~gradreg.penalties.randomness`), so with
+random layers the estimate is that of :math:`f(\cdot\,; m)` for the mask :math:`m` of the forward
+at :math:`x`, which the caller's task loss may share (:class:`~gradreg.penalties.randomness
+.SharedForward`). Per-sample estimates do not depend on how a batch is split into micro-batches
+or DDP ranks (the probes are random, so the numbers do, but not their distribution).
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.precision import check_difference_rounding
+from gradreg.penalties.randomness import RandomState, Replaying, SharedForward
 
 __all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
 
@@ -71,6 +78,8 @@ def perturbation_sq_norms(
     central: bool = False,
     probes: int = 1,
     generator: torch.Generator | None = None,
+    random_state: RandomState | None = None,
+    check_samples: bool = True,
 ) -> Tensor:
     r"""Per-sample estimates of :math:`\lVert \partial f(x_i)/\partial x_i \rVert_F^2`, shape [B].
 
@@ -78,10 +87,16 @@ def perturbation_sq_norms(
     batch first (they need not require grad; every one is perturbed, each by its own probe, and
     the estimate is of the norm over all of them). ``outputs``: ``fn(*inputs)`` where the caller
     already computed it (the critic's scores of the reals for its loss), to share that forward;
-    it is not used with ``central=True``. ``sigma``: the probe's scale per element, > 0.
+    it is not used with ``central=True``; ``random_state``: the random state that forward began
+    with (:meth:`RandomState.capture <gradreg.penalties.randomness.RandomState.capture>` before
+    it), replayed by the perturbed forwards (needed where the model draws random numbers).
+    ``fn`` may also be a :class:`~gradreg.penalties.randomness.SharedForward` (outputs and state
+    in one). ``sigma``: the probe's scale per element, > 0.
     ``probes``: probes per sample, averaged (each one forward of the batch, two when central).
     ``generator``: the random generator of the probes (drawn in float32, then cast to each
     input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
+    ``check_samples``: probe that the samples do not interact (one backward of the first
+    perturbed forward; a method runs it on its first call only).
 
     The mean over probes of :math:`\lVert f(x_i + \sigma\varepsilon_i) - f(x_i)\rVert^2/\sigma^2`
     (or of :math:`\lVert f(x_i+\sigma\varepsilon_i) - f(x_i-\sigma\varepsilon_i)\rVert^2 /
@@ -103,22 +118,29 @@ def perturbation_sq_norms(
                 f"the perturbation estimate needs floating-point inputs, got {x.dtype}: convert "
                 "the data first, e.g. images.float() / 255."
             )
-    if outputs is None and not central:
-        outputs = fn(*inputs)
-    if outputs is not None:
+    forward = Replaying(fn if outputs is None else SharedForward(fn, inputs[0], outputs,
+                                                                  random_state),
+                        "the perturbation estimate")
+    if not central:
+        outputs = forward(*inputs)
         check_per_sample(outputs, inputs)
     total = None
     for probe in range(probes):
         shifts = tuple(_probe(x, generator) * sigma for x in inputs)
-        plus = fn(*(x + s for x, s in zip(inputs, shifts, strict=True)))
+        shifted = tuple(x + s for x, s in zip(inputs, shifts, strict=True))
+        if check_samples and probe == 0:
+            shifted = tuple(q if q.requires_grad else q.requires_grad_() for q in shifted)
+        plus = forward(*shifted)
         if probe == 0:
+            check_per_sample(plus, inputs)
             check_difference_rounding(
                 [plus], step=sigma, order=1, weight=1 if central else 2, step_name="sigma",
                 what="the perturbation estimate's difference quotient of outputs",
                 exact="method='double_backward' (r1/r2 instead of approx_r1/approx_r2)")
+            if check_samples:
+                check_independent_samples(plus, shifted, "the perturbation estimate")
         if central:
-            check_per_sample(plus, inputs)
-            minus = fn(*(x - s for x, s in zip(inputs, shifts, strict=True)))
+            minus = forward(*(x - s for x, s in zip(inputs, shifts, strict=True)))
             delta = (plus - minus) / 2
         else:
             delta = plus - outputs

@@ -20,8 +20,13 @@ backward needs second derivatives of the model). At convergence this is the grad
 
 The error after n iterations falls like :math:`(\sigma_2/\sigma_1)^{2n}`; :math:`\hat\sigma_i`
 never exceeds :math:`\sigma_{\max}(J_i)`. Per-sample values do not depend on how a batch is split
-into micro-batches or DDP ranks. Cost: one forward and n + 1 Jacobian-vector products (each about
-a forward and a half) and n vector-Jacobian products (each about a backward).
+into micro-batches or DDP ranks (for samples that do not interact: the penalty's first call
+probes it, :func:`~gradreg.penalties.coupling.probe_independent_samples`). Every forward of one
+call (the VJP's, each JVP's) draws the random numbers of the first
+(:class:`~gradreg.penalties.randomness.Replaying`): with dropout in training mode the iteration
+runs on the Jacobian of one function, that of one mask. Cost: one forward and n + 1
+Jacobian-vector products (each about a forward and a half) and n vector-Jacobian products (each
+about a backward).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.func import jvp, vjp
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample, model_without_in_place_updates
 from gradreg.penalties.norms import per_sample_norm
+from gradreg.penalties.randomness import Replaying
 
 __all__ = ["power_iteration", "spectral_norms"]
 
@@ -55,6 +61,8 @@ def power_iteration(
         raise ValueError(f"iterations must be an int >= 1 (power-iteration steps), got "
                          f"{iterations!r}.")
     points = tuple(x.detach() for x in as_tuple(inputs))
+    if not isinstance(fn, Replaying):
+        fn = Replaying(fn, "the spectral norm's power iteration")
     with torch.no_grad():
         outputs, pullback = vjp(fn, *points)
         check_per_sample(outputs, points)
@@ -85,6 +93,7 @@ def spectral_norms(
             f"(a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
     inputs = as_tuple(inputs)
+    fn = Replaying(fn, "kind='spectral'")
     with model_without_in_place_updates("kind='spectral'"):
         u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
         stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
