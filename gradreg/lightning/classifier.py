@@ -22,7 +22,8 @@ same gradient as the whole batch. Lightning divides each of ``accumulate_grad_ba
 micro-batches' :math:`L` by their number, which turns means over the micro-batches into the mean
 over the accumulated batch; a penalty with ``reduction="sum"`` is multiplied by that number, so
 that it is the sum over the accumulated batch too (one batch of 8 and two accumulated batches of
-4 give the same gradient).
+4 give the same gradient). DDP averages the ranks' gradients (a global-batch strategy weights
+them by their share of the batch), so ``reduction="sum"`` on more than one rank is refused.
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
 ``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
@@ -193,6 +194,18 @@ class Classifier(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         settle_finite_checks(self.penalties)
+
+    def on_fit_start(self) -> None:
+        """Refuse per-sample ``reduction="sum"`` penalties on more than one rank: DDP averages
+        the ranks' gradients, which makes a sum the mean of the ranks' sums."""
+        summed = sorted(name for name, gp in self.penalties.items()
+                        if gp.reduction == "sum" and gp.config.per_sample)
+        if summed and self.trainer.world_size > 1:
+            raise ValueError(
+                f"penalties {summed} sum over samples (reduction='sum'), but DDP averages the "
+                f"gradients of its {self.trainer.world_size} ranks, which would make the sum "
+                "the mean of the ranks' sums: use reduction='mean' (with the weight times the "
+                "global batch size for the same penalty), or train on one process")
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "val")

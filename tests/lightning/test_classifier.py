@@ -4,6 +4,7 @@ accumulation, the evaluation metrics, and the construction errors."""
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -152,6 +153,17 @@ def test_a_sum_penalty_over_accumulated_batches_is_the_sum_over_their_union(poin
     for key in split:
         torch.testing.assert_close(split[key], whole[key], rtol=0, atol=1e-12)
         assert not torch.allclose(whole[key], task[key], atol=1e-6)  # the penalty moved it
+
+
+def test_a_sum_penalty_on_more_than_one_rank_is_refused() -> None:
+    """DDP averages the ranks' gradients: a sum would become the mean of the ranks' sums."""
+    model = classifier({"db": make_penalty("double_backprop", reduction="sum"),
+                        "pg": make_penalty("param_grad_norm", reduction="sum")})
+    model._trainer = SimpleNamespace(world_size=2)
+    with pytest.raises(ValueError, match=r"penalties \['db'\] sum over samples .* 2 ranks"):
+        model.on_fit_start()
+    model._trainer = SimpleNamespace(world_size=1)
+    model.on_fit_start()
 
 
 def test_evaluation_metrics() -> None:
