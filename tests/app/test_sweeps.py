@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -38,8 +39,9 @@ def trials(sweep_dir: Path) -> dict[Path, tuple[dict[str, str], dict[str, float]
     return {folder: (dict(item.split("=", 1)
                           for item in OmegaConf.load(folder / ".hydra" / "overrides.yaml")),
                      json.loads((folder / "metrics.json").read_text()))
-            for folder in sorted(path for path in sweep_dir.iterdir()
-                                 if path.is_dir() and not path.name.startswith("."))}
+            for folder in sorted((path for path in sweep_dir.iterdir()
+                                  if path.is_dir() and not path.name.startswith(".")),
+                                 key=lambda path: int(path.name.split("_", 1)[0]))}
 
 
 def check_study(result: subprocess.CompletedProcess, sweep_dir: Path, metric: str,
@@ -53,10 +55,11 @@ def check_study(result: subprocess.CompletedProcess, sweep_dir: Path, metric: st
     assert len(runs) == n_trials
     for folder, (overrides, metrics) in runs.items():
         weight, lr = float(overrides["penalty.weight"]), float(overrides[lr_key])
-        assert re.fullmatch(r"\d+_" + re.escape(lr_key) + r":[0-9.e-]+\+penalty\.weight:[0-9.e-]+",
+        # the penalty and its weight first, then the other swept key
+        assert re.fullmatch(r"\d+_[a-z0-9_]+:[0-9.e+-]+_" + re.escape(lr_key) + r":[0-9.e+-]+",
                             folder.name), folder.name
-        assert folder.name.endswith(f"+penalty.weight:{weight:.4g}")
-        assert f"_{lr_key}:{lr:.4g}+" in folder.name
+        assert f":{weight:.4g}_" in folder.name
+        assert folder.name.endswith(f"_{lr_key}:{lr:.4g}")
         assert metric in metrics
     best = max if direction == "maximize" else min
     best_folder = best(runs, key=lambda folder: runs[folder][1][metric])
@@ -83,7 +86,7 @@ def test_a_diverged_trial_fails_alone_and_the_study_goes_on(tmp_path: Path) -> N
                         "hydra.sweeper.n_trials=4", *TRIAL, f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     folders = sorted(path.name for path in tmp_path.iterdir() if path.is_dir())
-    assert folders == [f"{index}_model.optimizer.lr:{lr}+penalty.weight:0.1" for index, lr in
+    assert folders == [f"{index}_double_backprop:0.1_model.optimizer.lr:{lr}" for index, lr in
                        enumerate(["1e+20", "0.001", "1e+20", "1e+20"])]
     assert [(tmp_path / name / "metrics.json").is_file() for name in folders] == [
         False, True, False, False]
@@ -117,6 +120,7 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
 
 
+@pytest.mark.slow
 @needs_extra
 def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
         tmp_path: Path) -> None:
@@ -135,6 +139,7 @@ def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
             *[float(overrides["model.generator_optimizer.lr"])] * 2)
 
 
+@pytest.mark.slow
 @needs_extra
 def test_submitit_local_runs_each_job_as_a_submitted_process(tmp_path: Path) -> None:
     """``hydra/launcher=submitit_local``: the jobs are pickled, submitted and run in processes
@@ -146,7 +151,7 @@ def test_submitit_local_runs_each_job_as_a_submitted_process(tmp_path: Path) -> 
                         f"hydra.sweep.dir={tmp_path / 'submitit'}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = trials(tmp_path / "submitit")
-    assert [folder.name for folder in runs] == ["0_penalty.weight:0.03", "1_penalty.weight:0.3"]
+    assert [folder.name for folder in runs] == ["0_double_backprop:0.03", "1_double_backprop:0.3"]
     assert all(metrics["train/penalty/double_backprop"] > 0 for _, metrics in runs.values())
     logs = sorted((tmp_path / "submitit").glob(".submitit/*/*_0_log.out"))
     assert len(logs) == 2
@@ -282,3 +287,51 @@ def test_swept_keys_come_from_the_command_line_or_the_environment(
         assert sweeps.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
             "penalty", "penalty.weight"}
     assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ
+
+
+def test_the_summary_has_one_row_per_setting_with_mean_and_spread_over_seeds() -> None:
+    """Two weights, two seeds each; the second seed of weight 1 failed (no metrics.json)."""
+    jobs = [({"penalty.weight": "0.1", "seed": "0", "trainer.max_epochs": "1"},
+             {"val/acc": 0.5, "val/loss": 1.0, "train/loss": 3.0}),
+            ({"penalty.weight": "0.1", "seed": "1", "trainer.max_epochs": "1"},
+             {"val/acc": 0.7, "val/loss": 0.8, "train/loss": 3.0}),
+            ({"penalty.weight": "1", "seed": "0", "trainer.max_epochs": "1"},
+             {"val/acc": 0.9, "val/loss": 0.95}),
+            ({"penalty.weight": "1", "seed": "1", "trainer.max_epochs": "1"}, None)]
+    table = sweeps.summary_table(jobs, optimized="val/loss", direction="minimize")
+    # mean 0.6, sample standard deviation sqrt(0.02) = 0.1414; val/loss: 0.9 ± 0.1414
+    assert table == (
+        "| setting | runs | val/loss (min) | val/acc (max) |\n"
+        "|---|---|---|---|\n"
+        "| penalty.weight=0.1 | 2/2 | **0.9 ± 0.14** | 0.6 ± 0.14 |\n"
+        "| penalty.weight=1 | 1/2 | 0.95 | **0.9** |\n")
+    assert sweeps.better("val/energy_distance") == "min"
+    assert sweeps.better("test/modes") == "max"
+    assert sweeps.better("test/wasserstein") is None
+    assert sweeps.better("test/wasserstein", "test/wasserstein", "maximize") == "max"
+
+
+def test_a_grid_sweep_writes_and_prints_its_summary(tmp_path: Path) -> None:
+    """``-m penalty.weight=0.03,0.3 seed=0,1``: four jobs named by their penalty, weight and
+    seed; summary.md has a row per weight whose cells are the mean and the sample standard
+    deviation of its two seeds' metrics.json, and the sweep's output ends with it."""
+    result = run_script("-m", "penalty.weight=0.03,0.3", "seed=0,1", *TRIAL, "logger=none",
+                        "callbacks=none", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = trials(tmp_path)
+    assert [folder.name for folder in runs] == [
+        "0_double_backprop:0.03_seed:0", "1_double_backprop:0.03_seed:1",
+        "2_double_backprop:0.3_seed:0", "3_double_backprop:0.3_seed:1"]
+    summary = (tmp_path / "summary.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in summary.splitlines() if line.startswith("| penalty.weight=")}
+    header = next(line for line in summary.splitlines() if line.startswith("| setting"))
+    column = header.split(" | ").index("val/acc (max)")
+    for weight, seeds in (("0.03", list(runs)[:2]), ("0.3", list(runs)[2:])):
+        values = [runs[folder][1]["val/acc"] for folder in seeds]
+        cell = rows[f"penalty.weight={weight}"][column].strip("*")
+        assert rows[f"penalty.weight={weight}"][1] == "2/2"
+        assert cell == f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
+    assert summary.startswith(f"# sweep {tmp_path}\n")
+    assert f"sweep summary ({tmp_path / 'summary.md'}):" in result.stdout
+    assert not list(tmp_path.glob("events.out.tfevents.*"))  # logger=none: no HParams table

@@ -4,6 +4,7 @@ interpolates, the snapshot and the logger, read from the event files."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.image import imread
+from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.plugins.custom_scalar import layout_pb2
-from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+from torch import Tensor
 
 from gradreg.lightning import dashboards
 from gradreg.lightning.callbacks import (
@@ -24,7 +27,7 @@ from gradreg.lightning.callbacks import (
     PenaltyWeightSchedule,
     SaliencyMaps,
 )
-from gradreg.lightning.callbacks.hparams import tensorboard_values
+from gradreg.lightning.callbacks.hparams import declare_folder, tensorboard_values
 from gradreg.penalties import r1
 from tests.lightning.helpers import (
     BATCH,
@@ -115,44 +118,101 @@ def hparams_plugin_data(run: pl.Trainer, tag: str) -> Any:
     return plugin_data_pb2.HParamsPluginData.FromString(content)
 
 
-def test_hparams_are_declared_with_default_columns_and_the_metrics_own_tags(tmp_path: Path
-                                                                            ) -> None:
+class Crashes(PlainClassifier):
+    """Raises in its third training step, as a diverged or broken run does."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        if self.global_step == 2:
+            raise RuntimeError("broken at step 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_hparams_record_values_times_status_and_the_metrics_the_run_logged(tmp_path: Path
+                                                                           ) -> None:
     module = PlainClassifier(weight=WEIGHT, lr=0.1)
-    logger = HParamsLogger(["val/acc", "test/acc"], {"sweep": "a"}, columns=["lr", "n_critic"])
+    logger = HParamsLogger(["val/acc", "val/acc_pgd", "test/acc"], {"sweep": "a", "width": None},
+                           first="test/acc", ends_after="test")
+    before = time.time()
     run = fit(tmp_path, module, [logger], limit_val_batches=1)
+    assert "_hparams_/session_end_info" not in events(run).PluginTagToContent("hparams")
     run.test(module, loader())
+    after = time.time()
 
     start = hparams_plugin_data(run, "session_start_info").session_start_info
+    assert set(start.hparams) == {"weight", "lr", "penalty/weight/gp", "sweep"}
     assert start.hparams["weight"].number_value == WEIGHT
     assert start.hparams["lr"].number_value == 0.1
     assert start.hparams["penalty/weight/gp"].number_value == WEIGHT
     assert start.hparams["sweep"].string_value == "a"
+    assert "width" not in start.hparams  # None: a blank cell, not the string 'None'
+    end = hparams_plugin_data(run, "session_end_info").session_end_info
+    assert end.status == api_pb2.STATUS_SUCCESS
+    assert before <= start.start_time_secs <= end.end_time_secs <= after
     experiment = hparams_plugin_data(run, "experiment").experiment
-    assert [info.name.tag for info in experiment.metric_infos] == ["val/acc", "test/acc"]
-    # the columns are declared (n_critic although this run has none) and marked to be shown
-    infos = {info.name: info.differs for info in experiment.hparam_infos}
-    assert infos == {"lr": True, "n_critic": True, "weight": False,
-                     "penalty/weight/gp": False, "sweep": False}
+    # first leads; val/acc_pgd, never logged by this module, is not declared
+    assert [info.name.tag for info in experiment.metric_infos] == ["test/acc", "val/acc"]
+    assert {info.name: info.differs for info in experiment.hparam_infos} == {
+        "lr": False, "weight": False, "penalty/weight/gp": False, "sweep": False}
     # the table's values are the metrics' own latest scalars; nothing is logged twice
     tags = events(run).Tags()["scalars"]
     assert not [tag for tag in tags if tag.startswith("hp")]
     assert {"val/acc", "test/acc"} <= set(tags)
 
 
-@pytest.mark.parametrize(("metrics", "columns", "message"), [
-    ("val/acc", (), r"metrics must be a list of names, got the string 'val/acc'"),
-    ([], (), "metrics must be a non-empty list of metric names"),
-    (["val/acc"], "lr", r"write columns=\['lr'\]"),
+def test_a_crashed_run_ends_as_a_failure(tmp_path: Path) -> None:
+    logger = HParamsLogger(["val/acc"], ends_after="test")
+    run = trainer(tmp_path, [logger])
+    with pytest.raises(RuntimeError, match="broken at step 2"):
+        run.fit(Crashes(), loader())
+    end = hparams_plugin_data(run, "session_end_info").session_end_info
+    assert end.status == api_pb2.STATUS_FAILURE
+    start = hparams_plugin_data(run, "session_start_info").session_start_info
+    assert start.start_time_secs <= end.end_time_secs
+    # it logged none of the metrics: all of them are declared
+    experiment = hparams_plugin_data(run, "experiment").experiment
+    assert [info.name.tag for info in experiment.metric_infos] == ["val/acc"]
+
+
+def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_runs(
+        tmp_path: Path) -> None:
+    """Three runs, weights 0.5, 0.5 and 2 at one lr: the folder's declaration marks weight (and
+    the penalty's weight under its tag), not lr; the metrics are the runs' with ``first``
+    leading; the runs' own declarations are gone, so TensorBoard reads one."""
+    for index, weight in enumerate([WEIGHT, WEIGHT, 2.0]):
+        module = PlainClassifier(weight=weight, lr=0.1)
+        run = trainer(tmp_path / f"run{index}", [HParamsLogger(["val/acc", "val/loss"])],
+                      limit_val_batches=1)
+        run.fit(module, loader(), loader())
+    metrics = declare_folder(tmp_path, first="val/loss")
+    assert metrics == ["val/loss", "val/acc"]
+    assert not list(tmp_path.rglob("*.hparams_run"))
+    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    folder = ea.EventAccumulator(str(tmp_path)).Reload()
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        folder.PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
+    assert [(info.name, info.differs) for info in experiment.hparam_infos] == [
+        ("penalty/weight/gp", True), ("weight", True), ("lr", False)]
+    assert [info.name.tag for info in experiment.metric_infos] == ["val/loss", "val/acc"]
+    # written again (a later sweep into the folder): still one declaration
+    declare_folder(tmp_path)
+    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    assert declare_folder(tmp_path / "run0" / "nothing") == []
+
+
+@pytest.mark.parametrize(("metrics", "kwargs", "message"), [
+    ("val/acc", {}, r"metrics must be a list of names, got the string 'val/acc'"),
+    ([], {}, "metrics must be a non-empty list of metric names"),
+    (["val/acc"], {"ends_after": "validate"}, r"ends_after must be one of \['fit', 'test'\]"),
 ])
-def test_hparams_asks_for_lists(metrics: object, columns: object, message: str) -> None:
+def test_hparams_asks_for_lists(metrics: object, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        HParamsLogger(metrics, columns=columns)
+        HParamsLogger(metrics, **kwargs)
 
 
 def test_hparams_values_are_flattened_for_tensorboard() -> None:
     params = {"model": {"width": 8, "act": None}, "lr": 0.1, "layers": [1, 2], "ok": True}
     assert tensorboard_values(params) == {
-        "model/width": 8, "model/act": "None", "lr": 0.1, "layers": "[1, 2]", "ok": True}
+        "model/width": 8, "lr": 0.1, "layers": "[1, 2]", "ok": True}
 
 
 # --- the critic's gradient norm at the interpolates ---------------------------------------------

@@ -1,0 +1,85 @@
+"""Run folder names: the effective penalty and weight first, and one folder per run.
+
+TensorBoard names a run by its folder (relative to ``--logdir``) and cuts names at about 40
+characters in its lists, so a name starts with what tells runs apart in a sweep of penalties:
+:func:`penalty_label`, ``double_backprop:0.1`` (the penalty's name and its weight λ as the run
+uses it, the defaults included), ``none`` without a penalty. A single run's folder is
+``<runs>/<label>_<date>/<time>_<overrides>``; a sweep's job is ``<job>_<label>[_<the other swept
+overrides>]`` in ``<sweeps>/<date>/<time>`` (configs/train.yaml).
+
+Two runs started in the same second with the same overrides used to share one folder (their
+event files, checkpoints and metrics mixed). :func:`claim_folder` makes the folder of a run (or
+of a sweep) with an exclusive ``mkdir`` and, where another process made it first, takes
+``<time>-2``, ``<time>-3``, ...; the resolver is cached, so Hydra's later readings of the same
+key (and a sweep's jobs, which get a copy of the cache) see the same folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from .runtime import run_folder_suffix
+from .sweeps import short_number
+
+#: the overrides a run's label already states
+LABELLED_KEYS = ("penalty", "penalty.weight")
+
+
+def penalty_label(name: str, weight: Any, penalties: Mapping[str, Any] | None = None) -> str:
+    """``double_backprop:0.1``, ``none``, ``r1:10+r2:1`` (with ``penalties``' entries, whose
+    ``weight`` is each one's λ): the penalties a run trains with and their weights (a name
+    alone where the config has no weight)."""
+    named = [] if name == "none" else [(name, weight)]
+    named += [(key, node.get("weight") if isinstance(node, Mapping) else None)
+              for key, node in (penalties or {}).items()]
+    return "+".join(key if value is None else f"{key}:{short_number(str(value))}"
+                    for key, value in named) or "none"
+
+
+def other_swept(overrides: str, limit: int = 80) -> str:
+    """``_<key:value+...>`` of the swept overrides of a sweep's job that its label does not
+    state (``seed:1``, ``model.optimizer.lr:0.001``), as :func:`run_folder_suffix` writes them;
+    ``""`` where there are none."""
+    items = [item for item in re.split(r"\+(?![0-9])", overrides)
+             if item and item.split(":", 1)[0] not in LABELLED_KEYS]
+    return run_folder_suffix("+".join(items), only_swept=True, limit=limit)
+
+
+def claim_folder(base: str, tail: str = "") -> str:
+    """``base + tail``, made by this process; ``base-2 + tail``, ``base-3 + tail``, ... where
+    another process made it first. Where the parent cannot be written, ``base + tail`` unmade
+    (the app's own check then names the folder)."""
+    candidate, attempt = Path(base + tail), 1
+    try:
+        candidate.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                candidate.mkdir()
+                return str(candidate)
+            except FileExistsError:
+                attempt += 1
+                candidate = Path(f"{base}-{attempt}{tail}")
+    except OSError:
+        return base + tail
+
+
+def run_folder(runs: str, label: str, date: str, time: str, overrides_suffix: str) -> str:
+    """``<runs>/<label>_<date>/<time>[-n]<overrides_suffix>``, claimed (:func:`claim_folder`)."""
+    return claim_folder(os.path.join(runs, f"{label}_{date}", time), overrides_suffix)
+
+
+def sweep_folder(sweeps: str, date: str, time: str) -> str:
+    """``<sweeps>/<date>/<time>[-n]``, claimed (:func:`claim_folder`)."""
+    return claim_folder(os.path.join(sweeps, date, time))
+
+
+OmegaConf.register_new_resolver("penalty_label", penalty_label, replace=True)
+OmegaConf.register_new_resolver("other_swept", other_swept, replace=True)
+OmegaConf.register_new_resolver("run_folder", run_folder, replace=True, use_cache=True)
+OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True, use_cache=True)
