@@ -51,7 +51,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train_app import hydra_compat, runtime, sweeps
+from train_app import hydra_compat, run_names, runtime, sweeps  # noqa: F401 (run_names: folder resolvers)
 from train_app.checks import (
     ConfigError,
     building,
