@@ -34,23 +34,29 @@ line; in an Optuna search a NaN or Inf penalty fails only its trial, and the stu
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the imports below the path setup and the torchvision check need both)
 import json
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-import hydra
-import lightning as L
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import DictConfig
-
 # Run from a checkout without installing the package (with `pip install -e .` this changes
 # nothing), and find the app's own modules (scripts/train_app) however this file is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gradreg.models.torchvision_import import hide_unloadable_torchvision
+
+# Lightning imports an installed torchvision (through torchmetrics): one that cannot load with
+# this torch would end every command, although only model=resnet18 and data=image_folder use it
+hide_unloadable_torchvision()
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
 from train_app import hydra_compat, run_names, runtime, sweeps  # noqa: F401 (run_names: folder resolvers)
 from train_app.checks import (
     ConfigError,
