@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "ANOMALY_PARENT_KEY",
+    "COMPILED_NODE",
     "FSDP_GROUP_HOLD",
     "FSDP_POST_BACKWARD_NODE",
     "FSDP_STATE_HOLD",
@@ -131,6 +132,11 @@ def attention_in_functional(replacement: Callable[..., Any]) -> Iterator[None]:
             _attention_state["users"] -= 1
             if _attention_state["users"] == 0:
                 setattr(F, _ATTENTION_NAME, _attention_state["original"])
+
+
+#: The autograd node of a compiled region (aot_autograd's ``CompiledFunction``),
+#: which has no double backward.
+COMPILED_NODE = "CompiledFunctionBackward"
 
 
 def dynamo_supported() -> bool:

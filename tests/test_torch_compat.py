@@ -16,6 +16,7 @@ from gradreg.graph import walk_backward_graph
 from gradreg.sharding import supports_exact_step
 from gradreg.torch_compat import (
     ANOMALY_PARENT_KEY,
+    COMPILED_NODE,
     FSDP_POST_BACKWARD_NODE,
     SAVED_TRAINING,
     BatchNormBase,
@@ -272,3 +273,10 @@ def test_multihead_attention_calls_the_functional_modules_attention() -> None:
                         "that F.multi_head_attention_forward calls from its body")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert torch.nn.functional.scaled_dot_product_attention is fused
+
+
+def test_a_compiled_regions_autograd_node_has_its_name() -> None:
+    model = torch.compile(nn.Linear(3, 1), backend="aot_eager")
+    y = model(torch.randn(2, 3, requires_grad=True))
+    assert COMPILED_NODE in walk_backward_graph([y]).names(), moved(
+        f"the autograd node {COMPILED_NODE!r} of a torch.compile'd region")

@@ -1,4 +1,5 @@
-"""The exact penalty and its parameter gradient through compiled ``torch.func``."""
+"""The exact penalty and its parameter gradient through compiled ``torch.func``; the refusal of
+a double backward through a compiled model."""
 
 from __future__ import annotations
 
@@ -9,9 +10,30 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value
 
 from gradreg.autograd import GradientError
+from gradreg.graph import walk_backward_graph
 from gradreg.penalties.chunks import with_gradients
+from gradreg.torch_compat import COMPILED_NODE
 
-__all__ = ["CompileUnavailable", "CompiledPenalty"]
+__all__ = ["CompileUnavailable", "CompiledPenalty", "check_not_compiled"]
+
+#: The penalties that need no double backward, which run on a torch.compile'd model.
+WITHOUT_DOUBLE_BACKWARD = (
+    "method='perturbation' (approx_r1, approx_r2, double backprop and the Jacobian with "
+    "target 0), method='finite_difference' (input-gradient penalties with a numeric target; "
+    "param_grad_norm given the loss as LossAt), or kind='hessian' by its finite difference")
+
+
+def check_not_compiled(outputs: Tensor) -> None:
+    """Raise where the graph of ``outputs`` runs through a compiled region: torch's
+    compiled autograd has no double backward (aot_autograd raises, or ``chunks`` fails on its
+    donated buffers), so an exact penalty cannot differentiate it twice."""
+    if outputs.grad_fn is not None and COMPILED_NODE in walk_backward_graph([outputs]).names():
+        raise GradientError(
+            "an exact penalty (double backward) of a torch.compile'd model: compiled autograd "
+            "has no double backward. Use a method that needs none on the compiled model, "
+            f"{WITHOUT_DOUBLE_BACKWARD}; or compute the penalty's forward with the uncompiled "
+            "module (model._orig_mod for torch.compile(model)), which double backward "
+            "differentiates exactly.")
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
 

@@ -19,10 +19,11 @@ Hessian-vector product is a forward difference of gradients along :math:`\hat v 
 paper's :math:`(1-\alpha)\nabla L(\theta) + \alpha \nabla L(\theta + r \hat g)`. It costs one
 forward and backward at the shifted parameters, and the backward of :math:`g` at
 :math:`\theta` (kept for the caller's backward of the task loss), no double backward: it runs on
-fused attention kernels and on ``torch.compile``\ d models. Where :math:`L` is piecewise linear
-(ReLU), :math:`H` is zero almost everywhere and the difference measures the kinks crossed
-within :math:`r`, as in the paper; the exact form (``method="double_backward"``) gives
-:math:`H v` without them.
+fused attention kernels and on compiled models (``torch.compile``; their loss at
+:math:`\theta` is computed again rather than shared, as their backward cannot retain its
+graph). Where :math:`L` is piecewise linear (ReLU), :math:`H` is zero almost everywhere and the
+difference measures the kinks crossed within :math:`r`, as in the paper; the exact form
+(``method="double_backward"``) gives :math:`H v` without them.
 
 The parameters are shifted in place (their ``.data``, so that the autograd graph of the loss at
 :math:`\theta` stays valid) and restored bitwise from a copy, also on an error.
@@ -37,9 +38,11 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
+from gradreg.graph import walk_backward_graph
 from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
+from gradreg.torch_compat import COMPILED_NODE
 
 if TYPE_CHECKING:
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
@@ -77,18 +80,23 @@ class ParameterFiniteDifference:
     def __init__(self, penalty: PenaltyFunctions, eps: float | None, p: float,
                  squared: bool) -> None:
         self.penalty, self.eps, self.p, self.squared = penalty, eps, p, squared
+        self._shares: bool | None = None  # whether the loss given at θ is used (first call)
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         params = call.inputs
         loss = getattr(call.fn, "loss", None)
-        loss = call.fn() if loss is None else loss
+        if loss is not None and self._shares is None:
+            # a compiled region's backward donates its buffers (no retain_graph): its loss is
+            # computed again instead of shared
+            self._shares = COMPILED_NODE not in walk_backward_graph([loss]).names()
+        loss = loss if loss is not None and self._shares else call.fn()
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             raise GradientError(
                 "param_grad_norm by method='finite_difference' needs the loss as a callable "
                 "returning a scalar (the mean loss) at the parameters' current values, e.g. "
                 "penalty(LossAt(lambda: loss_fn(model(x), y)), params); got "
                 f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
-        g = _gradient(loss, params, retain=True)  # the task's backward still needs the graph
+        g = _gradient(loss, params, retain=loss is getattr(call.fn, "loss", None))
         leaves = [t.detach().requires_grad_() for t in g]
         with torch.enable_grad():
             value = self.penalty.of_norms(per_sample_norm(leaves, self.p, squared=self.squared,
