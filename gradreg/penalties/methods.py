@@ -62,7 +62,6 @@ from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.param_gradient import ParameterFiniteDifference
-from gradreg.penalties.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.precision import (
     STEPS,
@@ -193,7 +192,6 @@ class InChunks:
             state, watch = RandomState.capture(*xs) if watch else None, False
             with differentiable_attention():
                 outputs = call.fn(*xs, *args)
-            check_not_compiled(outputs)
             check_not_compiled(outputs)
             if state is not None and state.moved():
                 raise GradientError(
