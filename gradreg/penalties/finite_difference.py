@@ -65,8 +65,11 @@ def finite_difference(
     the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
     forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
     points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph. To share
-    the forward at :math:`x` with the task loss too, let ``fn`` return the task's outputs when
-    called on the points themselves: ``lambda q: losses if q is x else loss_fn(model(q), y)``.
+    the forward at :math:`x` with the task loss too, pass the task's forward as ``fn``:
+    ``SharedForward.run(per_sample_loss, x, y)`` (:class:`~gradreg.penalties.randomness
+    .SharedForward`: its outputs at :math:`x`, the loss from them, and the random state that
+    forward began with, which the shifted forward replays; a plain
+    ``lambda q: losses if q is x else ...`` also works for a model that draws no random numbers).
 
     Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
     (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gradreg.lightning.gan_loss import GANLoss
 from gradreg.models import MLP
@@ -42,5 +43,41 @@ def test_approx_r1_and_r2_share_the_adversarial_scores() -> None:
     params = list(critic.parameters())
     mine = torch.autograd.grad(sum(terms.values()), params)
     theirs = torch.autograd.grad(adversarial + r1 + r2, params)
+    for m, t in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(m, t, rtol=1e-10, atol=1e-12)
+
+
+def test_a_dropout_critic_is_perturbed_at_the_adversarial_forwards_mask() -> None:
+    """With dropout in the critic, each perturbed forward replays the random state of the
+    adversarial forward of the same samples: the terms equal the formulas evaluated with the
+    forwards run from those states (without the replay: another mask, and R1 ~1e3 too large)."""
+    torch.manual_seed(0)
+    generator = MLP(LATENT, 2, hidden=(16,), activation="tanh").double()
+    critic = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Dropout(0.3),
+                           nn.Linear(16, 1)).double()
+    penalties = {"r1": make_penalty("approx_r1", weight=3.0, sigma=0.05),
+                 "r2": make_penalty("approx_r2", weight=5.0, sigma=0.05)}
+    gan_loss = GANLoss(generator, critic, penalties, adversarial="nonsaturating",
+                       latent_dim=LATENT)
+    real = torch.randn(BATCH, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.manual_seed(7)
+    terms = gan_loss.critic_terms(real)
+
+    torch.manual_seed(7)
+    fake = generator(torch.randn(BATCH, LATENT, dtype=torch.float64)).detach()
+    real_state = torch.get_rng_state()
+    d_real = critic(real)
+    fake_state = torch.get_rng_state()
+    d_fake = critic(fake)
+    eps_real, eps_fake = torch.randn(BATCH, 2).double(), torch.randn(BATCH, 2).double()
+    torch.set_rng_state(real_state)
+    r1 = 3.0 / 2 * ((critic(real + 0.05 * eps_real) - d_real) / 0.05).square().mean()
+    torch.set_rng_state(fake_state)
+    r2 = 5.0 / 2 * ((critic(fake + 0.05 * eps_fake) - d_fake) / 0.05).square().mean()
+    for mine, theirs in [(terms["r1"], r1), (terms["r2"], r2)]:
+        torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-12, atol=0)
+    params = list(critic.parameters())
+    mine = torch.autograd.grad(terms["r1"] + terms["r2"], params)
+    theirs = torch.autograd.grad(r1 + r2, params)
     for m, t in zip(mine, theirs, strict=True):
         torch.testing.assert_close(m, t, rtol=1e-10, atol=1e-12)
