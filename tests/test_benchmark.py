@@ -88,6 +88,7 @@ def test_gpu_suite_runs_small_on_cpu_with_autocast(tmp_path: Path) -> None:
                if r["case"].startswith("dcgan") and r["method"] == "finite_difference")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
                     reason="torchvision is installed")
 def test_resnet18_without_torchvision_says_so(tmp_path: Path) -> None:

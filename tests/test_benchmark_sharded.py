@@ -16,6 +16,7 @@ from gradreg.sharding import supports_exact_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not supports_exact_step(), reason="fully_shard is public from 2.6")
 def test_sharded_memory_benchmark_writes_every_setup_of_both_ranks(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--sharded",

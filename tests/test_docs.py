@@ -35,6 +35,7 @@ def test_a_block_is_found_whole() -> None:
     assert PYTHON_BLOCK.findall(page) == ["x = 1\n\ny = x + 1\n"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=lambda page: page.name)
 def test_python_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
     script = "\n\n".join(

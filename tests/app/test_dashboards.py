@@ -22,6 +22,8 @@ from tests.tensorboard_server import poll
 
 from .helpers import run_script
 
+# the module's runs of the app (a sweep and a GAN run), shared by its tests (~16 s)
+pytestmark = pytest.mark.slow
 # the runs are named after what their command line changed: which run had which penalty
 SWEEP = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]
 GAN_OVERRIDES = ["experiment=gan_8gaussians_wgan_gp", "data.n_train=5120", "data.n_val=256",

@@ -41,6 +41,7 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_documented_resume_commands_run_as_written(checkout: Path) -> None:
     """First run: 2 epochs of 20 steps, checkpoints epoch1-step40.ckpt and last.ckpt. The
     resume continues from that last.ckpt for one more epoch (step 60) in a folder of its own."""
@@ -75,6 +76,7 @@ def resume(checkout: Path, first: list[str], second: list[str]) -> subprocess.Co
     return resumed
 
 
+@pytest.mark.slow
 def test_a_weight_on_the_resume_command_line_replaces_the_checkpoints(checkout: Path) -> None:
     """Before: penalty.weight=5 on resume was silently ignored (the checkpoint's 0.1 won)."""
     resumed = resume(checkout, [], ["penalty.weight=5"])
@@ -86,6 +88,7 @@ def test_a_weight_on_the_resume_command_line_replaces_the_checkpoints(checkout: 
     assert state["penalties.double_backprop._extra_state"] == {"weight": 5.0}
 
 
+@pytest.mark.slow
 def test_a_weight_the_command_line_does_not_repeat_comes_from_the_checkpoint(
         checkout: Path) -> None:
     resumed = resume(checkout, ["penalty.weight=0.3"], [])

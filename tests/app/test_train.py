@@ -54,6 +54,7 @@ def printed_metrics(stdout: str) -> list[dict[str, float]]:
             for block in blocks]
 
 
+@pytest.mark.slow
 def test_every_experiment_runs_in_one_multirun(tmp_path: Path) -> None:
     """``-m experiment=glob(*) debug=fast_dev_run``: one job per experiment config, each prints
     the metrics of its kind (classifier, GAN, GAN on a mixture) and, being a fast_dev_run,

@@ -12,6 +12,7 @@ import pytest
 from .helpers import TINY, check_two_process_gan_run, run_script
 
 
+@pytest.mark.slow
 def test_gan_recipe_with_its_dashboards_trains_on_two_processes(tmp_path: Path) -> None:
     result = run_script("experiment=gan_8gaussians_wgan_gp", "callbacks=gan_dashboards",
                         "trainer=ddp_cpu", *TINY, f"hydra.run.dir={tmp_path}")

@@ -29,6 +29,7 @@ TINY = ["trainer=fsdp_cpu", "trainer.max_epochs=1", "+trainer.limit_train_batche
     # the GAN with WGAN-GP and its dashboards (its default callbacks=gan_dashboards)
     (["experiment=gan_8gaussians_wgan_gp"], "train/critic/wgan_gp"),
 ])
+@pytest.mark.slow
 def test_recipe_trains_sharded_on_two_processes(tmp_path: Path, recipe: list[str],
                                                 metric: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}

@@ -23,6 +23,8 @@ from lightning_cases import max_difference, parameters
 
 from tests.distributed import run_processes
 
+# the module's two gloo processes run every scenario once, for all its tests (~28 s)
+pytestmark = pytest.mark.slow
 TOLERANCE = 2e-7  # fp32; the measured differences are 1.5e-8 to 3e-8
 PARITY_RUNS = DDP_RUNS[:-1]
 

@@ -25,8 +25,10 @@ from lightning_cases import parameters
 from gradreg.sharding import supports_exact_step
 from tests.distributed import run_processes
 
-pytestmark = pytest.mark.skipif(not supports_exact_step(),
-                                reason="fully_shard is public from torch 2.6")
+# slow: the module's gloo processes, started once for its tests (~50 s)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not supports_exact_step(),
+                                 reason="fully_shard is public from torch 2.6")]
 TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 FIRST_ORDER_CASES = [c for c in CASES if c.first_order]
 APPROXIMATE = "method='finite_difference'"

@@ -40,6 +40,7 @@ BF16_RTOL, BF16_ATOL = 0.15, 1e-5
 DIFFERENCING = {"approx_r1": "0.78", "approx_r2": "0.78", "hessian": "1.6"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in PRESETS if name not in DIFFERENCING])
 def test_bf16_autocast_1000_steps_finite_and_close_to_fp32(name: str) -> None:
     """1,000 SGD steps under ``autocast(bfloat16)`` (``precision="bf16-mixed"``), batch 16: every

@@ -2,6 +2,8 @@
 
 * :class:`GradientNormMonitor`: losses, parameter gradient norms and histograms, penalties
   (unweighted, weighted, weights), input gradient norms;
+* :class:`GradientSplit`: per layer, the parameter gradient's part from the penalties and from
+  the task loss;
 * :class:`InterpolatesGradientNorm`: a critic's gradient norm at WGAN-GP's interpolates;
 * :class:`PenaltyWeightSchedule`: warm-up and anneal of penalty weights (checkpointed);
 * :class:`AccumulationGuard`: gradients not reset between optimizer steps, NaN/Inf gradients;
@@ -11,7 +13,8 @@
 * :class:`HParamsLogger`: hyperparameters with final metrics (HParams tab);
 * :class:`SaliencyMaps`: figure of inputs over their loss gradient;
 * :class:`CriticLandscape`: figure of a 2D critic's scores and gradient norms, with samples;
-* :class:`SampleGrid`: a grid of generated images of fixed latents.
+* :class:`SampleGrid`: a grid of generated images of fixed latents;
+* :class:`ProgressLog`: lines of progress where no progress bar is drawn (output to a file).
 
 The tags they write are listed in :mod:`gradreg.lightning.dashboards`.
 """
@@ -23,8 +26,10 @@ from gradreg.lightning.callbacks.hparams import HParamsLogger
 from gradreg.lightning.callbacks.interpolates import InterpolatesGradientNorm
 from gradreg.lightning.callbacks.layout import CustomScalarsLayout
 from gradreg.lightning.callbacks.monitor import GradientNormMonitor
+from gradreg.lightning.callbacks.progress_log import ProgressLog
 from gradreg.lightning.callbacks.samples import SampleGrid
 from gradreg.lightning.callbacks.schedule import PenaltyWeightSchedule, WeightSchedule
+from gradreg.lightning.callbacks.split import GradientSplit
 
 __all__ = [
     "AccumulationGuard",
@@ -32,9 +37,11 @@ __all__ = [
     "CriticLandscape",
     "CustomScalarsLayout",
     "GradientNormMonitor",
+    "GradientSplit",
     "HParamsLogger",
     "InterpolatesGradientNorm",
     "PenaltyWeightSchedule",
+    "ProgressLog",
     "SaliencyMaps",
     "SampleGrid",
     "WeightSchedule",
