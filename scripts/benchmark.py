@@ -42,6 +42,7 @@ against batch size and against parameter count) into ``--out``.
     python scripts/benchmark.py            # full grid (minutes on 2 CPU cores; compiles)
     python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
     python scripts/benchmark.py --suite gpu --device cuda [--autocast bf16]
+    python scripts/benchmark.py --transformer --threads 1 [--suite gpu --device cuda]
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sharded", action="store_true",
                         help="memory per rank of an FSDP2-sharded critic, 2 gloo ranks "
                              "(benchmarking/sharded.py)")
+    parser.add_argument("--transformer", action="store_true",
+                        help="penalties through attention: a ViT critic with R1 and a "
+                             "transformer classifier with param_grad_norm "
+                             "(benchmarking/transformer.py)")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = parser.parse_args(argv)
     if args.sharded:
@@ -100,6 +105,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     threads = args.threads or (1 if args.quick else None)
     if threads:
         torch.set_num_threads(threads)
+    if args.transformer:
+        from benchmarking.transformer import main as transformer
+        from benchmarking.transformer import table as transformer_table
+
+        rows = transformer(args.quick, args.suite, device, args.reps)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "transformer.json").write_text(json.dumps(
+            {"machine": machine(device), "suite": args.suite, "rows": rows}, indent=1))
+        (args.out / "transformer.md").write_text(transformer_table(rows) + "\n")
+        return rows
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     autocast = None if args.autocast is None else DTYPES[args.autocast]
     clock = time.perf_counter if args.clock == "wall" else time.process_time

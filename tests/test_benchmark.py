@@ -96,3 +96,19 @@ def test_resnet18_without_torchvision_says_so(tmp_path: Path) -> None:
                           "gpu", "--cases", "resnet18", "--out", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "needs torchvision" in run.stderr
+
+
+def test_quick_transformer_benchmark_writes_its_rows(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--transformer",
+                    "--quick", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "transformer.json").read_text())["rows"]
+    assert [(r["case"], r["method"]) for r in rows] == [
+        ("vit_critic/r1", m) for m in ("plain", "exact", "math", "approx_r1")] + [
+        ("transformer_classifier/param_grad_norm", m)
+        for m in ("plain", "gnp_exact", "gnp_math", "gnp_fd")]
+    for row in rows:
+        assert row["ms"] > 0 and row["memory_mb"] > 0
+        if row["method"] == "plain":
+            assert row["ratio"] == row["memory_ratio"] == 1.0
+    assert "| vit_critic/r1 | exact |" in (tmp_path / "transformer.md").read_text()
