@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
+from gradreg.lightning.loss_terms import TASK, record_terms
 from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty, RandomState, SharedForward, as_points
@@ -187,9 +188,12 @@ class Classifier(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, penalties = self.losses(*batch)
         total = loss + sum(penalties.values())
+        record_terms(self, {TASK: loss, **penalties})  # for GradientSplit, on its steps
         self.log("train/loss", loss)
-        self.log_dict({f"train/penalty/{name}": value for name, value in penalties.items()})
-        self.log("train/total", total, prog_bar=True)
+        # in the logger as penalty/weighted/penalties.<name> and loss/total (the monitor's)
+        self.log_dict({f"train/penalty/{name}": value for name, value in penalties.items()},
+                      logger=False)
+        self.log("train/total", total, prog_bar=True, logger=False)
         return total
 
     def on_train_epoch_end(self) -> None:

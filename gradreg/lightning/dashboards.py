@@ -18,6 +18,11 @@ out when there is one optimizer; ``<path>`` a penalty's module path, ``penalties
 ``penalty/weighted/<path>``                :math:`\lambda \cdot \text{every} \cdot \text{gain}
                                            \cdot P`: the term the loss got at that call
 ``penalty/weight/<path>``                  :math:`\lambda`, at every logged step
+``grad_split/task|penalty/<layer>``         :math:`\lVert\partial L_\text{task}/\partial
+                                           \theta_l\rVert`, :math:`\lVert\partial \sum_k
+                                           \lambda_k P_k/\partial\theta_l\rVert` per layer
+``grad_split/penalty_share|cosine/<layer>``  the penalty's share of those norms, the cosine
+                                           between the two parts
 ``interpolates/grad_norm_mean|target``,    :math:`\lVert\nabla D(\hat x)\rVert_2` at WGAN-GP's
 histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's target (1),
                                            distribution
@@ -29,7 +34,9 @@ histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's tar
 =========================================  ========================================================
 
 The modules' own ``self.log`` tags (``train/loss``, ``train/critic/adversarial``, ``val/acc``, ...)
-are left as they are; the HParams table takes its metrics from them. TensorBoard's Time Series tab
+are left as they are; the HParams table takes its metrics from them. One quantity has one tag:
+the modules show their total loss and weighted penalties in the progress bar only, as
+``loss/total`` and ``penalty/weighted/<path>`` are the same numbers. TensorBoard's Time Series tab
 shows tag groups (the part before the first ``/``) in alphabetical order, the first open: the
 names above put the scalars of ``grad_norm`` (or a GAN's critic landscape) first, and
 :class:`TensorBoardLogger` leaves out the ``epoch`` scalar that Lightning adds to every step.
@@ -59,6 +66,7 @@ __all__ = [
     "CHARTS",
     "CRITIC_LANDSCAPE",
     "GRAD_NORM",
+    "GRAD_SPLIT",
     "GRAPH_PICTURE",
     "INPUT_GRAD",
     "INTERPOLATES",
@@ -91,6 +99,7 @@ CRITIC_LANDSCAPE = "critic_landscape"
 SAMPLES = "samples"
 AUTOGRAD_GRAPH = "autograd_graph"  # the text; the picture is GRAPH_PICTURE
 GRAPH_PICTURE = "graph/autograd"
+GRAD_SPLIT = "grad_split"
 
 CATEGORY = "gradreg"
 # the modules' training task losses: the classifier's (and a user's) train/loss, the GAN's
@@ -98,19 +107,28 @@ CATEGORY = "gradreg"
 TASK_LOSS = (r"train/loss$", r"train/[^/]+/adversarial$")
 
 # chart key -> (title, regexes); a regex matches a tag from its start (re.match). "task_loss"
-# takes the caller's regexes. The order is the layout's.
+# takes the caller's regexes; "penalty_unweighted" becomes one chart per penalty where the caller
+# names them (penalties of different kinds have different scales). The order is the layout's:
+# the outcome first (what a sweep is judged by), then the terms of the loss, then the gradients.
 CHARTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "accuracy": ("outcome: accuracy, clean / FGSM / PGD (validation)",
+                 (r"val/acc(_fgsm|_pgd)?$",)),
+    "energy_distance": ("outcome: energy distance to held-out samples (validation)",
+                        (r"val/(feature_)?energy_distance$",)),
+    "modes": ("outcome: modes covered (validation)", (r"val/modes$",)),
     "task_loss": ("task loss (train)", TASK_LOSS),
-    "loss_total": ("loss + penalty (train): what is backpropagated", (rf"{LOSS_TOTAL}(/.*)?$",)),
-    "penalty_unweighted": ("penalties, unweighted P", (rf"{PENALTY_UNWEIGHTED}/.*",)),
     "penalty_weighted": ("penalties, weighted: λ·P as added to the loss",
                          (rf"{PENALTY_WEIGHTED}/.*",)),
-    "penalty_weight": ("penalty weights λ", (rf"{PENALTY_WEIGHT}/.*",)),
+    "penalty_unweighted": ("penalties, unweighted P", (rf"{PENALTY_UNWEIGHTED}/.*",)),
+    "grad_split": ("penalty's share of the parameter gradient per layer, "
+                   "‖g_pen‖ / (‖g_task‖ + ‖g_pen‖)", (rf"{GRAD_SPLIT}/penalty_share/.*",)),
     "grad_norm": ("parameter gradient norm ‖∂L/∂θ‖ per optimizer", (rf"{GRAD_NORM}/total(/.*)?$",)),
     "input_grad": ("input gradient norm ‖∇x ℓ‖: batch mean and max",
                    (rf"{INPUT_GRAD}/norm_(mean|max)$",)),
     "interpolates": ("critic gradient norm ‖∇D(x̂)‖ at interpolates: mean and target",
                      (rf"{INTERPOLATES}/grad_norm_(mean|target)$",)),
+    "loss_total": ("loss + penalty (train): what is backpropagated", (rf"{LOSS_TOTAL}(/.*)?$",)),
+    "penalty_weight": ("penalty weights λ", (rf"{PENALTY_WEIGHT}/.*",)),
 }
 
 
@@ -126,25 +144,33 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
 def custom_scalars_layout(
     loss: Sequence[str] = TASK_LOSS, charts: Iterable[str] | None = None,
-    category: str = CATEGORY,
+    category: str = CATEGORY, penalties: Sequence[str] = (),
 ) -> dict[str, dict[str, list]]:
     """The layout for ``SummaryWriter.add_custom_scalars``: the ``charts`` of :data:`CHARTS`.
 
     Each chart is ``["Multiline", [regex, ...]]``; TensorBoard draws every scalar tag that a regex
     matches from its start (``re.match``). ``loss`` are the regexes of the training task-loss tags
     (the module's own ``self.log`` names); ``charts`` the keys of :data:`CHARTS` to include (all
-    by default), drawn in :data:`CHARTS`' order. TensorBoard merges the layouts of the runs of a
-    log folder, keeping one copy of equal charts: runs of both module kinds with the default
-    ``loss`` get one chart of each title.
+    by default), drawn in :data:`CHARTS`' order; ``penalties`` the module paths of the penalties
+    (``penalties.r1``): "penalties, unweighted P" is then one chart per penalty, each on its own
+    scale. TensorBoard merges the layouts of the runs of a log folder, keeping one copy of equal
+    charts: runs of both module kinds with the default ``loss`` get one chart of each title.
     """
     keys = set(CHARTS if charts is None else charts)
     unknown = sorted(keys - set(CHARTS))
     if unknown:
         raise ValueError(f"unknown charts {unknown}; the charts are {list(CHARTS)}")
-    return {category: {
-        title: ["Multiline", list(loss if key == "task_loss" else regexes)]
-        for key, (title, regexes) in CHARTS.items() if key in keys
-    }}
+    layout: dict[str, list] = {}
+    for key, (title, regexes) in CHARTS.items():
+        if key not in keys:
+            continue
+        if key == "penalty_unweighted" and penalties:
+            for path in penalties:
+                layout[f"penalty {path.rsplit('.', 1)[-1]}, unweighted P"] = [
+                    "Multiline", [rf"{PENALTY_UNWEIGHTED}/{re.escape(path)}$"]]
+            continue
+        layout[title] = ["Multiline", list(loss if key == "task_loss" else regexes)]
+    return {category: layout}
 
 
 def figure_title(step: int, weights: Mapping[str, float]) -> str:
@@ -261,16 +287,19 @@ def snapshot(
 ) -> Figure:
     """A static picture of what TensorBoard shows for ``runs`` (name -> run directory).
 
-    One panel per chart of the custom-scalars ``layout`` (default :func:`custom_scalars_layout`),
-    each run's matching scalar tags drawn against the step, then each run's latest image of every
-    tag in ``images``. For reports and READMEs where no browser is at hand; it reads the event
-    files exactly as TensorBoard does (the whole run directory).
+    One panel per chart of the custom-scalars ``layout`` (default :func:`custom_scalars_layout`)
+    that some run has data for, each run's matching scalar tags drawn against the step, then
+    each run's latest image of every tag in ``images``. For reports and READMEs where no
+    browser is at hand; it reads the event files exactly as TensorBoard does (the whole run
+    directory).
     """
     accumulators = {name: _load(path) for name, path in runs.items()}
     charts = [
         (title, regexes)
         for category in (layout or custom_scalars_layout()).values()
         for title, (_, regexes) in category.items()
+        if any(re.match(regex, tag) for acc in accumulators.values()
+               for tag in acc.Tags()["scalars"] for regex in regexes)
     ]
     pictures = [
         (f"{name}: {tag}", acc.Images(tag)[-1])

@@ -30,6 +30,7 @@ from gradreg.evaluation.metrics import energy_distance, mode_metrics
 from gradreg.evaluation.sample_quality import SampleScorer
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
+from gradreg.lightning.loss_terms import TASK, record_terms
 from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty
@@ -136,9 +137,15 @@ class GAN(L.LightningModule):
         with self.toggled_optimizer(optimizer):
             terms = terms_of(real, loss_scale(attached_trainer(self)))  # None unless fp16
             optimizer.zero_grad(set_to_none=True)
+            record_terms(self, {TASK: terms["adversarial"],  # for GradientSplit, on its steps
+                                **{name: term for name, term in terms.items()
+                                   if name != "adversarial"}})
             self.manual_backward(sum(terms.values()))
             optimizer.step()
-        self.log_dict({f"train/{phase}/{name}": value.detach() for name, value in terms.items()})
+        # the penalties in the logger as penalty/weighted/penalties.<name> (the monitor's)
+        self.log(f"train/{phase}/adversarial", terms["adversarial"].detach())
+        self.log_dict({f"train/{phase}/{name}": value.detach() for name, value in terms.items()
+                       if name != "adversarial"}, logger=False)
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
         real = batch[0]

@@ -62,14 +62,18 @@ def matched(run: pl.Trainer, charts: dict[str, list[str]]) -> dict[str, list[str
 
 
 def test_layout_is_logged_and_every_chart_matches_logged_tags(tmp_path: Path) -> None:
-    callbacks = [CustomScalarsLayout(), GradientNormMonitor(), PenaltyWeightSchedule(steps=2)]
+    callbacks = [CustomScalarsLayout(outcome=["accuracy"]), GradientNormMonitor(),
+                 PenaltyWeightSchedule(steps=2)]
     run = fit(tmp_path, PlainClassifier(), callbacks, limit_val_batches=1)
     charts = layout_charts(run)
-    # weighted and unweighted penalties in charts of their own; the task loss of training only
+    # the outcome first; weighted and unweighted penalties in charts of their own, each
+    # unweighted penalty on its own chart; the task loss of training only
+    assert next(iter(charts)) == "outcome: accuracy, clean / FGSM / PGD (validation)"
     assert matched(run, charts) == {
+        "outcome: accuracy, clean / FGSM / PGD (validation)": ["val/acc"],
         "task loss (train)": ["train/loss"],
         "loss + penalty (train): what is backpropagated": ["loss/total"],
-        "penalties, unweighted P": ["penalty/unweighted/gp"],
+        "penalty gp, unweighted P": ["penalty/unweighted/gp"],
         "penalties, weighted: λ·P as added to the loss": ["penalty/weighted/gp"],
         "penalty weights λ": ["penalty/weight/gp"],
         "parameter gradient norm ‖∂L/∂θ‖ per optimizer": ["grad_norm/total"],
@@ -94,9 +98,35 @@ def test_a_gan_and_a_classifier_share_the_charts_they_both_have(tmp_path: Path) 
     assert set(mine) - shared == {"input gradient norm ‖∇x ℓ‖: batch mean and max"}
     assert set(theirs) - shared == {
         "critic gradient norm ‖∇D(x̂)‖ at interpolates: mean and target"}
-    assert matched(gan, theirs)["penalties, unweighted P"] == ["penalty/unweighted/gp"]
+    assert matched(gan, theirs)["penalty gp, unweighted P"] == ["penalty/unweighted/gp"]
     assert matched(gan, theirs)["loss + penalty (train): what is backpropagated"] == [
         "loss/total/discriminator", "loss/total/generator"]
+
+
+class Unpenalized(PlainClassifier):
+    """The same classifier without a penalty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.gp
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+def test_a_module_without_penalties_gets_no_empty_penalty_charts(tmp_path: Path) -> None:
+    run = fit(tmp_path, Unpenalized(), [CustomScalarsLayout(), GradientNormMonitor()])
+    charts = matched(run, layout_charts(run))
+    assert list(charts) == ["task loss (train)", "parameter gradient norm ‖∂L/∂θ‖ per optimizer",
+                            "input gradient norm ‖∇x ℓ‖: batch mean and max",
+                            "loss + penalty (train): what is backpropagated"]
+    assert all(charts.values())  # every chart has data
+
+
+def test_layout_rejects_unknown_outcome_charts() -> None:
+    with pytest.raises(ValueError, match=r"unknown outcome charts \['acc'\]; the outcome charts "
+                                         r"are \['accuracy', 'energy_distance', 'modes'\]"):
+        CustomScalarsLayout(outcome=["acc"])
 
 
 def test_layout_rejects_a_bare_string() -> None:
@@ -276,9 +306,12 @@ def test_snapshot_draws_the_logged_run(tmp_path: Path) -> None:
     figure = dashboards.snapshot({"plain": run.logger.log_dir})
 
     titles = [ax.get_title() for ax in figure.axes]
-    assert titles[:8] == [title for title, _ in dashboards.CHARTS.values()]
-    assert titles[8] == "plain: saliency (step 3)"
-    lines = {line.get_label(): line for line in figure.axes[0].lines}
+    # the charts with data (no empty frames), in the layout's order, then the image
+    charts = dashboards.CHARTS
+    assert titles == [charts[key][0] for key in (
+        "accuracy", "task_loss", "penalty_weighted", "penalty_unweighted", "grad_norm",
+        "input_grad", "loss_total", "penalty_weight")] + ["plain: saliency (step 3)"]
+    lines = {line.get_label(): line for line in figure.axes[1].lines}
     assert sorted(lines) == ["train/loss"]
     line, logged = lines["train/loss"], scalars(run, "train/loss")  # exactly the logged values
     assert list(line.get_xdata()) == list(logged)
