@@ -202,8 +202,8 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
     the copy: the captured tensor stays the submodule's output, and the gradient dy/dh is taken at
     that output, not at what the in-place op made of it (which would, e.g., keep
     the gradient of units that a later in-place ReLU zeroes). The copy costs one tensor of the
-    output's size per captured submodule. Outputs that are not tensors (tuples) are recorded as
-    they are, without a copy.
+    output's size per captured submodule. A tuple, list or dict output has its tensors copied
+    (one level deep); other outputs are passed on as they are.
     """
     if not names:
         raise ValueError("capture needs at least one submodule name.")
@@ -215,9 +215,9 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
     captured: dict[str, Tensor] = {}
 
     def recorder(name: str):
-        def hook(_module: nn.Module, _args: object, output: Tensor) -> Tensor | None:
+        def hook(_module: nn.Module, _args: object, output: object) -> object:
             captured[name] = output
-            return output.clone() if isinstance(output, Tensor) else None
+            return _copy_for_the_rest(output)
 
         return hook
 
@@ -227,6 +227,26 @@ def capture(module: nn.Module, *names: str) -> Iterator[dict[str, Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _copy_for_the_rest(output: object) -> object:
+    """What the rest of the forward gets in place of a captured ``output``: a copy of each tensor
+    (``clone``, derivative the identity), so that its in-place ops leave ``output`` as recorded;
+    ``None`` (keep the output) for anything without tensors one level deep."""
+    if isinstance(output, Tensor):
+        return output.clone()
+    if type(output) is dict:
+        return {key: _clone(value) for key, value in output.items()}
+    if isinstance(output, (tuple, list)):
+        items = [_clone(item) for item in output]
+        if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+            return type(output)(*items)
+        return type(output)(items)
+    return None
+
+
+def _clone(x: object) -> object:
+    return x.clone() if isinstance(x, Tensor) else x
 
 
 def check_double_backward(gradients: Tensor | Sequence[Tensor],

@@ -313,9 +313,11 @@ def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:
 
 def finite_number(name: str, value: object, *, minimum: float | None = None,
                   infinite: bool = False) -> float:
-    """``value`` as a float: a real number (Python's, numpy's) or a 0-d real tensor, finite
-    (``infinite``: also +-inf, never NaN) and ``>= minimum``; :class:`ValueError` naming
-    ``name`` otherwise (a bool, a string, an int too large for a float)."""
+    """``value`` as a float: a real number (Python's, numpy's) or a 0-d real tensor or numpy
+    array, finite (``infinite``: also +-inf, never NaN) and ``>= minimum``; :class:`ValueError`
+    naming ``name`` otherwise (a bool, a string, an int too large for a float)."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy scalar or 0-d array: its Python number (bool stays bool)
     if isinstance(value, Tensor):
         require(value.ndim == 0 and not (value.is_complex() or value.dtype == torch.bool),
                 f"{name} must be a number, got a tensor of shape {tuple(value.shape)} and dtype "

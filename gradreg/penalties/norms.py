@@ -47,8 +47,8 @@ def per_sample_norm(
 
 def per_sample_rows(x: Tensor) -> Tensor:
     """``x`` as [B, features]: all non-batch dims flattened, a [B] tensor as one feature per
-    sample (``flatten(1)`` refuses a 1-d tensor)."""
-    return x.reshape(x.shape[0], -1)
+    sample (``flatten(1)`` refuses a 1-d tensor), a 0-d tensor as one sample of one feature."""
+    return x.reshape(x.shape[0] if x.ndim else 1, -1)
 
 
 def safe_sqrt(sq: Tensor) -> Tensor:

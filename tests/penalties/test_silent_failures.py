@@ -3,6 +3,8 @@ right value (checked against an independent computation) or a refusal naming the
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import pytest
 import torch
@@ -123,6 +125,57 @@ def test_capture_before_other_in_place_ops_matches_the_out_of_place_twin(op: str
     h_ref, g_ref = captured_gradient(oracle, x, "l1")
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
     torch.testing.assert_close(g, g_ref, rtol=1e-14, atol=1e-15)
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class TwoOutputs(nn.Module):
+    """A submodule with two outputs: a tuple, a namedtuple or a dict."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.l1 = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> object:
+        a, b = self.l1(x), 2 * x
+        return {"tuple": (a, b), "namedtuple": Pair(a, b), "dict": {"a": a, "b": b}}[self.kind]
+
+
+class TwoOutputsNet(nn.Module):
+    """The first output of :class:`TwoOutputs` through a ReLU, in place unless ``in_place`` is
+    False (the oracle)."""
+
+    def __init__(self, in_place: bool, kind: str = "tuple") -> None:
+        super().__init__()
+        self.in_place, self.kind = in_place, kind
+        self.two = TwoOutputs(kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.two(x)
+        a, b = (out["a"], out["b"]) if self.kind == "dict" else out
+        a = a.relu_() if self.in_place else a.relu()
+        return (a * b).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "namedtuple", "dict"])
+def test_capture_of_a_tuple_output_before_in_place_ops(kind: str) -> None:
+    torch.manual_seed(0)
+    net = TwoOutputsNet(True, kind).double()
+    oracle = TwoOutputsNet(False, kind).double()
+    oracle.load_state_dict(net.state_dict())
+    x = torch.randn(5, 3, dtype=F64)
+    grads = []
+    for model in (net, oracle):
+        with gradreg.capture(model, "two") as acts:
+            y = model(x).sum()
+        out = acts["two"]
+        first = out["a"] if kind == "dict" else out[0]
+        grads.append(gradreg.gradient(y, first))
+        assert type(out) is type(net.two(x))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert bool((grads[0] == 0).any())  # the units the ReLU zeroes
 
 
 def test_captured_gradient_matches_finite_differences() -> None:
@@ -247,6 +300,8 @@ def test_derivative_of_a_one_dimensional_function_takes_b_points() -> None:
     assert derivative()(x.pow(3), x).item() == pytest.approx(90.0, rel=1e-14)
     # R1 of D(x) = 3x per sample: 10/2 * 9 = 45
     assert r1()(3 * x, x).item() == pytest.approx(45.0, rel=1e-14)
+    one = torch.tensor(2.0, dtype=F64, requires_grad=True)  # a 0-d point: one sample
+    assert r1()(3 * one, one).item() == pytest.approx(45.0, rel=1e-14)
 
 
 def test_spectral_norm_of_a_b_output_and_of_b_points() -> None:
@@ -319,7 +374,7 @@ def test_power_below_one_at_the_target_has_a_zero_subgradient(power: float,
 # --- weights and numeric options ----------------------------------------------------------------
 
 @pytest.mark.parametrize(("weight", "expected"), [
-    (np.float32(2.5), 2.5), (np.float64(0.5), 0.5), (np.int64(3), 3.0),
+    (np.float32(2.5), 2.5), (np.float64(0.5), 0.5), (np.int64(3), 3.0), (np.array(1.5), 1.5),
     (torch.tensor(4.0), 4.0), (torch.tensor(2, dtype=torch.int32), 2.0), (7, 7.0)])
 def test_numpy_scalars_and_0d_tensors_are_weights(weight: object, expected: float) -> None:
     penalty = r1(weight)
@@ -333,7 +388,9 @@ def test_numpy_scalars_and_0d_tensors_are_weights(weight: object, expected: floa
     (torch.tensor([1.0, 2.0]), r"weight must be a number, got a tensor of shape \(2,\)"),
     (float("inf"), "weight must be a finite number >= 0, got inf"),
     (np.float64("nan"), "weight must be a finite number >= 0"),
-], ids=["huge_int", "bool", "str", "vector", "inf", "nan"])
+    (np.bool_(True), "weight must be a number, got bool True"),
+    (np.ones(2), "weight must be a number, got ndarray"),
+], ids=["huge_int", "bool", "str", "vector", "inf", "nan", "numpy_bool", "numpy_vector"])
 def test_weights_that_are_not_finite_numbers_are_refused(weight: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         r1(weight)
