@@ -178,6 +178,29 @@ def test_capture_of_a_tuple_output_before_in_place_ops(kind: str) -> None:
     assert bool((grads[0] == 0).any())  # the units the ReLU zeroes
 
 
+class ViewOfModified(nn.Module):
+    """``Flatten``'s output is a view of the layer's output, which a later ReLU modifies in
+    place: the captured view changes with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.flat, self.l2 = nn.Linear(3, 4), nn.Flatten(), nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        flat = self.flat(h)
+        h.relu_()
+        return self.l2(flat)
+
+
+def test_capture_of_a_view_whose_base_is_modified_in_place_is_refused() -> None:
+    net = ViewOfModified().double()
+    with gradreg.capture(net, "flat") as acts:
+        y = net(torch.randn(2, 3, dtype=F64)).sum()
+    with pytest.raises(GradientError, match="do not depend on input 0"):
+        gradreg.gradient(y, acts["flat"])
+
+
 def test_captured_gradient_matches_finite_differences() -> None:
     """dy/dh at h = l1(x) by central differences of y(h) = rest of the in-place block."""
     net, _ = twins(BasicBlock)
