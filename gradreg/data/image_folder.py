@@ -7,44 +7,89 @@ converted to grayscale when ``C = 1``, and scaled to [0, 1] per channel by ``ToT
 255). There is no mean/std standardization: attack steps (``fgsm_eps``) and their clipping range
 (``input_range: [0, 1]``) are then in pixel units, and a GAN generator ends in a sigmoid.
 
-Nothing is downloaded: the images are the user's. Needs the ``vision`` extra (torchvision).
+Images are read by :func:`load_image`: 8-bit images as RGB (PIL's ``convert``), 16-bit
+grayscale ones (PNG's, PIL modes ``I;16`` and ``I``) scaled to 8 bits, ``v8 = round(v16 / 257)``
+(65535 / 257 = 255: PIL's ``convert`` would clip every value above 255 to white). Every image is
+decoded in full when the module is built, so that a damaged one (a truncated JPEG passes PIL's
+``verify``) stops the run there, naming the file, and not a data-loading worker mid-epoch.
+
+Nothing is downloaded: the images are the user's. Needs the ``vision`` extra (torchvision),
+imported when the module is built: this module and its PIL-level functions import without it.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
+import numpy as np
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Subset
 
 from gradreg.data.splits import SplitDataModule, seeded_split
 from gradreg.models.torchvision_import import import_torchvision
 
-import_torchvision("data=image_folder")
-
-from PIL import Image  # noqa: E402  (torchvision installs it)
-from torchvision import transforms  # noqa: E402
-from torchvision.datasets import ImageFolder  # noqa: E402
-from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
+#: PIL modes of 16-bit grayscale images (the byte orders of ``I;16``)
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
-def readable_image(path: str) -> bool:
-    """Whether ``path`` has an image extension and PIL can decode its header and data."""
-    if not path.lower().endswith(IMG_EXTENSIONS):
+def load_image(path: str) -> Image.Image:
+    """The image at ``path``, decoded in full, as an 8-bit RGB image.
+
+    16-bit grayscale (modes ``I;16*``, and ``I`` from a PNG, as older PIL releases read 16-bit
+    PNGs) becomes 8-bit by ``round(v / 257)``. Other 32-bit integer and floating-point images
+    (modes ``I``, ``F``) have no fixed range and are refused. Raises ``ValueError`` naming the
+    file for an image that cannot be decoded (truncated, damaged) or used.
+    """
+    try:
+        with Image.open(path) as image:
+            image.load()
+            if image.mode in SIXTEEN_BIT_MODES or (image.mode == "I" and image.format == "PNG"):
+                return _eight_bit(np.asarray(image), path).convert("RGB")
+            if image.mode in ("I", "F"):
+                raise ValueError(f"{path}: a {image.format} image of mode {image.mode} (32-bit "
+                                 "values without a fixed range) cannot be read as pixels; save "
+                                 "it as an 8- or 16-bit PNG")
+            return image.convert("RGB")
+    except (OSError, SyntaxError) as error:  # PIL's errors of damaged files
+        raise ValueError(f"{path}: the image cannot be decoded ({error}); replace or remove "
+                         "the file") from error
+
+
+def _eight_bit(values: np.ndarray, path: str) -> Image.Image:
+    """16-bit values ``[0, 65535]`` as an 8-bit grayscale image, ``round(v / 257)``."""
+    if values.min() < 0 or values.max() > 65535:
+        raise ValueError(f"{path}: values from {values.min()} to {values.max()} are not 16-bit "
+                         "pixels [0, 65535]; save the image as an 8- or 16-bit PNG")
+    return Image.fromarray(np.rint(values / 257).astype(np.uint8))
+
+
+def readable_image(path: str, extensions: tuple[str, ...]) -> bool:
+    """Whether ``path`` is an image to use: it has one of ``extensions`` and PIL recognizes it
+    (False: skipped, as a file that is no image). An image PIL recognizes but cannot decode in
+    full raises ``ValueError`` naming it: dropping it would change the data set unseen."""
+    if not path.lower().endswith(extensions):
         return False
     try:
         with Image.open(path) as image:
             image.verify()
-    except Exception:  # PIL raises many types for broken files
+    except UnidentifiedImageError:
         return False
+    except Exception as error:  # PIL raises many types for damaged files
+        raise ValueError(f"{path}: the image is damaged ({error}); replace or remove the "
+                         "file") from error
+    load_image(path)
     return True
 
 
 class ImageFolderDataModule(SplitDataModule):
     """``(x [C, S, S] in [0, 1], label)`` batches from ``root/<class>/<image>``, split by seed.
 
-    Files that are not readable images are counted and skipped with one warning. A missing
+    Files that are not images (another extension, or not recognized by PIL) are counted and
+    skipped with one warning; an image that cannot be decoded in full (truncated, damaged) or
+    has no fixed pixel range raises ``ValueError`` naming the file. A missing
     folder, a folder without class sub-folders or without images, a class count other than
     ``num_classes``, or a split left empty raise ``ValueError`` naming the fix.
 
@@ -85,12 +130,17 @@ class ImageFolderDataModule(SplitDataModule):
             raise ValueError(f"data.root={str(root)!r} has no class sub-folders; put the images "
                              "in one sub-folder per class (root/<class>/<image>.png)")
         self.save_hyperparameters()
-        # ImageFolder's loader opens every image as RGB
+        torchvision = import_torchvision("data=image_folder")
+        transforms = torchvision.transforms
+        # load_image opens every image as 8-bit RGB
         steps = [transforms.Resize(size[0]), transforms.CenterCrop(size[0])]
         steps += [transforms.Grayscale(1)] if channels == 1 else []
+        extensions = torchvision.datasets.folder.IMG_EXTENSIONS
         try:
-            dataset = ImageFolder(str(path), is_valid_file=readable_image,
-                                  transform=transforms.Compose([*steps, transforms.ToTensor()]))
+            dataset = torchvision.datasets.ImageFolder(
+                str(path), loader=load_image,
+                is_valid_file=partial(readable_image, extensions=extensions),
+                transform=transforms.Compose([*steps, transforms.ToTensor()]))
         except FileNotFoundError as error:  # a class folder without a readable image
             raise ValueError(f"data.root={str(root)!r}: {error}; add images to those class "
                              "folders or remove them") from error

@@ -11,10 +11,11 @@ import torch
 
 pytest.importorskip("torchvision")
 
+import numpy as np
 from PIL import Image
 
 from gradreg.data.image_folder import ImageFolderDataModule
-from tests.data.images import COLOURS, write_image_folder
+from tests.data.images import COLOURS, write_image_folder, write_png16, write_truncated_jpeg
 
 
 def test_classes_split_and_pixels(tmp_path: Path) -> None:
@@ -98,3 +99,27 @@ def test_class_count_and_tiny_folders_raise_the_fix(tmp_path: Path) -> None:
         ImageFolderDataModule(str(root))
     with pytest.raises(ValueError, match=r"data.shape=\[2, 8, 8\] must be \[1 or 3, S, S\]"):
         ImageFolderDataModule(str(root), shape=(2, 8, 8))
+
+
+def test_16_bit_pngs_are_scaled_to_the_unit_interval(tmp_path: Path) -> None:
+    """Constant 16-bit images v: x = round(v / 257) / 255 on every channel (before: any v above
+    255 read as 1.0, white)."""
+    for name, value in {"a": 1000, "b": 32896, "c": 65535}.items():
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            write_png16(tmp_path / name / f"{i}.png", np.full((16, 16), value))
+    data = ImageFolderDataModule(str(tmp_path), shape=(3, 8, 8))
+    expected = {"a": 4 / 255, "b": 128 / 255, "c": 1.0}
+    for split in data.splits.values():
+        for x, y in split:
+            assert torch.equal(x, torch.full((3, 8, 8), expected[data.classes[y]]))
+
+
+def test_a_truncated_jpeg_stops_the_build_naming_the_file(tmp_path: Path) -> None:
+    """It passes PIL's verify(); before, it stopped a data-loading worker mid-epoch."""
+    root = write_image_folder(tmp_path, per_class=4)
+    cut = write_truncated_jpeg(root / "red" / "cut.jpg")
+    with pytest.raises(ValueError, match=rf"{cut}: the image cannot be decoded \(image file is "
+                                         r"truncated") as error:
+        ImageFolderDataModule(str(root), shape=(3, 8, 8))
+    assert "\n" not in str(error.value)
