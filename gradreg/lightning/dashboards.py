@@ -28,7 +28,8 @@ histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's tar
                                            distribution
 ``saliency``                               image: inputs over :math:`\lvert\nabla_x\ell\rvert`
 ``critic_landscape/score|grad_norm``       images: critic scores, :math:`\lVert\nabla_x D\rVert`
-``samples``                                image: a grid of generated images of fixed latents
+``samples``                                image: a grid of generated images of fixed latents,
+                                           with the step and λ
 ``graph/autograd``                         image: the backward graph of the penalized loss
 ``autograd_graph/text|dot``                text: the same graph, to search and to paste
 =========================================  ========================================================
@@ -83,6 +84,7 @@ __all__ = [
     "custom_scalars_layout",
     "figure_title",
     "saliency_figure",
+    "samples_figure",
     "snapshot",
 ]
 
@@ -188,6 +190,7 @@ def figure_title(step: int, weights: Mapping[str, float]) -> str:
 # type sizes (points) of the figures: at TensorBoard's default card width an image is shown at
 # about half its size, so labels are drawn at twice the usual size
 TITLE, LABEL, TICK = 18, 16, 13
+NUMBER = 24  # a number read off a panel (a saliency map's norm)
 
 
 def saliency_figure(
@@ -196,6 +199,7 @@ def saliency_figure(
     labels: Sequence[int] | None = None,
     *,
     vmax: float | None = None,
+    scale: str = "",
     title: str = "",
     columns: int = 4,
 ) -> Figure:
@@ -203,18 +207,20 @@ def saliency_figure(
 
     ``images``: ``[N, H, W]`` (gray) or ``[N, H, W, 3]`` in [0, 1]; ``saliency``: ``[N, H, W]``,
     >= 0, drawn on one colour scale ``[0, vmax]`` (default: the largest value shown; a caller
-    that keeps ``vmax`` fixed over training makes the frames comparable). Under each map is the
-    sample's :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`; ``columns`` samples per row.
+    that keeps ``vmax`` fixed over training and across runs makes the frames comparable), values
+    above it at the top colour (the colour bar's arrow); ``scale`` says on the colour bar where
+    ``vmax`` comes from. Under each map, in large type, is the sample's
+    :math:`\lVert\nabla_{x_i}\ell_i\rVert_2`; ``columns`` samples per row.
     """
     n = len(saliency)
     columns = min(columns, n)
     rows = -(-n // columns)
     vmax = float(saliency.max()) if vmax is None else vmax
-    fig = Figure(figsize=(1.55 * columns + 1.5, 3.6 * rows + 0.7), dpi=100)
-    # per row of samples: inputs, maps, a gap
+    fig = Figure(figsize=(1.55 * columns + 1.8, 3.9 * rows + 0.7), dpi=100)
+    # per row of samples: inputs, maps, a gap for the norms
     grid = fig.add_gridspec(3 * rows - 1, columns + 1, width_ratios=[1] * columns + [0.12],
-                            height_ratios=([1, 1, 0.42] * rows)[:-1], left=0.02, right=0.84,
-                            top=1 - 0.8 / fig.get_figheight(), bottom=0.07, hspace=0.12,
+                            height_ratios=([1, 1, 0.6] * rows)[:-1], left=0.02, right=0.8,
+                            top=1 - 0.8 / fig.get_figheight(), bottom=0.09, hspace=0.12,
                             wspace=0.08)
     norms = np.sqrt((saliency.reshape(n, -1) ** 2).sum(1))
     shown = None
@@ -224,13 +230,35 @@ def saliency_figure(
         top.imshow(images[k], cmap="gray_r" if images.ndim == 3 else None, vmin=0, vmax=1)
         shown = bottom.imshow(saliency[k], cmap="magma", vmin=0, vmax=vmax)
         top.set_title(f"y={labels[k]}" if labels is not None else "", fontsize=LABEL)
-        bottom.set_xlabel(f"{norms[k]:.2g}", fontsize=LABEL, labelpad=2)
+        bottom.set_xlabel(f"{norms[k]:.2g}", fontsize=NUMBER, labelpad=2, fontweight="bold")
         for ax in (top, bottom):
             ax.set_xticks([])
             ax.set_yticks([])
-    bar = fig.colorbar(shown, cax=fig.add_subplot(grid[:, columns]))
+    bar = fig.colorbar(shown, cax=fig.add_subplot(grid[:, columns]), extend="max")
     bar.ax.tick_params(labelsize=TICK)
-    bar.set_label(r"$|\nabla_x \ell|$ (under each: $\|\nabla_x \ell\|$)", fontsize=LABEL)
+    bar.set_label(r"$|\nabla_x \ell|$" + (f", {scale}" if scale else "")
+                  + r"; under each map $\|\nabla_x \ell\|$", fontsize=LABEL)
+    fig.suptitle(title, fontsize=TITLE)
+    return fig
+
+
+def samples_figure(images: np.ndarray, *, title: str = "", columns: int = 8) -> Figure:
+    """Generated images in a grid with gaps between them, under ``title``.
+
+    ``images``: ``[N, H, W]`` (gray) or ``[N, H, W, 3]`` in [0, 1], drawn pixel for pixel
+    (nearest neighbour) on a white page, ``columns`` per row."""
+    n = len(images)
+    columns = min(columns, n)
+    rows = -(-n // columns)
+    fig = Figure(figsize=(0.9 * columns, 0.9 * rows + 0.6), dpi=100)
+    grid = fig.add_gridspec(rows, columns, left=0.01, right=0.99, bottom=0.01,
+                            top=1 - 0.55 / fig.get_figheight(), wspace=0.08, hspace=0.08)
+    for k in range(n):
+        ax = fig.add_subplot(grid[divmod(k, columns)])
+        ax.imshow(images[k], cmap="gray" if images.ndim == 3 else None, vmin=0, vmax=1,
+                  interpolation="nearest")
+        ax.set_xticks([])
+        ax.set_yticks([])
     fig.suptitle(title, fontsize=TITLE)
     return fig
 
@@ -252,8 +280,9 @@ def critic_landscape_figure(
     (``kind="grad_norm"``, with the level 1, WGAN-GP's target, dashed where the field crosses it).
 
     ``xs``, ``ys``: the grid axes (``[W]``, ``[H]``); ``field``: ``[H, W]`` on that grid, drawn on
-    the colour scale ``[vmin, vmax]`` (values beyond are clipped to its ends); ``real``, ``fake``:
-    ``[N, 2]`` samples (dots and crosses; those outside the grid are cut off).
+    the colour scale ``[vmin, vmax]`` (values beyond are drawn at its ends, and the colour bar
+    gets an arrow at each end the field passes); ``real``, ``fake``: ``[N, 2]`` samples (dots and
+    crosses; those outside the grid are cut off, and the legend counts the fakes outside).
     """
     if kind not in ("score", "grad_norm"):
         raise ValueError(f"kind must be 'score' or 'grad_norm', got {kind!r}")
@@ -265,10 +294,16 @@ def critic_landscape_figure(
                    else ("viridis", r"$\|\nabla_x D(x)\|$"))
     shown = ax.imshow(field, origin="lower", extent=extent, cmap=cmap, aspect="auto",
                       vmin=vmin, vmax=vmax)
-    bar = fig.colorbar(shown, ax=ax, fraction=0.06, pad=0.02)
+    # arrows at the ends the field passes: values beyond are drawn at the end colour
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max",
+              (True, True): "both"}[(bool(field.min() < vmin), bool(field.max() > vmax))]
+    bar = fig.colorbar(shown, ax=ax, fraction=0.06, pad=0.02, extend=extend)
     bar.ax.tick_params(labelsize=TICK)
+    outside = int(((fake[:, 0] < xs[0]) | (fake[:, 0] > xs[-1]) | (fake[:, 1] < ys[0])
+                   | (fake[:, 1] > ys[-1])).sum())
     ax.scatter(real[:, 0], real[:, 1], s=10, c="black", label="real")
-    ax.scatter(fake[:, 0], fake[:, 1], s=18, c="tab:orange", marker="x", label="fake")
+    ax.scatter(fake[:, 0], fake[:, 1], s=18, c="tab:orange", marker="x",
+               label=f"fake ({outside} outside)" if outside else "fake")
     if kind == "grad_norm" and field.min() < 1.0 < field.max():
         ax.contour(xs, ys, field, levels=[1.0], colors="white", linestyles="dashed")
     ax.set_xlim(extent[:2])

@@ -22,6 +22,7 @@ from gradreg.lightning.callbacks import (
     SampleGrid,
 )
 from gradreg.lightning.callbacks import figures as figures_module
+from gradreg.lightning.callbacks import samples as samples_module
 from gradreg.lightning.callbacks.graph_figure import layers
 from tests.lightning.helpers import (
     BATCH,
@@ -37,17 +38,17 @@ from tests.lightning.helpers import (
 )
 
 
-def record_calls(monkeypatch: pytest.MonkeyPatch, name: str
+def record_calls(monkeypatch: pytest.MonkeyPatch, name: str, module: Any = figures_module
                  ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Record the arguments of every call of ``figures.<name>`` (still drawing the figure)."""
+    """Record the arguments of every call of ``<module>.<name>`` (still drawing the figure)."""
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    draw = getattr(figures_module, name)
+    draw = getattr(module, name)
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         calls.append((args, kwargs))
         return draw(*args, **kwargs)
 
-    monkeypatch.setattr(figures_module, name, recording)
+    monkeypatch.setattr(module, name, recording)
     return calls
 
 
@@ -72,7 +73,38 @@ def test_saliency_maps_show_the_input_gradient(tmp_path: Path, monkeypatch: pyte
         assert labels == data()[1][:5].tolist()
         assert images_shown.min() == 0.0 and images_shown.max() == 1.0  # each image rescaled
         assert options == {"vmax": pytest.approx(float(expected.max())),
+                           "scale": f"scale of this run's first figure [0, "
+                                    f"{float(expected.max()):.2g}]",
                            "title": f"step {step} · λ = {WEIGHT}"}
+
+
+def test_a_fixed_saliency_scale_is_the_same_for_every_run_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs, one at twice the other's input weights: on the fixed scale [0, 0.2] the second's
+    maps are twice as bright, where each run's own first-figure scale would draw them alike."""
+    calls = record_calls(monkeypatch, "saliency_figure")
+    for index, factor in enumerate((1.0, 2.0)):
+        module = PlainClassifier()
+        with torch.no_grad():
+            module.net.weight.mul_(factor)
+        fit(tmp_path / str(index), module,
+            [SaliencyMaps(5, image_shape=(2, 2), every_n_steps=100, vmax=0.2)], max_steps=1,
+            limit_val_batches=1)
+    (first, first_options), (second, second_options) = calls
+    assert first_options["vmax"] == second_options["vmax"] == 0.2
+    assert first_options["scale"] == "fixed scale [0, 0.2]"
+    # |W^T (softmax - e_y)| is not linear in W, but larger everywhere at the doubled weights
+    assert second[1].max() > first[1].max()
+
+
+def test_the_saliency_figure_states_its_scale_and_clips_above_it() -> None:
+    figure = dashboards.saliency_figure(np.zeros((2, 2, 2)), np.full((2, 2, 2), 0.3), [0, 1],
+                                        vmax=0.2, scale="fixed scale [0, 0.2]")
+    bar = figure.axes[-1]
+    assert "fixed scale [0, 0.2]" in bar.get_ylabel()
+    assert bar.get_ylim()[1] == pytest.approx(0.2)
+    # each map's norm under it: sqrt(4 * 0.3^2) = 0.6
+    assert [ax.get_xlabel() for ax in figure.axes[1:4:2]] == ["0.6", "0.6"]
 
 
 def test_a_run_shorter_than_the_interval_logs_a_last_figure(tmp_path: Path) -> None:
@@ -90,6 +122,12 @@ def test_saliency_maps_ask_for_the_image_shape_of_flat_inputs(tmp_path: Path) ->
 def test_saliency_maps_check_the_image_shape(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"image_shape=\(3, 3\) has 9 values, but one input has 4"):
         fit(tmp_path, PlainClassifier(), [SaliencyMaps(image_shape=(3, 3))], limit_val_batches=1)
+
+
+@pytest.mark.parametrize("vmax", [0, -1.0, float("nan"), "0.5"])
+def test_saliency_maps_reject_a_bad_scale(vmax: object) -> None:
+    with pytest.raises(ValueError, match="vmax must be a finite number > 0"):
+        SaliencyMaps(vmax=vmax)
 
 
 def test_saliency_maps_reject_bad_values() -> None:
@@ -168,18 +206,32 @@ class ImageGenerator(pl.LightningModule):
 
 @pytest.mark.parametrize(("every", "steps"), [(1, [0, 1, 2]), (2, [1, 2]), (100, [2])])
 def test_sample_grids_at_the_interval_and_at_the_end(every: int, steps: list[int],
-                                                     tmp_path: Path) -> None:
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = record_calls(monkeypatch, "samples_figure", samples_module)
     module = ImageGenerator()
     run = fit(tmp_path, module, [SampleGrid(4, every_n_steps=every)])
     images = events(run).Images("samples")
     assert [image.step for image in images] == steps
-    # the grid of G(z) for the seeded latents, as 8-bit gray levels
+    # the grid of G(z) for the seeded latents, each 2x2 image drawn as it is, titled with the
+    # step (the module has no penalty: no λ)
     latents = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
-    expected = (module.generator(latents).detach() * 255).round()
-    grid = imread(io.BytesIO(images[-1].encoded_image_string), format="png")
-    assert grid.shape[:2] == (2, 8)  # one row of four 2x2 images
-    tiles = [grid[:, c:c + 2, 0] for c in (0, 2, 4, 6)]
-    np.testing.assert_allclose(np.stack(tiles) * 255, expected[:, 0].numpy(), atol=1.0)
+    expected = module.generator(latents).detach()[:, 0].numpy()
+    for step, ((shown,), options) in zip(steps, calls, strict=True):
+        np.testing.assert_allclose(shown, expected, atol=1e-6)
+        assert options == {"title": f"step {step}"}
+    assert imread(io.BytesIO(images[-1].encoded_image_string)).shape[2] in (3, 4)
+
+
+def test_a_sample_grid_leaves_gaps_between_the_images() -> None:
+    """Four one-pixel black images on a white page: between neighbours there is white."""
+    figure = dashboards.samples_figure(np.zeros((4, 1, 1)), title="step 3 · λ = 0.1", columns=4)
+    boxes = sorted(ax.get_position().x0 for ax in figure.axes)
+    widths = [ax.get_position().width for ax in figure.axes]
+    gaps = [right - (left + width) for left, right, width in zip(boxes, boxes[1:], widths,
+                                                                 strict=False)]
+    assert all(gap > 0.01 for gap in gaps)
+    assert figure.texts[0].get_text() == "step 3 · λ = 0.1"
 
 
 # --- titles and the graph's layers --------------------------------------------------------------
@@ -197,3 +249,20 @@ def test_graph_layers_put_every_node_below_all_its_parents() -> None:
     edges = [GraphEdge(s, t, 0, k) for k, (s, t) in enumerate(
         [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (3, 4)])]
     assert layers(5, edges) == [[0], [1, 2], [3], [4]]
+
+
+def test_the_critic_landscape_shows_clipping_and_counts_the_fakes_outside() -> None:
+    """A gradient norm of 3 on the scale [0, 2]: the colour bar gets its arrow at the top; two of
+    three fakes lie outside the plane drawn, and the legend says so."""
+    axis = np.linspace(-1.0, 1.0, 3)
+    field = np.full((3, 3), 3.0)
+    fake = np.array([[0.0, 0.0], [5.0, 0.0], [0.0, -7.0]])
+    figure = dashboards.critic_landscape_figure(axis, axis, field, np.zeros((1, 2)), fake,
+                                                kind="grad_norm", vmin=0.0, vmax=2.0)
+    (image,) = figure.axes[0].images
+    assert image.colorbar.extend == "max"
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert legend == ["real", "fake (2 outside)"]
+    within = dashboards.critic_landscape_figure(axis, axis, np.ones((3, 3)), np.zeros((1, 2)),
+                                                fake[:1], kind="grad_norm", vmin=0.0, vmax=2.0)
+    assert within.axes[0].images[0].colorbar.extend == "neither"

@@ -119,14 +119,19 @@ class SaliencyMaps(_FigureLogger):
     The images are the first ``num_images`` of the first validation batch (seen during the
     sanity check or the first validation), the same ones all run long; ``f`` is the module's
     ``forward``. For several channels the saliency is the largest magnitude over channels. The
-    colour scale of the maps is fixed by the first figure (``[0, its largest value]``), so
-    that the frames compare over training; larger values later show at the top colour.
+    colour scale of the maps is ``[0, vmax]``, stated on the colour bar: given, it is the same
+    for every run (runs of a sweep compare side by side: a penalty that halves the input
+    gradient shows half as bright); ``None``, it is fixed by the run's first figure (``[0, its
+    largest value]``), so that its frames compare over training, but not with other runs.
+    Larger values show at the top colour (the colour bar's arrow).
 
     Args:
         num_images: how many images to show.
         image_shape: ``(H, W)`` or ``(C, H, W)`` of one input, for flat ``[N, D]`` inputs.
         loss_fn: ``(outputs, targets) -> per-sample losses [B]``; default cross-entropy.
         every_n_steps: drawing interval in optimizer steps; ``None``: ``log_every_n_steps``.
+        vmax: the top of the colour scale, the same for every run; ``None``: the run's first
+            figure's largest value.
     """
 
     def __init__(
@@ -136,10 +141,16 @@ class SaliencyMaps(_FigureLogger):
         image_shape: Sequence[int] | None = None,
         loss_fn: LossFn = cross_entropy_per_sample,
         every_n_steps: int | None = None,
+        vmax: float | None = None,
     ) -> None:
         super().__init__(every_n_steps)
         if not isinstance(num_images, int) or num_images < 1:
             raise ValueError(f"num_images must be an int >= 1, got {num_images!r}.")
+        if vmax is not None and not (isinstance(vmax, int | float) and math.isfinite(vmax)
+                                     and vmax > 0):
+            raise ValueError(f"vmax must be a finite number > 0 (the top of the colour scale), "
+                             f"or None for the first figure's largest value; got {vmax!r}.")
+        self.vmax = None if vmax is None else float(vmax)
         self.num_images = num_images
         self.image_shape = None if image_shape is None else tuple(image_shape)
         self.loss_fn = loss_fn
@@ -172,10 +183,14 @@ class SaliencyMaps(_FigureLogger):
         high = images.flatten(1).amax(1).view(-1, *[1] * (images.ndim - 1))
         images = (images - low) / (high - low).clamp_min(1e-12)
         labels = targets.tolist() if targets.ndim == 1 else None
-        if self.scale is None:
-            self.scale = float(saliency.max()) or 1.0
+        if self.vmax is not None:
+            self.scale, stated = self.vmax, f"fixed scale [0, {self.vmax:g}]"
+        else:
+            if self.scale is None:
+                self.scale = float(saliency.max()) or 1.0
+            stated = f"scale of this run's first figure [0, {self.scale:.2g}]"
         return {SALIENCY: saliency_figure(images.cpu().numpy(), saliency.cpu().numpy(), labels,
-                                          vmax=self.scale, title=title)}
+                                          vmax=self.scale, scale=stated, title=title)}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -200,8 +215,9 @@ class CriticLandscape(_FigureLogger):
 
     Args:
         resolution: grid points per axis.
-        extent: ``(xmin, xmax, ymin, ymax)``; ``None``: the first figure's samples plus a margin,
-            then fixed so that frames compare.
+        extent: ``(xmin, xmax, ymin, ymax)``; ``None``: the first figure's real samples plus a
+            margin, then fixed so that frames compare (fakes outside are counted in the
+            legend).
         every_n_steps: drawing interval in optimizer steps; ``None``: ``log_every_n_steps``.
         seed: seed of the fixed latents.
         max_grad_norm: the top of the gradient norm's colour scale (WGAN-GP's target 1 in the
@@ -261,8 +277,8 @@ class CriticLandscape(_FigureLogger):
         with eval_mode(critic, generator):
             with torch.no_grad():
                 fake = generator(self.latents.to(real.device, real.dtype))
-            if self.extent is None:
-                self.extent = _extent(torch.cat([real, fake]))
+            if self.extent is None:  # the data's, not the first (untrained) fakes'
+                self.extent = _extent(real)
             xs = torch.linspace(*self.extent[:2], self.resolution, dtype=real.dtype)
             ys = torch.linspace(*self.extent[2:], self.resolution, dtype=real.dtype)
             grid_y, grid_x = torch.meshgrid(ys, xs, indexing="ij")

@@ -15,13 +15,16 @@ from gradreg.lightning.callbacks._logging import (
     tensorboard,
     warn_without_tensorboard,
 )
+from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.callbacks._probe import eval_mode
-from gradreg.lightning.dashboards import SAMPLES
+from gradreg.lightning.dashboards import SAMPLES, figure_title, samples_figure
 
 
 class SampleGrid(pl.Callback):
-    """Images ``G(z)`` of ``num_samples`` latents fixed at fit start (seeded), one grid, tag
-    ``samples``, every ``every_n_steps`` optimizer steps (``None``: ``log_every_n_steps``).
+    """Images ``G(z)`` of ``num_samples`` latents fixed at fit start (seeded), one grid with gaps
+    between the images and the step and the penalties' weights above it
+    (:func:`~gradreg.lightning.dashboards.samples_figure`), tag ``samples``, every
+    ``every_n_steps`` optimizer steps (``None``: ``log_every_n_steps``).
 
     Expects ``pl_module.generator`` (latents ``[N, latent_dim]`` to images ``[N, C, H, W]`` in
     [0, 1]; values outside are clipped) and ``pl_module.latent_dim``, as :class:`~gradreg.
@@ -64,5 +67,8 @@ class SampleGrid(pl.Callback):
         if images.ndim != 4:
             raise ValueError(f"SampleGrid shows images, [N, C, H, W]; the generator made shape "
                              f"{list(images.shape)}.")
-        writer.add_images(SAMPLES, images.clamp(0, 1).float().cpu(), step)
+        images = images.clamp(0, 1).float().cpu().permute(0, 2, 3, 1)
+        images = images[..., 0] if images.shape[-1] == 1 else images
+        title = figure_title(step, penalty_weights(pl_module))
+        writer.add_figure(SAMPLES, samples_figure(images.numpy(), title=title), step, close=True)
         self._steps = step, step
