@@ -14,7 +14,8 @@ reaches them carries a zero); a nonzero entry there proves that another sample's
 on sample 0's input. It needs two samples in the forward it probes, a first-order backward, and
 costs one backward of the batch where the penalty's own graph is at hand (one forward more where
 it is not: :func:`probe_independent_samples`, under the replayed random state, so the generators
-do not move); the methods run it on their first call only. A coupling that does not pass through
+do not move, and with a module's buffers restored after it); the methods run it on their first
+call only. A coupling that does not pass through
 the graph (a batch statistic computed under ``no_grad`` or detached) is not seen.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
@@ -59,11 +60,23 @@ def probe_independent_samples(fn: Callable[..., Tensor | Sequence[Tensor]],
                               points: Sequence[Tensor], what: str,
                               args: Sequence[Tensor] = ()) -> None:
     """:func:`check_independent_samples` of ``fn(*points, *args)`` run once more at detached
-    copies of the points, from the current random state, which it leaves unchanged."""
+    copies of the points, from the current random state, which it leaves unchanged. Where
+    ``fn`` is a module (or a method of one), the buffers that forward changed are restored
+    (BatchNorm's running statistics and ``num_batches_tracked``, spectral normalization's
+    vectors)."""
     leaves = tuple(x.detach().requires_grad_() for x in points)
-    with torch.enable_grad(), RandomState.capture(*points).replayed():
-        outputs = fn(*leaves, *args)
-    check_independent_samples(outputs, leaves, what)
+    owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+    buffers = list(owner.buffers()) if isinstance(owner, nn.Module) else []
+    saved = [b.clone() for b in buffers]
+    try:
+        with torch.enable_grad(), RandomState.capture(*points).replayed():
+            outputs = fn(*leaves, *args)
+        check_independent_samples(outputs, leaves, what)
+    finally:  # only those that changed: the others may be saved for the caller's backward
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
 
 def _coupled_message(what: str, outputs: list[Tensor]) -> str:

@@ -43,7 +43,7 @@ from gradreg.autograd import GradientError
 __all__ = ["RandomState", "Replaying", "SharedForward"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RandomState:
     """The state of torch's global generators at one moment: the CPU's, and that of each
     accelerator device in ``devices`` (of type ``device_type``)."""
@@ -90,7 +90,7 @@ class RandomState:
             yield
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SharedForward:
     """A per-sample function whose forward at ``points`` already ran (the task's forward):
     called on ``points`` itself (the same tensor object) it hands back ``outputs``, elsewhere it

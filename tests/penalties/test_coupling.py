@@ -166,6 +166,19 @@ def test_probe_leaves_the_generators_and_running_statistics_unchanged() -> None:
         assert torch.equal(mine, then)
 
 
+def test_a_refused_probe_leaves_batchnorms_running_statistics_as_they_were() -> None:
+    """The Hessian penalty's probe runs a forward of its own: refusing BatchNorm in training
+    mode, it restores the running statistics and the counter that forward updated."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                              nn.Linear(8, 3)).to(F64)
+    before = {k: v.clone() for k, v in generator.state_dict().items()}
+    with pytest.raises(GradientError, match="kind='hessian' .*BatchNorm in training mode"):
+        make_penalty("hessian")(generator, torch.randn(8, 2, dtype=F64))
+    for key, value in generator.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
 def test_check_independent_samples_reads_exact_zeros() -> None:
     """One backward of samples 1.. to the points: zero rows of sample 0 for a per-sample map,
     a nonzero one as soon as sample 0 reaches another sample's output."""
