@@ -67,11 +67,13 @@ class VisionTransformer(nn.Module):
 
 
 class ViTCritic(VisionTransformer):
-    """A critic ``[B, C, S, S] -> [B, 1]`` (:class:`VisionTransformer` with one output)."""
+    """A critic ``[B, C, S, S] -> [B, 1]`` (:class:`VisionTransformer` with one output), taking
+    :class:`~gradreg.models.DCGANCritic`'s ``shape`` (``[C, S, S]``) and ``width`` (the token
+    width ``dim``), so a GAN config swaps one for the other by its ``_target_``."""
 
-    def __init__(self, *, image_shape: Sequence[int] = (1, 16, 16), patch: int = 4,
-                 dim: int = 32, depth: int = 2, heads: int = 4, mlp_ratio: float = 2.0) -> None:
-        super().__init__(1, image_shape=image_shape, patch=patch, dim=dim, depth=depth,
+    def __init__(self, shape: Sequence[int] = (1, 16, 16), width: int = 32, *, patch: int = 4,
+                 depth: int = 2, heads: int = 4, mlp_ratio: float = 2.0) -> None:
+        super().__init__(1, image_shape=shape, patch=patch, dim=width, depth=depth,
                          heads=heads, mlp_ratio=mlp_ratio)
 
 

@@ -51,8 +51,8 @@ def sizes(quick: bool, suite: str) -> dict:
 
 def critic_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str, Step]]:
     torch.manual_seed(0)
-    critic = ViTCritic(image_shape=size["image"], patch=size["patch"], dim=size["dim"],
-                       depth=size["depth"], heads=size["heads"]).to(device)
+    critic = ViTCritic(size["image"], size["dim"], patch=size["patch"], depth=size["depth"],
+                       heads=size["heads"]).to(device)
     real = torch.rand(size["batch"], *size["image"], device=device)
     fake = torch.rand(size["batch"], *size["image"], device=device)
     r1, approx = presets.r1(10.0), presets.approx_r1(10.0)

@@ -54,7 +54,7 @@ def test_a_classifier_step_through_attention_equals_the_math_backend(name: str) 
 
 def test_the_critic_phase_routes_only_the_forward_r1_differentiates() -> None:
     torch.manual_seed(0)
-    critic = ViTCritic(image_shape=(1, 8, 8), patch=4, dim=8, heads=2).double()
+    critic = ViTCritic((1, 8, 8), 8, patch=4, heads=2).double()
     generator = nn.Sequential(nn.Linear(2, 64), nn.Unflatten(1, (1, 8, 8))).double()
     real = torch.rand(4, 1, 8, 8, dtype=torch.float64)
 
@@ -75,7 +75,7 @@ def test_the_critic_phase_routes_only_the_forward_r1_differentiates() -> None:
 
 def test_the_critic_forward_at_fakes_keeps_the_fused_kernel() -> None:
     torch.manual_seed(0)
-    critic = ViTCritic(image_shape=(1, 8, 8), patch=4, dim=8, heads=2)
+    critic = ViTCritic((1, 8, 8), 8, patch=4, heads=2)
     seen = []
     critic.register_forward_hook(lambda m, args, out: seen.append(out))
     generator = nn.Sequential(nn.Linear(2, 64), nn.Unflatten(1, (1, 8, 8)))

@@ -24,7 +24,7 @@ def test_patches_are_the_image_tiles_in_row_major_order() -> None:
 
 def test_shapes_and_the_embedding_layer() -> None:
     classifier = TransformerClassifier(10, image_shape=(1, 8, 8), patch=2, dim=16, heads=2)
-    critic = ViTCritic(image_shape=(1, 16, 16), patch=4, dim=16, heads=2)
+    critic = ViTCritic((1, 16, 16), 16, patch=4, heads=2)
     x = torch.rand(3, 1, 8, 8)
     with capture(classifier, "embed") as activations:
         assert classifier(x).shape == (3, 10)
