@@ -201,7 +201,10 @@ class GradientPenalty(nn.Module):
         """Advance the lazy counter one step; True on the steps where the penalty is computed.
 
         Call once per training step and compute the penalty only when it returns True: on the
-        other ``every - 1`` steps nothing is computed, no graph is built. The decision is taken
+        other ``every - 1`` steps nothing is computed, no graph is built. With ``every > 1`` a
+        call of the penalty is refused unless the latest ``due()`` returned True (the value is
+        scaled by ``every``: computed on every step it would be ``every`` times too large); it
+        may be called more than once on a due step (micro-batches). The decision is taken
         on a Python integer (no device sync on a GPU); the ``step`` buffer is written to, not
         read, and a loaded state dict sets the integer again.
         """
