@@ -56,6 +56,8 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 from train_app import hydra_compat, run_names, runtime, sweeps  # noqa: F401 (run_names: folder resolvers)
 from train_app.checks import (
@@ -67,9 +69,16 @@ from train_app.checks import (
     hydra_error,
     resolve_checkpoint,
 )
-from train_app.resume import ResumedWeights, weight_overrides
+from train_app.resume import (
+    ResumedWeights,
+    check_fresh_output,
+    checkpoint_of,
+    exit_preempted,
+    weight_overrides,
+)
 
 from gradreg import GradientError, NonFiniteError
+from gradreg.lightning.checkpoint import CheckpointSaveError, PreemptionCheckpoint
 
 
 def build(cfg: DictConfig, resuming: bool = False
@@ -93,6 +102,9 @@ def build(cfg: DictConfig, resuming: bool = False
     if resuming:
         explicit = weight_overrides(HydraConfig.get().overrides.task, cfg.penalty.name)
         callbacks.append(ResumedWeights({k: p.weight for k, p in penalties.items()}, explicit))
+    if not cfg.trainer.get("fast_dev_run"):  # SIGTERM (preemption) saves where training stands
+        callbacks.append(PreemptionCheckpoint(Path(cfg.paths.output_dir, "checkpoints",
+                                                   "last.ckpt")))
     with building("trainer"):
         trainer = instantiate(
             cfg.trainer, logger=loggers or False, callbacks=callbacks,
@@ -100,6 +112,8 @@ def build(cfg: DictConfig, resuming: bool = False
                                           not model.automatic_optimization,
                                           cfg.data.get("global_batch", False)),
             enable_progress_bar=runtime.progress_bar(cfg.trainer.get("enable_progress_bar")),
+            # checkpoints are the callbacks' (callbacks=none: none), not Lightning's default
+            enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
             use_distributed_sampler=not cfg.data.get("global_batch", False))
         runtime.check_launcher(trainer)
     if cfg.data.get("global_batch", False):
@@ -134,11 +148,14 @@ def main(cfg: DictConfig) -> float | None:
         output_dir = None if fast_dev_run else Path(cfg.paths.output_dir)
         if output_dir is not None:
             check_writable(output_dir)
+            check_fresh_output(output_dir, resuming=cfg.get("ckpt_path") is not None)
         ckpt_path = resolve_checkpoint(cfg.get("ckpt_path"), Path(cfg.paths.runs),
                                        Path(cfg.paths.output_dir))
         runtime.configure(cfg.get("threads"))
         L.seed_everything(cfg.seed, workers=True)
         datamodule, model, trainer = build(cfg, resuming=ckpt_path is not None)
+        ckpt_path = checkpoint_of(model, ckpt_path, cfg.get("ckpt_path") == "last",
+                                  Path(cfg.paths.runs), Path(cfg.paths.output_dir))
         if ckpt_path is not None and trainer.is_global_zero:
             print(f"resuming from {ckpt_path}", flush=True)
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -154,11 +171,13 @@ def main(cfg: DictConfig) -> float | None:
         print(f"error: training diverged, this trial fails and the search goes on: {error}",
               file=sys.stderr, flush=True)
         raise sweeps.DivergedTrial(str(error)) from None
-    except (ConfigError, GradientError) as error:  # ours: say what to change, in one line
+    except SIGTERMException:  # preempted: PreemptionCheckpoint saved the run
+        exit_preempted(trainer, HydraConfig.get().overrides.task)
+    except (ConfigError, GradientError, CheckpointSaveError) as error:  # say what to do, 1 line
         exit_with(error)
 
 
-def exit_with(error: ConfigError | GradientError) -> NoReturn:
+def exit_with(error: ConfigError | GradientError | CheckpointSaveError) -> NoReturn:
     """End the run with status 2 and one line on stderr (``HYDRA_FULL_ERROR=1``: raise)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error

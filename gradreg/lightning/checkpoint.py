@@ -11,7 +11,9 @@ continues exactly as the uninterrupted run (same parameters, buffers, metrics) w
 * the checkpoint was taken at an epoch boundary, or the data loader is stateful: a plain
   ``DataLoader`` restarts its epoch from the first batch on resume.
 
-:class:`AtomicCheckpointIO` makes sure a checkpoint on disk is always a complete one.
+:class:`AtomicCheckpointIO` makes sure a checkpoint on disk is always a complete one, and that a
+save that fails (a full disk) says which file in one message (:class:`CheckpointSaveError`).
+:class:`PreemptionCheckpoint` saves the run when a cluster preempts it (``SIGTERM``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,20 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["AtomicCheckpointIO", "RandomState"]
+__all__ = ["AtomicCheckpointIO", "CheckpointSaveError", "PreemptionCheckpoint", "RandomState"]
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (``errno`` and ``strerror`` those of the failure, e.g.
+    ENOSPC); the file at ``filename`` is the previous checkpoint, intact, or absent."""
+
+    def __str__(self) -> str:
+        return (f"could not save the checkpoint {self.filename} ({self.strerror}); the previous "
+                "checkpoint there, if any, is intact: free space or choose another "
+                "paths.output_dir, then resume from the last complete checkpoint")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -37,7 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     disk (``fsync``) and renamed over the destination with ``os.replace``, which POSIX makes
     atomic within one file system. A process killed at any point of a save leaves the previous
     checkpoint at ``path`` intact (at worst a stray ``.*.tmp`` file, which no checkpoint pattern
-    matches); a save that raises removes its temporary file. Use it as
+    matches); a save that raises removes its temporary file, and an ``OSError`` (a full disk:
+    ENOSPC) is raised as a :class:`CheckpointSaveError` naming ``path``. Use it as
     ``Trainer(plugins=[AtomicCheckpointIO()])``. The file gets the mode a plain ``open()`` would
     give it (0666 less the umask), not the temporary file's 0600. (Lightning's own save writes
     through an ``fsspec`` transaction whose temporary file lives in the system temp dir; across
@@ -63,6 +78,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, path)
+        except OSError as error:
+            Path(temporary).unlink(missing_ok=True)
+            raise CheckpointSaveError(error.errno, error.strerror or str(error), str(path)
+                                      ) from error
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
@@ -116,3 +135,27 @@ class RandomState(pl.Callback):
         torch.set_rng_state(state_dict["torch"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state_dict["cuda"])
+
+
+class PreemptionCheckpoint(pl.Callback):
+    """Save a resumable checkpoint at ``path`` when training stops on ``SIGTERM`` (a cluster's
+    preemption), and remember it in :attr:`saved`.
+
+    Lightning turns a ``SIGTERM`` into a ``SIGTERMException`` (a ``SystemExit``) at the next
+    batch; on every rank, before the trainer tears down, this saves the state of that step
+    (parameters, optimizer, loops, callbacks such as :class:`RandomState`) with
+    ``trainer.save_checkpoint``, which writes from rank 0 only. Resumed from it, a run continues
+    from the step it reached; the interrupted epoch's remaining steps take a new pass of a plain
+    ``DataLoader`` (not the batches the uninterrupted run would have taken, see module docstring).
+    A ``SIGTERM`` outside ``fit`` (in ``test``) saves nothing: training has ended.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.saved: Path | None = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == TrainerFn.FITTING:
+            trainer.save_checkpoint(self.path, weights_only=False)
+            self.saved = self.path

@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,7 +44,12 @@ from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.loss_terms import TASK, record_terms
-from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
+from gradreg.lightning.penalized import (
+    OptimizerFactory,
+    PenalizedModule,
+    check_penalties,
+    settle_finite_checks,
+)
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty, RandomState, SharedForward, as_points
 from gradreg.penalties.param_gradient import LossAt
@@ -58,7 +62,7 @@ INFERENCE_MODE_ERROR = (
 )
 
 
-class Classifier(L.LightningModule):
+class Classifier(PenalizedModule):
     """Cross-entropy classification of ``backbone(x)`` plus the penalties (see module docstring).
 
     Args:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from functools import partial
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 
@@ -31,7 +30,12 @@ from gradreg.evaluation.sample_quality import SampleScorer
 from gradreg.lightning.compat import attached_trainer
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.loss_terms import TASK, record_terms
-from gradreg.lightning.penalized import OptimizerFactory, check_penalties, settle_finite_checks
+from gradreg.lightning.penalized import (
+    OptimizerFactory,
+    PenalizedModule,
+    check_penalties,
+    settle_finite_checks,
+)
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GradientPenalty
 
@@ -39,7 +43,7 @@ from gradreg.penalties import GradientPenalty
 DEFAULT_OPTIMIZER = partial(torch.optim.Adam, lr=1e-4, betas=(0.5, 0.9))
 
 
-class GAN(L.LightningModule):
+class GAN(PenalizedModule):
     """Generator ``G: latent -> data`` and critic ``D: data -> [B, 1]`` with penalties.
 
     The data are 2D points or images (``[B, C, S, S]``, e.g. :class:`~gradreg.models.DCGANGenerator`

@@ -158,7 +158,8 @@ def check_writable(output_dir: Path) -> None:
     except OSError as error:
         raise ConfigError(
             f"paths.output_dir: cannot write to {str(output_dir)!r} ({error.strerror or error}); "
-            "choose a folder you can write, e.g. paths.output_dir=outputs/my_run"
+            "choose a folder you can write: a new paths.output_dir=<folder>, or "
+            "paths.runs=<folder> (a new folder under it for every run)"
         ) from error
 
 

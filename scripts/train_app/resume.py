@@ -1,4 +1,6 @@
-"""Resuming a run: which penalty weights apply when the command line and the checkpoint differ.
+"""Resuming a run: the checkpoint it resumes from (one of its own model and penalties), the
+folder a fresh run may write to, what a preempted run says, and which penalty weights apply when
+the command line and the checkpoint differ.
 
 A checkpoint restores each penalty's weight (its extra state). On resume, a weight given on the
 command line (``penalty.weight=5``, ``penalties.<name>.weight=...``) replaces the checkpoint's;
@@ -9,9 +11,27 @@ applies where the two differ. A ``PenaltyWeightSchedule`` still sets the weights
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import NoReturn
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from gradreg.lightning.checkpoint import PreemptionCheckpoint
+from gradreg.lightning.penalized import checkpoint_mismatch
+
+from .checks import ConfigError, resolve_checkpoint
+
+#: the exit status of a run stopped by SIGTERM (128 + 15, what a shell reports for it)
+PREEMPTED_STATUS = 143
+#: what a run leaves in its folder: a fresh run refuses a folder that holds any of them
+RUN_RESULTS = ("checkpoints/*.ckpt", "metrics.json")
 
 
 def weight_overrides(overrides: Iterable[str], penalty_name: str) -> set[str]:
@@ -49,3 +69,84 @@ class ResumedWeights(pl.Callback):
                 print(f"resume: penalty {name!r} weight {penalty.weight} from the checkpoint "
                       f"(the config says {weight}; set it on the command line to change it)",
                       flush=True)
+
+
+def check_fresh_output(output_dir: Path, resuming: bool) -> None:
+    """Raise ConfigError if ``output_dir`` holds another run's results (checkpoints,
+    metrics.json) and this run does not resume (``ckpt_path``): its checkpoints would mix with
+    the other run's and ``ckpt_path=<folder>`` would later resume the wrong one. Checked on the
+    first process only (the other DDP ranks re-run the script in rank 0's folder)."""
+    if resuming or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    found = sorted({pattern.split("/")[0] for pattern in RUN_RESULTS if any(
+        output_dir.glob(pattern))})
+    if found:
+        raise ConfigError(
+            f"paths.output_dir: {str(output_dir)!r} holds another run's results "
+            f"({', '.join(found)}); every run writes to a folder of its own: leave "
+            "paths.output_dir unset (a new folder under paths.runs), choose a new folder, or "
+            f"continue that run with ckpt_path={output_dir}")
+
+
+def checkpoint_of(model: nn.Module, path: Path | None, last: bool, runs_root: Path,
+                  output_dir: Path) -> Path | None:
+    """The checkpoint ``model`` resumes from: ``path`` (resolved by ``resolve_checkpoint``; None:
+    a fresh run), checked to be of the model's module and penalties
+    (:func:`~gradreg.lightning.penalized.checkpoint_mismatch`).
+
+    ``last`` (``ckpt_path=last``, ``path`` the newest ``checkpoints/last.ckpt`` under
+    ``runs_root``): the newest of those, other than the current run's (``output_dir``), of the
+    same module and penalties; the checkpoints of other experiments are passed over, and where
+    every one is of another model the error names the newest."""
+    if path is None:
+        return None
+    if not last:
+        mismatch = checkpoint_mismatch(_load(path), model)
+        if mismatch is not None:
+            raise ConfigError(f"ckpt_path: {str(path)!r} is {mismatch}: resume with the model "
+                              "and penalties of that run, or train without ckpt_path")
+        return path
+    candidates = sorted((p for p in runs_root.glob("**/checkpoints/last.ckpt")
+                         if output_dir.resolve() not in p.resolve().parents),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+    mismatches = []
+    for candidate in candidates:
+        candidate = resolve_checkpoint(str(candidate), runs_root, output_dir)
+        mismatch = checkpoint_mismatch(_load(candidate), model)
+        if mismatch is None:
+            return candidate
+        mismatches.append((candidate, mismatch))
+    newest, mismatch = mismatches[0]
+    raise ConfigError(
+        f"ckpt_path: 'last' resumes the newest run of this model and penalties, and none of the "
+        f"{len(candidates)} checkpoints/last.ckpt under {str(runs_root)!r} is one (the newest, "
+        f"{str(newest)!r}, is {mismatch}); pass the checkpoint to resume, with the model and "
+        "penalties of its run")
+
+
+def _load(path: Path) -> dict:
+    """A checkpoint's contents, its tensors mapped from the file rather than read."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+def resume_command(overrides: Iterable[str], checkpoint: Path) -> str:
+    """The command line that continues a run started with ``overrides`` from ``checkpoint``."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    return shlex.join(["python", "scripts/train.py", *kept, f"ckpt_path={checkpoint}"])
+
+
+def exit_preempted(trainer: pl.Trainer, overrides: Iterable[str]) -> NoReturn:
+    """End a run stopped by SIGTERM with status :data:`PREEMPTED_STATUS` and one line on stderr
+    (from rank 0): the checkpoint saved and the command that resumes from it."""
+    saved = next((c.saved for c in trainer.callbacks
+                  if isinstance(c, PreemptionCheckpoint) and c.saved), None)
+    if saved is None:  # stopped in test (training had ended) or without an output folder
+        checkpoint = trainer.checkpoint_callback
+        last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.last_model_path
+        saved = Path(last) if last else None
+    if trainer.is_global_zero:
+        where = (f"saved {saved}; resume with: {resume_command(overrides, saved)}" if saved
+                 else "no checkpoint was saved")
+        print(f"error: stopped by SIGTERM at epoch {trainer.current_epoch} step "
+              f"{trainer.global_step}: {where}", file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_STATUS)

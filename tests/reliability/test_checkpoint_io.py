@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from gradreg.lightning.checkpoint import AtomicCheckpointIO
+from gradreg.lightning.checkpoint import AtomicCheckpointIO, CheckpointSaveError
 
 GOOD = {"state_dict": {"w": torch.arange(4.0)}, "global_step": 7}
 
@@ -39,6 +40,29 @@ def test_failed_save_keeps_the_previous_checkpoint_and_no_temporary(tmp_path: Pa
     bad = {"state_dict": {"w": torch.zeros(10_000)}, "broken": FailsWhenPickled()}
     with pytest.raises(RuntimeError, match="simulated crash mid-save"):
         io.save_checkpoint(bad, path)
+    assert_good(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+class FillsTheDisk:
+    """A disk that fills up in the middle of serialization: ``write`` raises ENOSPC."""
+
+    def __reduce__(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_is_a_save_error_naming_the_file_and_keeps_the_previous(
+        tmp_path: Path) -> None:
+    """Before: a bare OSError traceback out of the fit."""
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(GOOD, path)
+    with pytest.raises(CheckpointSaveError) as error:
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(10_000)}, "x": FillsTheDisk()}, path)
+    assert isinstance(error.value, OSError) and error.value.errno == errno.ENOSPC
+    assert str(error.value).startswith(
+        f"could not save the checkpoint {path} (No space left on device); the previous "
+        "checkpoint there, if any, is intact")
     assert_good(path)
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
