@@ -38,6 +38,7 @@ __all__ = [
     "batchnorm_node_in_training",
     "created_by_a_backward",
     "dynamo_supported",
+    "dtensor_type",
     "fsdp_group_mesh_ndim",
     "fsdp_group_name",
     "fsdp_group_of_node",
@@ -174,6 +175,19 @@ def fsdp_module_type() -> type | None:
         except ImportError:
             return None
     return FSDPModule
+
+
+def dtensor_type() -> type | None:
+    """The class of FSDP2's sharded parameters (``DTensor``): public from torch 2.5, private in
+    2.4; None where this torch has none."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
 
 
 def _fsdp_state(module: nn.Module) -> Any:

@@ -24,6 +24,7 @@ from gradreg.torch_compat import (
     attention_in_functional,
     batchnorm_node_in_training,
     created_by_a_backward,
+    dtensor_type,
     dynamo_supported,
     fsdp_group_mesh_ndim,
     fsdp_group_name,
@@ -280,3 +281,8 @@ def test_a_compiled_regions_autograd_node_has_its_name() -> None:
     y = model(torch.randn(2, 3, requires_grad=True))
     assert COMPILED_NODE in walk_backward_graph([y]).names(), moved(
         f"the autograd node {COMPILED_NODE!r} of a torch.compile'd region")
+
+
+def test_fsdp2s_parameters_are_dtensors(sharded: dict) -> None:
+    parameter = next(sharded["model"].parameters())
+    assert isinstance(parameter, dtensor_type()), moved("DTensor as FSDP2's parameter class")

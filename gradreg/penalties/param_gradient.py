@@ -42,12 +42,12 @@ from gradreg.graph import walk_backward_graph
 from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.torch_compat import COMPILED_NODE
+from gradreg.torch_compat import COMPILED_NODE, dtensor_type
 
 if TYPE_CHECKING:
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
 
-__all__ = ["LossAt", "ParameterFiniteDifference"]
+__all__ = ["LossAt", "ParameterFiniteDifference", "check_unsharded"]
 
 
 class LossAt:
@@ -67,6 +67,17 @@ class LossAt:
         return self.fn()
 
 
+def check_unsharded(params: tuple[Tensor, ...]) -> None:
+    """Refuse FSDP2-sharded parameters (DTensors): their shift and the norm of their gradient
+    would need the shards' collectives."""
+    sharded = dtensor_type()
+    if sharded is not None and any(isinstance(p, sharded) for p in params):
+        raise GradientError(
+            "param_grad_norm by method='finite_difference' is not offered on FSDP2-sharded "
+            "(fully_shard) parameters. Use method='double_backward' (exact) inside "
+            "`with gradreg.sharding.penalty_step(module):`.")
+
+
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -84,6 +95,8 @@ class ParameterFiniteDifference:
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         params = call.inputs
+        if self._shares is None:
+            check_unsharded(params)
         loss = getattr(call.fn, "loss", None)
         if loss is not None and self._shares is None:
             # a compiled region's backward donates its buffers (no retain_graph): its loss is

@@ -141,3 +141,14 @@ def test_on_fused_attention_it_approaches_the_exact_form_as_r_shrinks() -> None:
     # linear in r: 1.5e-4 of |exact| (26.2) at r = 1e-5
     assert errors[0] / errors[1] == pytest.approx(10, rel=0.01)
     assert errors[1] == pytest.approx(384e-5, rel=0.01)
+
+
+def test_fsdp2_sharded_parameters_are_refused_with_the_exact_alternative() -> None:
+    from tests.one_rank_fsdp import one_rank, shard
+
+    model, x, y = problem()
+    with one_rank() as mesh:
+        sharded = shard(model, mesh)
+        penalty = presets.param_grad_norm(1.0, method="finite_difference")
+        with pytest.raises(GradientError, match="penalty_step"):
+            penalty(LossAt(lambda: F.cross_entropy(sharded(x), y)), list(sharded.parameters()))
