@@ -51,7 +51,7 @@ from gradreg.lightning.penalized import (
     settle_finite_checks,
 )
 from gradreg.lightning.precision import loss_scale
-from gradreg.penalties import GradientPenalty, RandomState, SharedForward, as_points
+from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
 from gradreg.penalties.param_gradient import LossAt
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
@@ -137,7 +137,7 @@ class Classifier(PenalizedModule):
         # a penalty that differentiates this forward's graph twice needs attention with a
         # double backward; without one due, the task loss keeps the fused kernels
         shared = any(not gp.needs_callable for gp in due.values())
-        state = RandomState.capture(x)  # replayed where a penalty runs the model at other points
+        state = GeneratorState.capture(x)  # replayed where a penalty runs the model at other points
         with (differentiable_attention() if shared else nullcontext(),
               capture(self.backbone, *layers) if layers else nullcontext({}) as activations):
             logits = self.backbone(x)
@@ -165,7 +165,7 @@ class Classifier(PenalizedModule):
 
     def _outputs(
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
-        state: RandomState,
+        state: GeneratorState,
     ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
         """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
         and the callable's per-sample arguments besides the inputs (the labels).

@@ -46,8 +46,8 @@ from torch import Tensor, nn
 
 from gradreg.attention import differentiable_attention
 from gradreg.penalties import (
+    GeneratorState,
     GradientPenalty,
-    RandomState,
     SharedForward,
     as_points,
     interpolate,
@@ -126,7 +126,7 @@ class GANLoss:
         samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
         scores, states = {}, {}
         for k, v in samples.items():  # attention with a double backward where R1/R2 shares it
-            states[k] = RandomState.capture(v)  # replayed by a perturbation estimate's forwards
+            states[k] = GeneratorState.capture(v)  # replayed by a perturbation estimate's forwards
             with differentiable_attention() if k in shared else nullcontext():
                 scores[k] = self.critic(v)
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}

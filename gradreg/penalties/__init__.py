@@ -33,15 +33,15 @@ from gradreg.penalties.presets import (
     wgan_gp,
     wgan_lp,
 )
-from gradreg.penalties.randomness import RandomState, SharedForward
+from gradreg.penalties.randomness import GeneratorState, SharedForward
 
 __all__ = [
     "METHODS",
     "POINTS",
     "PRESETS",
+    "GeneratorState",
     "GradientPenalty",
     "PenaltyConfig",
-    "RandomState",
     "SharedForward",
     "approx_r1",
     "approx_r2",

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
-from gradreg.penalties.randomness import RandomState
+from gradreg.penalties.randomness import GeneratorState
 from gradreg.torch_compat import batchnorm_node_in_training
 
 __all__ = ["check_independent_samples", "probe_independent_samples"]
@@ -69,7 +69,7 @@ def probe_independent_samples(fn: Callable[..., Tensor | Sequence[Tensor]],
     buffers = list(owner.buffers()) if isinstance(owner, nn.Module) else []
     saved = [b.clone() for b in buffers]
     try:
-        with torch.enable_grad(), RandomState.capture(*points).replayed():
+        with torch.enable_grad(), GeneratorState.capture(*points).replayed():
             outputs = fn(*leaves, *args)
         check_independent_samples(outputs, leaves, what)
     finally:  # only those that changed: the others may be saved for the caller's backward

@@ -53,7 +53,7 @@ from torch.func import jvp
 from gradreg.autograd import GradientError
 from gradreg.penalties.checks import model_without_in_place_updates
 from gradreg.penalties.precision import check_difference_rounding
-from gradreg.penalties.randomness import RandomState, Replaying, SharedForward
+from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
 __all__ = ["HESSIAN_METHODS", "HESSIAN_REDUCTIONS", "hessian_penalty", "rademacher",
            "second_directional_derivatives"]
@@ -129,7 +129,7 @@ def hessian_penalty(
     outputs: Outputs | None = None,
     directions: Tensor | None = None,
     generator: torch.Generator | None = None,
-    random_state: RandomState | None = None,
+    random_state: GeneratorState | None = None,
 ) -> Tensor:
     r"""The Hessian penalty of ``fn`` at ``z`` (module docstring), a differentiable scalar.
 

@@ -70,7 +70,7 @@ from gradreg.penalties.precision import (
     default_step,
     unit_roundoff,
 )
-from gradreg.penalties.randomness import RandomState, SharedForward
+from gradreg.penalties.randomness import GeneratorState, SharedForward
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -189,7 +189,7 @@ class InChunks:
 
         def penalty_of_points(xs: tuple[Tensor, ...], args: tuple[Tensor, ...]) -> Tensor:
             nonlocal watch
-            state, watch = RandomState.capture(*xs) if watch else None, False
+            state, watch = GeneratorState.capture(*xs) if watch else None, False
             with differentiable_attention():
                 outputs = call.fn(*xs, *args)
             check_not_compiled(outputs)

@@ -61,7 +61,7 @@ from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.precision import check_difference_rounding
-from gradreg.penalties.randomness import RandomState, Replaying, SharedForward
+from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
 __all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
 
@@ -78,7 +78,7 @@ def perturbation_sq_norms(
     central: bool = False,
     probes: int = 1,
     generator: torch.Generator | None = None,
-    random_state: RandomState | None = None,
+    random_state: GeneratorState | None = None,
     check_samples: bool = True,
 ) -> Tensor:
     r"""Per-sample estimates of :math:`\lVert \partial f(x_i)/\partial x_i \rVert_F^2`, shape [B].
@@ -88,8 +88,8 @@ def perturbation_sq_norms(
     the estimate is of the norm over all of them). ``outputs``: ``fn(*inputs)`` where the caller
     already computed it (the critic's scores of the reals for its loss), to share that forward;
     it is not used with ``central=True``; ``random_state``: the random state that forward began
-    with (:meth:`RandomState.capture <gradreg.penalties.randomness.RandomState.capture>` before
-    it), replayed by the perturbed forwards (needed where the model draws random numbers).
+    with (:meth:`~gradreg.penalties.randomness.GeneratorState.capture` before it), replayed by
+    the perturbed forwards (needed where the model draws random numbers).
     ``fn`` may also be a :class:`~gradreg.penalties.randomness.SharedForward` (outputs and state
     in one). ``sigma``: the probe's scale per element, > 0.
     ``probes``: probes per sample, averaged (each one forward of the batch, two when central).

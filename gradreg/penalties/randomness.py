@@ -40,11 +40,11 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 
-__all__ = ["RandomState", "Replaying", "SharedForward"]
+__all__ = ["GeneratorState", "Replaying", "SharedForward"]
 
 
 @dataclass(frozen=True, eq=False)
-class RandomState:
+class GeneratorState:
     """The state of torch's global generators at one moment: the CPU's, and that of each
     accelerator device in ``devices`` (of type ``device_type``)."""
 
@@ -54,7 +54,7 @@ class RandomState:
     accelerator: tuple[Tensor, ...]
 
     @classmethod
-    def capture(cls, *tensors: object) -> RandomState:
+    def capture(cls, *tensors: object) -> GeneratorState:
         """The state now, of the CPU and of the accelerator devices ``tensors`` live on (the
         points of a forward; objects other than tensors are ignored). No device sync: the
         states are read on the host."""
@@ -71,7 +71,7 @@ class RandomState:
     def moved(self) -> bool:
         """Whether the generators have drawn since this state (a forward since drew random
         numbers)."""
-        now = RandomState.capture()
+        now = GeneratorState.capture()
         if not torch.equal(now.cpu, self.cpu):
             return True
         module = torch.get_device_module(self.device_type) if self.devices else None
@@ -94,7 +94,7 @@ class RandomState:
 class SharedForward:
     """A per-sample function whose forward at ``points`` already ran (the task's forward):
     called on ``points`` itself (the same tensor object) it hands back ``outputs``, elsewhere it
-    runs ``fn``. ``state``: the random state that forward began with (:meth:`RandomState.capture`
+    runs ``fn``. ``state``: the random state that forward began with (:meth:`GeneratorState.capture`
     just before it), which a penalty replays for its other forwards; ``None`` where unknown
     (refused with a random model).
 
@@ -105,12 +105,12 @@ class SharedForward:
     fn: Callable[..., Tensor]
     points: Tensor
     outputs: Tensor
-    state: RandomState | None
+    state: GeneratorState | None
 
     @classmethod
     def run(cls, fn: Callable[..., Tensor], points: Tensor, *args: Tensor) -> SharedForward:
         """Capture the random state, then run ``fn(points, *args)``."""
-        state = RandomState.capture(points, *args)
+        state = GeneratorState.capture(points, *args)
         return cls(fn, points, fn(points, *args), state)
 
     def with_args(self, args: tuple[Tensor, ...]) -> SharedForward:
@@ -150,10 +150,10 @@ class Replaying:
     def __call__(self, *args: Tensor) -> Tensor:
         if isinstance(self.fn, SharedForward) and self.fn.shares(args):
             if self.state is None:
-                self.state = RandomState.capture(*args)
+                self.state = GeneratorState.capture(*args)
             return self.fn.outputs
         if self.state is None:
-            self.state = RandomState.capture(*args)
+            self.state = GeneratorState.capture(*args)
             outputs = self.fn(*args)
             self._reference_drew = self.state.moved()
             return outputs
@@ -168,7 +168,7 @@ class Replaying:
                         "the random state their forward began with: the other forwards could "
                         "not draw the same masks, and the result would measure the change of "
                         "mask. Pass the task's forward as gradreg.penalties.SharedForward("
-                        "model, x, outputs, RandomState.capture(x)) with the state captured "
+                        "model, x, outputs, GeneratorState.capture(x)) with the state captured "
                         "before it (or SharedForward.run(model, x)), let the penalty run the "
                         "model itself, or put the random layers in eval mode.")
                 self._later_checked = True

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import gradreg
 from gradreg import GradientError
-from gradreg.penalties import RandomState, make_penalty
+from gradreg.penalties import GeneratorState, make_penalty
 from gradreg.penalties.chunks import subsample
 from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
 
@@ -159,7 +159,7 @@ def test_probe_leaves_the_generators_and_running_statistics_unchanged() -> None:
                           nn.Linear(8, 1), nn.Flatten(0)).to(F64).train()
     model[2].eval()
     before = [b.clone() for b in model.buffers()]
-    state = RandomState.capture()
+    state = GeneratorState.capture()
     probe_independent_samples(model, (reals(),), "the test")
     assert not state.moved()
     for mine, then in zip(model.buffers(), before, strict=True):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradreg import GradientError
-from gradreg.penalties import RandomState, SharedForward, make_penalty
+from gradreg.penalties import GeneratorState, SharedForward, make_penalty
 from gradreg.penalties.hessian_penalty import hessian_penalty, rademacher
 from gradreg.penalties.perturbation import perturbation_sq_norms
 from gradreg.penalties.spectral_norm import spectral_norms
@@ -298,9 +298,9 @@ def test_the_generators_advance_as_for_one_forward() -> None:
 
 
 def test_random_state_capture_and_replay() -> None:
-    """RandomState: moved() says whether the generators drew; replayed() draws the same numbers
+    """GeneratorState: moved() says whether the generators drew; replayed() draws the same numbers
     and restores the generators."""
-    state = RandomState.capture(torch.zeros(1))
+    state = GeneratorState.capture(torch.zeros(1))
     assert not state.moved()
     first = torch.rand(4)
     assert state.moved()
