@@ -45,7 +45,11 @@ and weights what it returns. A new method needs no change here:
    per-sample outputs by double backward; ``of_gradients``: the penalty as a function of the
    per-sample input gradients), whose parameter gradient is the method's (a value computed
    ahead of the caller's backward reaches it through
-   :func:`~gradreg.penalties.chunks.with_gradients` or a zero-valued surrogate);
+   :func:`~gradreg.penalties.chunks.with_gradients` or a zero-valued surrogate); a method that
+   runs the model more than once per call runs every forward through one
+   :class:`~gradreg.penalties.randomness.Replaying` of ``call.forward()`` (one set of random
+   draws: dropout's mask) and probes coupled samples on its first call
+   (:mod:`~gradreg.penalties.coupling`);
 2. add its builder ``(config, penalty) -> method`` to
    :data:`~gradreg.penalties.methods.BUILDERS`: its name becomes a valid ``method``;
 3. state what it supports in :meth:`PenaltyConfig.__post_init__`: every method but
