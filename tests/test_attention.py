@@ -216,3 +216,47 @@ def test_multihead_attention_with_a_key_padding_mask() -> None:
     for got, want in zip(r1_parameter_gradient(differentiable_attention),
                          r1_parameter_gradient(math_backend), strict=True):
         torch.testing.assert_close(got, want)
+
+
+class FusedAttentionBlock(nn.Module):
+    """Attention as timm's ViT (``fused_attn``) and Hugging Face's ``"sdpa"`` implementation
+    write it: ``F.scaled_dot_product_attention`` called directly on projected heads."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, causal: bool = False) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return self.proj(out.transpose(1, 2).reshape(b, n, d).tanh()).mean(dim=(1, 2))
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "float_mask"])
+def test_a_direct_call_of_the_functional_attention_is_routed(kind: str) -> None:
+    torch.manual_seed(0)
+    block = FusedAttentionBlock(causal=kind == "causal").double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    # Hugging Face's padding mask: 0 where a key is kept, a large negative number where not
+    mask = None if kind != "float_mask" else torch.zeros(3, 1, 1, 5, dtype=torch.float64)
+    if mask is not None:
+        mask[1, ..., 3:] = torch.finfo(torch.float64).min
+
+    def r1(context) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        block.zero_grad(set_to_none=True)
+        points = x.clone().requires_grad_()
+        with context():
+            scores = block(points, mask)
+        value = presets.r1(10.0)(scores, points)
+        value.backward()
+        return value.detach(), [p.grad.clone() for p in block.parameters()
+                                if p.grad is not None]
+
+    value, grads = r1(differentiable_attention)
+    expected_value, expected = r1(math_backend)
+    torch.testing.assert_close(value, expected_value)
+    assert len(grads) == len(expected) > 0
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
