@@ -81,8 +81,9 @@ class PenaltyConfig:
             piecewise-linear models) or ``"compiled"`` (exact, through compiled ``torch.func``;
             falls back to double backward with a warning). The two latter need ``outputs`` as a
             callable; see :mod:`gradreg.penalties.methods`.
-        subsample: evaluate on the first ``ceil(subsample * B)`` samples only (StyleGAN2's batch
-            shrink; needs ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
+        subsample: evaluate on the first ``max(2, ceil(subsample * B))`` samples only
+            (StyleGAN2's batch shrink; two at least, so that coupled samples show; needs
+            ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
         chunks: build and differentiate the penalty ``chunks`` micro-batches at a time
             (:func:`~gradreg.penalties.chunks.in_chunks`): the same gradient, about
             ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
