@@ -26,7 +26,7 @@ elsewhere without their state is refused once a later forward turns out to draw 
 Not replayed: generators other than torch's global ones (a ``torch.Generator`` of the model's
 own, Python's ``random``, NumPy). A forward on another part of the batch draws other numbers for
 the same sample: the chunked penalty refuses models that draw
-(:func:`~gradreg.penalties.chunks.in_chunks`).
+(:class:`~gradreg.penalties.methods.InChunks`).
 """
 
 from __future__ import annotations
