@@ -31,11 +31,12 @@ def require(extra: str, needed_by: str, *modules: str) -> None:
     ``needed_by`` imports is not installed, e.g.::
 
         gradreg.lightning needs lightning, tensorboard, which are not installed:
-        pip install 'gradreg[lightning]'
+        pip install 'gradreg[lightning]' (in a checkout: pip install -e '.[lightning]')
 
     (one line)."""
     missing = [DISTRIBUTIONS.get(module, module) for module in modules if not installed(module)]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise ImportError(f"{needed_by} needs {', '.join(missing)}, which {verb} not installed: "
-                          f"pip install 'gradreg[{extra}]'")
+                          f"pip install 'gradreg[{extra}]' (in a checkout: pip install -e "
+                          f"'.[{extra}]')")

@@ -77,14 +77,15 @@ def test_a_missing_extra_is_one_line_naming_it(module: str, missing: str, messag
     result = python(f"import {module}", blocked=(missing,))
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
-        f"ImportError: {message}, which is not installed: pip install 'gradreg[lightning]'")
+        f"ImportError: {message}, which is not installed: pip install 'gradreg[lightning]' "
+        "(in a checkout: pip install -e '.[lightning]')")
 
 
 def test_several_missing_packages_are_named_together():
     result = python("import gradreg.lightning", blocked=("lightning", "tensorboard"))
     assert result.stderr.splitlines()[-1] == (
         "ImportError: gradreg.lightning needs lightning, tensorboard, which are not installed: "
-        "pip install 'gradreg[lightning]'")
+        "pip install 'gradreg[lightning]' (in a checkout: pip install -e '.[lightning]')")
 
 
 def third_party_imports(path: Path) -> set[str]:
