@@ -16,10 +16,12 @@ nodes look seen (the walk then stops after a couple of nodes).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
+
+from gradreg.torch_compat import created_by_a_backward
 
 __all__ = [
     "AutogradGraph",
@@ -35,12 +37,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GraphNode:
-    """One backward node: ``name`` is the grad_fn class (``AccumulateGrad`` for leaves)."""
+    """One backward node: ``name`` is the grad_fn class (``AccumulateGrad`` for leaves);
+    ``label`` a leaf's parameter name, where one was given; ``double_backward``: the node was
+    created while a backward ran (the graph of a gradient built with ``create_graph=True``),
+    known only for nodes created under anomaly mode."""
 
     index: int
     name: str
     is_leaf: bool
     leaf_shape: tuple[int, ...] | None = None
+    label: str | None = None
+    double_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,9 @@ class AutogradGraph:
 
     def _label(self, node: GraphNode) -> str:
         if node.leaf_shape is None:
-            return node.name
-        return f"{node.name} (leaf {list(node.leaf_shape)})"
+            return f"{node.name} [double backward]" if node.double_backward else node.name
+        what = node.label or "leaf"
+        return f"{node.name} ({what} {list(node.leaf_shape)})"
 
     def to_text(self) -> str:
         """One line per node: ``[i] Name -> [j] Name (input k), ...``."""
@@ -92,11 +100,15 @@ class AutogradGraph:
         return "\n".join(lines)
 
     def to_dot(self) -> str:
-        """Graphviz DOT source; leaves are drawn as boxes."""
+        """Graphviz DOT source; leaves are drawn as boxes (named parameters filled green),
+        double-backward nodes filled orange."""
         lines = ["digraph autograd {", "  rankdir=BT;"]
         for node in self.nodes:
             shape = "box" if node.is_leaf else "ellipse"
-            lines.append(f'  n{node.index} [label="{self._label(node)}", shape={shape}];')
+            fill = ("#b6d7a8" if node.label else None) if node.is_leaf else (
+                "#f9b872" if node.double_backward else None)
+            style = f', style=filled, fillcolor="{fill}"' if fill else ""
+            lines.append(f'  n{node.index} [label="{self._label(node)}", shape={shape}{style}];')
         lines.extend(
             f'  n{e.source} -> n{e.target} [label="{e.input_nr}"];' for e in self.edges
         )
@@ -159,15 +171,22 @@ def graph_leaves(roots: Iterable[Tensor]) -> list[Tensor]:
     return walk_backward_graph(roots).leaves()
 
 
-def autograd_graph(tensor: Tensor) -> AutogradGraph:
+def autograd_graph(tensor: Tensor, parameters: Mapping[str, Tensor] | None = None
+                   ) -> AutogradGraph:
     """The backward graph of ``tensor``: its ``grad_fn`` and every node reachable from it (each
-    once), numbered in breadth-first discovery order from the root (node 0)."""
+    once), numbered in breadth-first discovery order from the root (node 0).
+
+    ``parameters`` (name -> tensor, e.g. ``dict(model.named_parameters())``) name the leaves
+    that are among them. Nodes created while a backward ran (the graph of a gradient) are
+    marked ``double_backward`` where ``tensor`` was computed under
+    ``torch.autograd.set_detect_anomaly(True)``, which records that; otherwise none is."""
     if tensor.grad_fn is None:
         raise ValueError(
             "the tensor has no grad_fn: it is a leaf or was computed without grad, so it has no "
             "backward graph. Pass a tensor computed from inputs that require grad."
         )
     walked = walk_backward_graph([tensor])
+    names = {id(value): name for name, value in (parameters or {}).items()}
     nodes = []
     for index, fn in enumerate(walked.nodes):
         variable = getattr(fn, "variable", None)
@@ -176,5 +195,7 @@ def autograd_graph(tensor: Tensor) -> AutogradGraph:
             name=type(fn).__name__,
             is_leaf=variable is not None,
             leaf_shape=None if variable is None else tuple(variable.shape),
+            label=None if variable is None else names.get(id(variable)),
+            double_backward=variable is None and created_by_a_backward(fn),
         ))
     return AutogradGraph(nodes, walked.edges)

@@ -99,3 +99,26 @@ def test_walk_finds_every_parameter_of_a_resnet_like_model_and_of_its_penalty() 
     names = gradreg.graph.graph_node_names([g])
     assert {"ConvolutionBackwardBackward0", "NativeBatchNormBackwardBackward0",
             "TanhBackwardBackward0"} <= names
+
+
+def test_the_graph_names_parameters_and_marks_the_gradients_nodes() -> None:
+    """``w * x`` and its gradient ``d(wx)/dx = w`` squared: built under anomaly mode, the nodes of
+    the gradient's graph are marked (text: ``[double backward]``, DOT: filled orange); the
+    parameter leaf is named (text and DOT: ``w [2]``, DOT: filled green)."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    x = torch.tensor([3.0, 4.0], requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        (grad,) = torch.autograd.grad((w * x).sum(), x, create_graph=True)
+        loss = grad.square().sum()
+    graph = gradreg.autograd_graph(loss, {"w": w})
+    marked = [node.name for node in graph.nodes if node.double_backward]
+    assert marked and all(not node.is_leaf for node in graph.nodes if node.double_backward)
+    text = graph.to_text()
+    assert "AccumulateGrad (w [2])" in text and "[double backward]" in text
+    dot = graph.to_dot()
+    assert 'label="AccumulateGrad (w [2])", shape=box, style=filled, fillcolor="#b6d7a8"' in dot
+    assert 'fillcolor="#f9b872"' in dot
+    # without anomaly mode nothing is marked; without names the leaves read "leaf"
+    plain = gradreg.autograd_graph((w * x).sum())
+    assert not any(node.double_backward for node in plain.nodes)
+    assert "AccumulateGrad (leaf [2])" in plain.to_text()

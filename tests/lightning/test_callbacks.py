@@ -237,9 +237,14 @@ def test_graph_logger_logs_the_graph_of_the_penalized_loss_once(tmp_path: Path) 
     (image,) = events(run).Images("graph/autograd")  # the picture, once
     assert image.step == 0 and image.width >= 400
     assert not torch.is_anomaly_enabled()  # the mode is restored after the logged batch
-    graph = autograd_graph(module.loss(*data()))  # lr=0: the same graph at every step
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):  # marks the gradient's nodes
+        loss = module.loss(*data())  # lr=0: the same graph at every step
+    graph = autograd_graph(loss, dict(module.named_parameters()))
     assert logged_text(run, "autograd_graph/text") == graph.to_text()
     assert logged_text(run, "autograd_graph/dot") == graph.to_dot()
+    # the text names the parameters and marks the double-backward nodes, as the picture does
+    text = logged_text(run, "autograd_graph/text")
+    assert "AccumulateGrad (net.weight [3, 4])" in text and "[double backward]" in text
     # The graph of the gradient is in it: more nodes than the plain loss's backward graph.
     x, y = data()
     plain = autograd_graph(F.cross_entropy(module(x), y))
@@ -252,8 +257,27 @@ def test_graph_logger_sees_the_loss_of_automatic_optimization(tmp_path: Path) ->
     (event,) = events(run).Tensors("autograd_graph/text/text_summary")
     assert event.step == 1
     # Lightning backpropagates training_step's loss divided by accumulate_grad_batches.
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        loss = module.loss(*data()) / 1
     assert logged_text(run, "autograd_graph/text") == autograd_graph(
-        module.loss(*data()) / 1).to_text()
+        loss, dict(module.named_parameters())).to_text()
+
+
+class Alternating(PlainClassifier):
+    """The penalty on even steps only: two graphs, alternating."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return self.loss(x, y) if self.global_step % 2 == 0 else F.cross_entropy(self(x), y)
+
+
+def test_graph_logger_logs_each_distinct_graph_of_its_batches_once(tmp_path: Path) -> None:
+    """Three watched batches, graphs A, B, A: A at step 0, B at step 1, the second A not again."""
+    run = fit(tmp_path, Alternating(), [AutogradGraphLogger(batches=3)], max_steps=4)
+    assert [image.step for image in events(run).Images("graph/autograd")] == [0, 1]
+    texts = events(run).Tensors("autograd_graph/text/text_summary")
+    assert [event.step for event in texts] == [0, 1]
+    assert not torch.is_anomaly_enabled()
 
 
 def test_graph_logger_warns_when_backward_bypasses_lightning(tmp_path: Path) -> None:
@@ -271,6 +295,8 @@ def test_graph_logger_warns_when_backward_bypasses_lightning(tmp_path: Path) -> 
 def test_graph_logger_rejects_bad_step() -> None:
     with pytest.raises(ValueError, match="at_step must be an int >= 0"):
         AutogradGraphLogger(at_step=-1)
+    with pytest.raises(ValueError, match="batches must be an int >= 1"):
+        AutogradGraphLogger(batches=0)
 
 
 def test_the_picture_marks_the_gradients_graph_and_names_the_parameters() -> None:
@@ -284,8 +310,7 @@ def test_the_picture_marks_the_gradients_graph_and_names_the_parameters() -> Non
         per_sample = F.cross_entropy(module(points), y, reduction="none")
         (grad,) = torch.autograd.grad(per_sample.sum(), points, create_graph=True)
         loss = per_sample.mean() + grad.square().sum(1).mean()
-    parameters = {id(p): name for name, p in module.named_parameters()}
-    names, kinds, labels, _ = node_kinds(loss, parameters)
+    names, kinds, labels = node_kinds(autograd_graph(loss, dict(module.named_parameters())))
 
     forward = autograd_graph(per_sample).names()
     of_gradient = autograd_graph(grad).names()
