@@ -46,7 +46,16 @@ from typing import NoReturn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gradreg.extras import require
 from gradreg.models.torchvision_import import hide_unloadable_torchvision
+
+# Hydra and the lightning extra are the app extra: without them, one line naming it (status 2)
+try:
+    require("app", "scripts/train.py", "hydra", "lightning", "tensorboard", "sklearn",
+            "matplotlib")
+except ImportError as missing:
+    print(f"error: {missing}", file=sys.stderr)
+    sys.exit(2)
 
 # Lightning imports an installed torchvision (through torchmetrics): one that cannot load with
 # this torch would end every command, although only model=resnet18 and data=image_folder use it

@@ -88,6 +88,15 @@ def test_several_missing_packages_are_named_together():
         "pip install 'gradreg[lightning]' (in a checkout: pip install -e '.[lightning]')")
 
 
+def test_the_app_without_its_extra_is_one_line_and_status_2():
+    result = python("import runpy\nsys.argv = ['scripts/train.py']\n"
+                    "runpy.run_path('scripts/train.py', run_name='__main__')", blocked=("hydra",))
+    assert result.returncode == 2
+    assert result.stderr == (
+        "error: scripts/train.py needs hydra-core, which is not installed: "
+        "pip install 'gradreg[app]' (in a checkout: pip install -e '.[app]')\n")
+
+
 def third_party_imports(path: Path) -> set[str]:
     """The top-level names of the modules ``path`` imports, other than gradreg's, the standard
     library's and ``importlib.import_module`` calls with a literal name."""
