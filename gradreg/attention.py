@@ -62,7 +62,7 @@ _FUSED = F.scaled_dot_product_attention
 
 def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
     """The attention probabilities :math:`P` (rows of fully masked keys are 0)."""
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    s = torch.matmul(q * scale, k.transpose(-2, -1))  # the scale on L x E, not on L x S
     if is_causal:
         allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~allowed, float("-inf"))

@@ -109,10 +109,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from benchmarking.transformer import main as transformer
         from benchmarking.transformer import table as transformer_table
 
-        rows = transformer(args.quick, args.suite, device, args.reps)
+        rows = transformer(args.quick, args.suite, device, args.reps,
+                           time.perf_counter if args.clock == "wall" else time.process_time)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "transformer.json").write_text(json.dumps(
-            {"machine": machine(device), "suite": args.suite, "rows": rows}, indent=1))
+            {"machine": machine(device), "suite": args.suite, "clock": args.clock, "rows": rows},
+            indent=1))
         (args.out / "transformer.md").write_text(transformer_table(rows) + "\n")
         return rows
     torch.backends.cudnn.benchmark = args.cudnn_benchmark

@@ -11,8 +11,9 @@ shared with the loss). Methods of the classifier (cross-entropy): ``plain``, ``g
 same under the MATH backend), ``gnp_fd`` (``method="finite_difference"``, Zhao et al.'s two
 gradients, the loss shared through ``LossAt``).
 
-Each step is zero_grad, forward, backward, an SGD update. Times are medians over rounds of the
-ratio to the plain step of the same round (methods interleaved round-robin); peak memory is the
+Each step is zero_grad, forward, backward, an SGD update. Times (wall, or process CPU time with
+``--clock cpu``) are medians over rounds of the ratio to the plain step of the same round
+(methods interleaved round-robin); peak memory is the
 tensor memory of one step above what is alive before it (:func:`benchmarking.timing
 .peak_memory`), as a ratio to the plain step's too.
 """
@@ -20,7 +21,6 @@ tensor memory of one step above what is alive before it (:func:`benchmarking.tim
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -112,7 +112,7 @@ def classifier_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[
 
 
 def run_case(name: str, model: nn.Module, steps: dict[str, Step], rounds: int,
-             device: torch.device) -> list[dict]:
+             device: torch.device, clock: Callable[[], float]) -> list[dict]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def step(method: str) -> None:
@@ -122,10 +122,10 @@ def run_case(name: str, model: nn.Module, steps: dict[str, Step], rounds: int,
 
     def timed(method: str) -> float:
         synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         step(method)
         synchronize(device)
-        return time.perf_counter() - start
+        return clock() - start
 
     for method in steps:  # warm-up
         step(method)
@@ -153,12 +153,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(quick: bool, suite: str, device: torch.device, rounds: int | None) -> list[dict]:
+def main(quick: bool, suite: str, device: torch.device, rounds: int | None,
+         clock: Callable[[], float]) -> list[dict]:
     size = sizes(quick, suite)
     rounds = rounds or (3 if quick else 15)
     rows = []
     for name, build in (("vit_critic/r1", critic_steps),
                         ("transformer_classifier/param_grad_norm", classifier_steps)):
-        rows += run_case(name, *build(size, device), rounds, device)
+        rows += run_case(name, *build(size, device), rounds, device, clock)
     print(table(rows), flush=True)
     return rows
