@@ -24,7 +24,8 @@ elsewhere without their state is refused once a later forward turns out to draw 
 (the masks could not be the same).
 
 Not replayed: generators other than torch's global ones (a ``torch.Generator`` of the model's
-own, Python's ``random``, NumPy). A forward on another part of the batch draws other numbers for
+own, Python's ``random``, NumPy), and those of devices the points are not on (the replicas of
+``nn.DataParallel``). A forward on another part of the batch draws other numbers for
 the same sample: the chunked penalty refuses models that draw
 (:class:`~gradreg.penalties.methods.InChunks`).
 """
