@@ -4,6 +4,7 @@
   (unweighted, weighted, weights), input gradient norms;
 * :class:`GradientSplit`: per layer, the parameter gradient's part from the penalties and from
   the task loss;
+* :class:`PenaltyBaseline`: the unweighted penalty of a run without one, a baseline;
 * :class:`InterpolatesGradientNorm`: a critic's gradient norm at WGAN-GP's interpolates;
 * :class:`PenaltyWeightSchedule`: warm-up and anneal of penalty weights (checkpointed);
 * :class:`AccumulationGuard`: gradients not reset between optimizer steps, NaN/Inf gradients;
@@ -19,6 +20,7 @@
 The tags they write are listed in :mod:`gradreg.lightning.dashboards`.
 """
 
+from gradreg.lightning.callbacks.baseline import PenaltyBaseline
 from gradreg.lightning.callbacks.figures import CriticLandscape, SaliencyMaps
 from gradreg.lightning.callbacks.graph import AutogradGraphLogger
 from gradreg.lightning.callbacks.guard import AccumulationGuard
@@ -40,6 +42,7 @@ __all__ = [
     "GradientSplit",
     "HParamsLogger",
     "InterpolatesGradientNorm",
+    "PenaltyBaseline",
     "PenaltyWeightSchedule",
     "ProgressLog",
     "SaliencyMaps",

@@ -22,9 +22,10 @@ class CustomScalarsLayout(pl.Callback):
     ``outcome`` charts, the task loss chart and the charts the trainer's other callbacks feed
     (their ``charts`` attribute: :class:`GradientNormMonitor` the losses, penalties and norms,
     :class:`InterpolatesGradientNorm` the critic's gradient norm, :class:`GradientSplit` the
-    penalty's share of the parameter gradient), each unweighted penalty on a chart of its own.
-    The penalties' charts are left out for a module without penalties, so that no chart stays
-    empty.
+    penalty's share of the parameter gradient), each unweighted penalty on a chart of its own
+    (also a :class:`PenaltyBaseline`'s, for a module without penalties). The penalties' charts
+    are left out for a module without penalties (but for a baseline's unweighted value and
+    weight), so that no chart stays empty.
 
     Args:
         loss: regexes of the module's training task-loss tags (matched from the tag's start); the
@@ -52,9 +53,14 @@ class CustomScalarsLayout(pl.Callback):
         warn_without_tensorboard(trainer, "CustomScalarsLayout", "the layout")
         fed = {chart for callback in trainer.callbacks
                for chart in getattr(callback, "charts", ()) if chart in CHARTS}
-        penalties = sorted(named_penalties(pl_module))
+        penalties = sorted({*named_penalties(pl_module),
+                            *(path for callback in trainer.callbacks
+                              if hasattr(callback, "penalty_paths")
+                              for path in callback.penalty_paths(pl_module))})
         if not penalties:
             fed -= set(PENALTY_CHARTS)
+        elif not named_penalties(pl_module):  # a baseline's values only
+            fed -= {"penalty_weighted", "grad_split"}
         self.layout = custom_scalars_layout(self.loss, {*self.outcome, "task_loss", *fed},
                                             penalties=penalties)
         writer = tensorboard(trainer)
