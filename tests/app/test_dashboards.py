@@ -24,37 +24,40 @@ from .helpers import run_script
 
 # the module's runs of the app (a sweep and a GAN run), shared by its tests (~16 s)
 pytestmark = pytest.mark.slow
-# the runs are named after what their command line changed: which run had which penalty
-SWEEP = ["0_penalty:none/tensorboard", "1_penalty:double_backprop/tensorboard"]
+# the runs are named after their penalty and weight: which run had which penalty
+SWEEP = ["0_none/tensorboard", "1_double_backprop:0.1/tensorboard"]
 GAN_OVERRIDES = ["experiment=gan_8gaussians_wgan_gp", "data.n_train=5120", "data.n_val=256",
                  "data.n_test=256", "trainer.max_epochs=1"]
 CLASSIFIER_METRICS = ["val/acc", "val/acc_pgd", "test/acc", "test/acc_fgsm", "test/acc_pgd",
                       "test/input_grad_norm"]
+# the 8 Gaussians have no sample scorer: no test/kl, test/feature_energy_distance
 GAN_METRICS = ["val/energy_distance", "test/energy_distance", "test/wasserstein", "test/modes",
-               "test/high_quality", "test/kl", "test/feature_energy_distance"]
+               "test/high_quality"]
 
 
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``-m penalty=none,double_backprop callbacks=dashboards`` (20 steps per run) and a
-    20-batch WGAN-GP run on 8 Gaussians, in one folder."""
+    """A 20-batch WGAN-GP run on 8 Gaussians, then ``-m penalty=none,double_backprop
+    callbacks=dashboards`` (20 steps per run), in one folder: the sweep's end declares the
+    folder's HParams table from all three runs."""
     root = tmp_path_factory.mktemp("logs")
+    gan = run_script(*GAN_OVERRIDES, "trainer.enable_progress_bar=false", f"paths.runs={root}")
+    assert gan.returncode == 0, gan.stderr[-3000:]
     sweep = run_script("-m", "penalty=none,double_backprop", "callbacks=dashboards",
                        "trainer.max_epochs=1", "+trainer.limit_train_batches=20",
                        "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1",
                        "trainer.log_every_n_steps=2", "callbacks.saliency.every_n_steps=10",
-                       "model.pgd_steps=2", "trainer.enable_progress_bar=false",
-                       f"hydra.sweep.dir={root}")
+                       "callbacks.grad_split.every_n_steps=5", "model.pgd_steps=2",
+                       "trainer.enable_progress_bar=false", f"hydra.sweep.dir={root}")
     assert sweep.returncode == 0, sweep.stderr[-3000:]
-    gan = run_script(*GAN_OVERRIDES, "trainer.enable_progress_bar=false", f"paths.runs={root}")
-    assert gan.returncode == 0, gan.stderr[-3000:]
     return root
 
 
 def run_names(root: Path) -> list[str]:
-    """The TensorBoard run names: the folders holding event files, relative to the log folder."""
+    """The TensorBoard run names: the folders holding event files, relative to the log folder
+    (not the folder itself, ".", which holds the HParams declaration of the sweep's end)."""
     return sorted({path.parent.relative_to(root).as_posix()
-                   for path in root.rglob("events.out.tfevents.*")})
+                   for path in root.rglob("events.out.tfevents.*") if path.parent != root})
 
 
 def event_file(root: Path, run: str) -> ea.EventAccumulator:
@@ -71,17 +74,20 @@ def hparams_request(url: str, what: str, body: dict) -> dict:
         return json.load(response)
 
 
-def test_the_runs_are_named_after_their_overrides(logs: Path) -> None:
+def test_the_runs_are_named_after_their_penalty_and_weight(logs: Path) -> None:
     names = run_names(logs)
     assert names[:2] == SWEEP
     (gan,) = names[2:]
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d_data\.n_test:256\+data\.n_train:5120"
-                        r"\+data\.n_val:256\+experiment:gan_8gaussians_wgan_gp"
-                        r"\+trainer\.max_epochs:1/tensorboard", gan), gan
+    assert re.fullmatch(r"wgan_gp:0\.1_\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d_data\.n_test:256"
+                        r"\+data\.n_train:5120\+data\.n_val:256"
+                        r"\+experiment:gan_8gaussians_wgan_gp\+trainer\.max_epochs:1/tensorboard",
+                        gan), gan
+    # what tells the runs apart is within TensorBoard's ~40 characters of a run list
+    assert all(":0.1" in name[:40] or name.startswith("0_none") for name in names)
 
 
-def test_the_event_files_hold_one_tag_scheme_for_both_kinds(logs: Path) -> None:
-    _, double_backprop, gan = (event_file(logs, run) for run in run_names(logs))
+def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) -> None:
+    none, double_backprop, gan = (event_file(logs, run) for run in run_names(logs))
     classifier_tags, gan_tags = double_backprop.Tags(), gan.Tags()
     # lambda every logged step, without a schedule: 20 steps, logged every 2
     weights = double_backprop.Scalars("penalty/weight/penalties.double_backprop")
@@ -94,6 +100,26 @@ def test_the_event_files_hold_one_tag_scheme_for_both_kinds(logs: Path) -> None:
             set(tags["scalars"]))
         assert "epoch" not in tags["scalars"]
         assert not [tag for tag in tags["scalars"] if tag.startswith(("hp/", "grad_2"))]
+    # one tag per quantity: the total and the weighted penalties only under the monitor's tags
+    assert not {"train/total", "train/penalty/double_backprop"} & set(classifier_tags["scalars"])
+    assert not {"train/critic/wgan_gp"} & set(gan_tags["scalars"])
+    assert {"train/critic/adversarial", "train/generator/adversarial"} <= set(gan_tags["scalars"])
+    # the gradient split, every 5 steps: per layer; the penalty-free run's penalty part is 0
+    layers = ["backbone.fc1", "backbone.fc2", "backbone.out"]
+    assert {f"grad_split/{quantity}/{layer}" for quantity in ("task", "penalty", "penalty_share",
+                                                              "cosine") for layer in layers} <= (
+        set(classifier_tags["scalars"]))
+    shares = double_backprop.Scalars("grad_split/penalty_share/backbone.fc1")
+    assert [e.step for e in shares] == [4, 9, 14, 19]
+    assert all(0 < e.value < 1 for e in shares)
+    assert all(e.value == 0 for e in none.Scalars("grad_split/penalty/backbone.fc1"))
+    # the penalty-free run's baseline: the double-backprop penalty it would have had, weight 0,
+    # under the penalized run's tag
+    baseline = none.Scalars("penalty/unweighted/penalties.double_backprop")
+    assert [e.step for e in baseline] == [e.step for e in weights] and all(
+        e.value > 0 for e in baseline)
+    assert {e.value for e in none.Scalars("penalty/weight/penalties.double_backprop")} == {0.0}
+    assert "grad_split/penalty/critic.fc1" in gan_tags["scalars"]
     assert set(classifier_tags["histograms"]) == {
         "input_grad/norm", "param_grad/backbone.fc1", "param_grad/backbone.fc2",
         "param_grad/backbone.out"}
@@ -107,10 +133,17 @@ def test_the_event_files_hold_one_tag_scheme_for_both_kinds(logs: Path) -> None:
     assert [image.step for image in gan.Images("critic_landscape/grad_norm")] == [19]
 
 
+def test_the_sweep_writes_its_summary(logs: Path) -> None:
+    summary = (logs / "summary.md").read_text()
+    rows = [line.split(" | ")[:2] for line in summary.splitlines()
+            if line.startswith("| penalty=")]
+    assert rows == [["| penalty=none", "1/1"], ["| penalty=double_backprop", "1/1"]]
+
+
 def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, serve) -> None:
     url = serve(logs)
     names = run_names(logs)
-    assert poll(f"{url}/data/runs", lambda runs: len(runs) == 3) == names
+    assert sorted(poll(f"{url}/data/runs", lambda runs: len(runs) == 4)) == [".", *names]
     plugins = poll(f"{url}/data/plugins_listing",
                    lambda listing: listing.get("hparams", {}).get("enabled"))
     for plugin in ("scalars", "custom_scalars", "images", "text", "hparams", "histograms"):
@@ -120,45 +153,59 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
                                   "autograd_graph/dot/text_summary"} for run in names)
     experiment = hparams_request(url, "experiment", {"experimentName": ""})
     infos = {info["name"]: info.get("differs", False) for info in experiment["hparamInfos"]}
-    assert {"penalty", "weight", "lr", "generator_lr", "hidden", "activation", "n_critic",
-            "loss", "batch_size", "max_epochs", "seed"} <= set(infos)
-    assert sorted(name for name, shown in infos.items() if shown) == [
-        "batch_size", "lr", "penalty", "seed", "weight"]
+    # the columns marked (shown first) are those whose values differ between the runs
+    assert {"penalty", "weight", "lr", "batch_size"} <= {name for name, on in infos.items() if on}
+    assert not {"seed", "max_epochs", "n_critic", "activation"} & {
+        name for name, on in infos.items() if on}
+    assert "None" not in json.dumps(experiment)
     metrics = [info["name"]["tag"] for info in experiment["metricInfos"]]
     assert metrics == CLASSIFIER_METRICS + GAN_METRICS
-    # every run, of either kind, has its lr, batch size and weight in the one table
+    # every run, of either kind, has its lr, batch size and weight in the one table, and ended
+    # well, after it started
     groups = hparams_request(url, "session_groups", {
-        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"],
+        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS",
+                                                  "STATUS_FAILURE", "STATUS_RUNNING"],
         "colParams": [{"hparam": name} for name in ("lr", "batch_size", "weight")],
         "startIndex": 0, "sliceSize": 10})
     rows = {group["name"]: group["hparams"] for group in groups["sessionGroups"]}
     assert {name: (row["lr"], row["batch_size"], row["weight"]) for name, row in rows.items()
             } == dict(zip(names, [(0.001, 64, 0.0), (0.001, 64, 0.1), (0.0001, 256, 0.1)],
                           strict=True))
+    for group in groups["sessionGroups"]:
+        (session,) = group["sessions"]
+        assert session["status"] == "STATUS_SUCCESS"
+        assert 0 < session["startTimeSecs"] < session["endTimeSecs"]
 
 
 # what each tab must show once rendered
 TABS = {
     # Time Series opens on the parameter gradient norms, not on an epoch chart
     "timeseries": [*SWEEP, "grad_norm 3 cards", "grad_norm/total /critic", "graph 3 cards"],
-    "custom_scalars": [*SWEEP, "task loss (train)", "loss + penalty (train)",
-                       "penalties, unweighted P", "penalties, weighted", "penalty weights λ",
-                       "penalty/weight/penalties.double_backprop (1_penalty:double_backprop",
-                       "penalty/weight/penalties.wgan_gp (2026",
+    "custom_scalars": [*SWEEP, "outcome: accuracy, clean / FGSM / PGD (validation)",
+                       "outcome: energy distance to held-out samples (validation)",
+                       "outcome: modes covered (validation)", "task loss (train)",
+                       "penalty double_backprop, unweighted P", "penalty wgan_gp, unweighted P",
+                       "penalties, weighted", "penalty's share of the parameter gradient",
+                       "penalty weights λ", "loss + penalty (train)",
+                       "penalty/weight/penalties.wgan_gp (wgan_gp:0.1_",
                        "critic gradient norm ‖∇D(x̂)‖ at interpolates"],
     "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "weight", "penalty", "none",
-                "double_backprop", "wgan_gp", "0.0010000", "0.00010000", "64.000", "256.00",
+                "double_backprop", "wgan_gp", "val/acc", "val/energy_distance",
                 "Number of matching session groups: 3"],
     "images": [*SWEEP, "graph/autograd", "critic_landscape/grad_norm", "saliency"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
     "histograms&tagFilter=param_grad": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
+    # Time Series with its filter set in the address: the penalty's share of each layer's gradient
+    "?tagFilter=penalty_share#timeseries": [*SWEEP, "grad_split/penalty_share /backbone.fc1",
+                                            "Tags matching filter"],
     "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0"],
 }
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
                "images": "dashboard_images.png",
-               "histograms&tagFilter=param_grad": "dashboard_histograms.png"}
+               "histograms&tagFilter=param_grad": "dashboard_histograms.png",
+               "?tagFilter=penalty_share#timeseries": "dashboard_grad_split.png"}
 
 
 @pytest.mark.skipif(executable() is None,
@@ -166,10 +213,10 @@ SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.
 def test_the_tabs_render_in_a_browser(logs: Path, serve, tmp_path: Path) -> None:
     url = serve(logs)
     shots = Path(os.environ.get("GRADREG_SCREENSHOTS", tmp_path))
-    browser = Chromium(tmp_path / "profile", width=1400, height=1000)
+    browser = Chromium(tmp_path / "profile", width=1600, height=1200)
     try:
         for tab, needles in TABS.items():
-            browser.open(f"{url}/#{tab}")
+            browser.open(f"{url}/{tab}" if tab.startswith("?") else f"{url}/#{tab}")
             text = browser.wait_for_text(*needles)
             if tab == "timeseries":
                 assert "epoch" not in text.split()
