@@ -7,6 +7,7 @@ one line and exits with status 2."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import shutil
@@ -19,8 +20,13 @@ from typing import Any
 
 import yaml
 from hydra.core.override_parser.types import Override
-from hydra.errors import InstantiationException, OverrideParseException
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 
 class ConfigError(Exception):
@@ -73,6 +79,15 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_steps": (lambda v: _is_int(v) and (v == -1 or v >= 1),
                           "an integer >= 1, or -1 for no step limit"),
     "data.batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "trainer.accumulate_grad_batches": (lambda v: _is_int(v) and v >= 1,
+                                        "an integer >= 1 (batches per optimizer step)"),
+    "trainer.check_val_every_n_epoch": (lambda v: v is None or (_is_int(v) and v >= 1),
+                                        "an integer >= 1, or null"),
+    # torch scales the gradients by min(1, clip / norm): a negative clip reverses them
+    "trainer.gradient_clip_val": (lambda v: v is None or v == 0 or _is_positive_number(v),
+                                  "a finite number > 0, or null (0: no clipping)"),
+    "data.num_workers": (lambda v: _is_int(v) and v >= 0,
+                         "an integer >= 0 (0: batches are loaded in the training process)"),
 }
 
 
@@ -204,7 +219,8 @@ def resolve_checkpoint(ckpt_path: str | None, runs_root: Path, output_dir: Path)
 def hydra_error(error: BaseException) -> ConfigError | None:
     """The ConfigError (caused by ``error``) of an error Hydra meets outside the app's function
     that is the user's to fix: a run (or sweep) folder it cannot create, an override that does
-    not parse, a config file that is not YAML. None for the others, which Hydra reports."""
+    not parse or names a key the config does not have, a config file that is not YAML. None for
+    the others, which Hydra reports (an unknown group option: Hydra lists the options)."""
     message = _hydra_error_message(error)
     if message is None:
         return None
@@ -214,13 +230,17 @@ def hydra_error(error: BaseException) -> ConfigError | None:
 
 
 def _hydra_error_message(error: BaseException) -> str | None:
-    if isinstance(error, OSError) and _raised_by_hydra(error):
+    # (Hydra's MissingConfigException of an unknown option is an OSError too: left to Hydra)
+    if isinstance(error, OSError) and error.filename is not None and _raised_by_hydra(error):
         return (f"hydra.run.dir: cannot create the run folder {error.filename!r} "
                 f"({error.strerror or error}); choose a folder you can write: "
                 "hydra.run.dir=<folder> or paths.runs=<folder> (with -m: hydra.sweep.dir or "
                 "paths.sweeps)")
     if isinstance(error, OverrideParseException):
         return _override_message(error)
+    if isinstance(error, ConfigCompositionException) and isinstance(
+            error.__cause__, (ConfigAttributeError, ConfigKeyError)):
+        return _unknown_key_message(error.__cause__)
     cause: BaseException | None = error
     while cause is not None and not isinstance(cause, yaml.YAMLError):
         cause = cause.__cause__ or cause.__context__
@@ -247,6 +267,20 @@ def _raised_by_hydra(error: OSError) -> bool:
             module = name
         frame = frame.tb_next
     return module.startswith(("hydra.", "hydra_plugins."))
+
+
+def _unknown_key_message(error: ConfigAttributeError | ConfigKeyError) -> str:
+    """One line for an override of a key the config does not have (a typo, most often): the
+    closest key there and the keys it has. Hydra's advice, a ``+`` that adds the key, would
+    leave a misspelt key unused."""
+    parent = error.parent_node
+    keys = [str(key) for key in parent if key != "hydra"] if parent is not None else []
+    close = difflib.get_close_matches(str(error.key), keys, n=1)
+    where = error.full_key.rpartition(".")[0]
+    hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
+    return (f"{error.full_key}: no such key in the configuration; {hint}the keys "
+            f"{'of ' + where if where else 'at the top'} are {keys} (a key of your own, read by "
+            f"the code you add, takes a +: +{error.full_key}=...)")
 
 
 def _override_message(error: OverrideParseException) -> str:

@@ -2,7 +2,7 @@
 stderr naming the problem and the fix, and status 2 (in-process runs of scripts/train.py): two
 penalties under one name, an attack radius, seed or learning rate out of range, an override or
 a config file that does not parse, a run folder that cannot be created, SLURM's launcher where
-there is no cluster, dashboards made for another kind of model."""
+there is no cluster, dashboards made for another kind of model, a damaged image."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.data.images import write_image_folder, write_truncated_jpeg
 
 from .helpers import run_in_process
 
@@ -40,6 +42,23 @@ REFUSED = {
     "~ after =": (["data.root=~/pets"], [
         "error: override 'data.root=~/pets' does not parse: '~' at character 11 is not in "
         "Hydra's grammar", "write a home folder as $HOME/..."]),
+    "no batch per optimizer step": (["trainer.accumulate_grad_batches=0"], [
+        "error: trainer.accumulate_grad_batches: must be an integer >= 1 (batches per optimizer "
+        "step), got 0"]),
+    "negative gradient clipping": (["trainer.gradient_clip_val=-1"], [
+        "error: trainer.gradient_clip_val: must be a finite number > 0, or null (0: no "
+        "clipping), got -1"]),
+    "validation never": (["+trainer.check_val_every_n_epoch=0"], [
+        "error: trainer.check_val_every_n_epoch: must be an integer >= 1, or null, got 0"]),
+    "negative workers": (["data.num_workers=-1"], [
+        "error: data.num_workers: must be an integer >= 0 (0: batches are loaded in the "
+        "training process), got -1"]),
+    "misspelt key": (["penalty.wieght=1"], [
+        "error: penalty.wieght: no such key in the configuration; did you mean penalty.weight? "
+        "the keys of penalty are ['_target_', 'name', 'weight', 'every']"]),
+    "misspelt group": (["penaly=r1"], [
+        "error: penaly: no such key in the configuration; did you mean penalty? the keys at the "
+        "top are ['seed',"]),
     "classifier with GAN dashboards": (["callbacks=gan_dashboards"], [
         "error: callbacks: InterpolatesGradientNorm (callbacks.interpolates) is for a GAN, but "
         "the model is a Classifier; use callbacks=dashboards"]),
@@ -116,6 +135,20 @@ def test_slurm_launcher_off_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "not found on this machine" in err
     assert "hydra/launcher=submitit_local or hydra/launcher=joblib" in err
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_truncated_jpeg_in_an_image_folder(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: PIL's OSError in a data-loading worker, mid-epoch."""
+    pytest.importorskip("torchvision")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    root = write_image_folder(tmp_path / "images", per_class=4)
+    cut = write_truncated_jpeg(root / "red" / "cut.jpg")
+    err = refused(["model=resnet18", "data=image_folder", f"data.root={root}",
+                   "data.num_classes=3"], tmp_path / "run", capsys)
+    assert err.startswith(f"error: data: {cut}: the image cannot be decoded (image file is "
+                          "truncated")
 
 
 def test_hydra_full_error_shows_hydra_own_exception(tmp_path: Path,

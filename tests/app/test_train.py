@@ -176,7 +176,8 @@ BAD_CONFIGS = {
         "error: training: the outputs of call 2 contain NaN or Inf although the points are "
         "finite"]),
     # each of these was a traceback, a bare AssertionError, or a run that trained anyway
-    "seed not a number": (["seed=abc"], 2, ["error: seed: must be an integer, got 'abc'"]),
+    "seed not a number": (["seed=abc"], 2, [
+        "error: seed: must be an integer from 0 to 4294967295 (numpy's seed range), got 'abc'"]),
     "max_epochs not a number": (["trainer.max_epochs=abc"], 2, [
         "error: trainer.max_epochs: must be an integer >= 1", "got 'abc'"]),
     "max_epochs -1 trains forever": (["trainer.max_epochs=-1"], 2, [
