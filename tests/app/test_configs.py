@@ -21,6 +21,7 @@ from tests.data.images import write_image_folder
 from .conftest import compose_config, options, train_script
 
 BUILD = train_script()["build"]
+CHECK_VALUES = train_script()["check_values"]
 VISION = importlib.util.find_spec("torchvision") is not None
 # hparams_search=... selects Hydra's Optuna sweeper (the sweeps extra)
 SWEEPS = train_script()["sweeps"].plugin_installed("hydra_plugins.hydra_optuna_sweeper")
@@ -39,6 +40,8 @@ def setup_for(group: str, option: str, tmp_path: Path) -> list[str]:
         return ["model.input_shape=[1,16,16]"]  # the digits, upsampled
     if (group, option) in (("model", "dcgan"), ("callbacks", "image_gan_dashboards")):
         return IMAGE_GAN_SETUP
+    if (group, option) == ("callbacks", "gan_dashboards"):
+        return GAN_SETUP
     if group == "data" and option in ("8gaussians", "25gaussians", "swissroll"):
         return GAN_SETUP
     if group == "data" and option == "moons":
@@ -64,7 +67,9 @@ CASES = [pytest.param(group, option, id=f"{group}={option}", marks=[
 
 @pytest.mark.parametrize(("group", "option"), CASES)
 def test_every_group_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> None:
+    """... and passes the app's checks (a shipped option is never refused)."""
     cfg = compose_config([*setup_for(group, option, tmp_path), f"{group}={option}"], tmp_path)
+    CHECK_VALUES(cfg)
     if group == "trainer" and option == "gpu":
         assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("gpu", 1)
         if not torch.cuda.is_available():
