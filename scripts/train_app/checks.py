@@ -232,8 +232,8 @@ def hydra_error(error: BaseException) -> ConfigError | None:
 def _hydra_error_message(error: BaseException) -> str | None:
     # (Hydra's MissingConfigException of an unknown option is an OSError too: left to Hydra)
     if isinstance(error, OSError) and error.filename is not None and _raised_by_hydra(error):
-        return (f"hydra.run.dir: cannot create the run folder {error.filename!r} "
-                f"({error.strerror or error}); choose a folder you can write: "
+        return (f"hydra.run.dir: cannot create or write {error.filename!r} "
+                f"({error.strerror or error}); choose a run folder you can write: "
                 "hydra.run.dir=<folder> or paths.runs=<folder> (with -m: hydra.sweep.dir or "
                 "paths.sweeps)")
     if isinstance(error, OverrideParseException):

@@ -119,8 +119,8 @@ def test_a_run_folder_behind_a_file(multirun: bool, tmp_path: Path,
     sweep = ["-m", "seed=0,1", f"hydra.sweep.dir={folder}"] if multirun else []
     err = refused(sweep, folder, capsys)
     assert err.startswith(
-        f"error: hydra.run.dir: cannot create the run folder '{folder}' (Not a directory); "
-        "choose a folder you can write: hydra.run.dir=<folder> or paths.runs=<folder>")
+        f"error: hydra.run.dir: cannot create or write '{folder}' (Not a directory); choose a "
+        "run folder you can write: hydra.run.dir=<folder> or paths.runs=<folder>")
 
 
 def test_slurm_launcher_off_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str],
