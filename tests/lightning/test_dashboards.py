@@ -203,6 +203,24 @@ def test_a_crashed_run_ends_as_a_failure(tmp_path: Path) -> None:
     assert [info.name.tag for info in experiment.metric_infos] == ["val/acc"]
 
 
+class Interrupted(PlainClassifier):
+    """Ctrl-C in its second training step."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        if self.global_step == 1:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_interrupted_run_is_not_a_success(tmp_path: Path) -> None:
+    """Lightning shuts down gracefully on Ctrl-C (and exits); the run's status is FAILURE."""
+    run = trainer(tmp_path, [HParamsLogger(["val/acc"])])
+    with pytest.raises(SystemExit):
+        run.fit(Interrupted(), loader())
+    end = hparams_plugin_data(run, "session_end_info").session_end_info
+    assert end.status == api_pb2.STATUS_FAILURE
+
+
 def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_runs(
         tmp_path: Path) -> None:
     """Three runs, weights 0.5, 0.5 and 2 at one lr: the folder's declaration marks weight (and

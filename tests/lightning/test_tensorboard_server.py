@@ -22,5 +22,5 @@ def test_tensorboard_serves_runs_scalars_and_layout(tmp_path: Path, serve) -> No
     (category,) = layout["category"]
     assert category["title"] == "gradreg"
     charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
-    assert charts["penalties, unweighted P"] == [r"penalty/unweighted/.*"]
+    assert charts["penalty gp, unweighted P"] == [r"penalty/unweighted/gp$"]
     assert len(charts) == 7
