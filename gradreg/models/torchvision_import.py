@@ -78,7 +78,7 @@ def hide_unloadable_torchvision() -> None:
     if _unloadable is not None or find_spec("torchvision") is None:
         return
     try:
-        importlib.import_module("torchvision")
+        import torchvision  # noqa: F401 (whether it loads is the question)
     except Exception as error:
         _unloadable = (_version(), error)
         for name in [name for name in sys.modules if name.split(".")[0] == "torchvision"]:
