@@ -11,7 +11,8 @@ out when there is one optimizer; ``<path>`` a penalty's module path, ``penalties
 ``grad_norm/total[/<owner>]``              :math:`\lVert\partial L/\partial\theta\rVert_p` over the
                                            optimizer's parameters
 ``param_grad/<layer>`` (histogram)         the entries of :math:`\partial L/\partial\theta` of one
-                                           layer's parameters (weight and bias together)
+                                           layer's weights (parameters of 2+ dimensions)
+``param_grad_bias/<layer>`` (histogram)    the same of its 1-D parameters (biases)
 ``input_grad/norm_mean|max``, histogram    per-sample :math:`\lVert\nabla_{x_i}\ell_i\rVert_p`:
 ``input_grad/norm``                        batch mean, max and distribution
 ``penalty/unweighted/<path>``              the penalty :math:`P` of its last call
@@ -73,6 +74,7 @@ __all__ = [
     "INTERPOLATES",
     "LOSS_TOTAL",
     "PARAM_GRAD",
+    "PARAM_GRAD_BIAS",
     "PENALTY_UNWEIGHTED",
     "PENALTY_WEIGHT",
     "PENALTY_WEIGHTED",
@@ -91,6 +93,7 @@ __all__ = [
 LOSS_TOTAL = "loss/total"
 GRAD_NORM = "grad_norm"
 PARAM_GRAD = "param_grad"
+PARAM_GRAD_BIAS = "param_grad_bias"
 INPUT_GRAD = "input_grad"
 PENALTY_UNWEIGHTED = "penalty/unweighted"
 PENALTY_WEIGHTED = "penalty/weighted"

@@ -120,9 +120,9 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
         e.value > 0 for e in baseline)
     assert {e.value for e in none.Scalars("penalty/weight/penalties.double_backprop")} == {0.0}
     assert "grad_split/penalty/critic.fc1" in gan_tags["scalars"]
-    assert set(classifier_tags["histograms"]) == {
-        "input_grad/norm", "param_grad/backbone.fc1", "param_grad/backbone.fc2",
-        "param_grad/backbone.out"}
+    assert set(classifier_tags["histograms"]) == {"input_grad/norm"} | {
+        f"{group}/backbone.{layer}" for group in ("param_grad", "param_grad_bias")
+        for layer in ("fc1", "fc2", "out")}
     assert {"interpolates/grad_norm", "param_grad/critic.fc1",
             "param_grad/generator.fc1"} <= set(gan_tags["histograms"])
     assert [e.value for e in gan.Scalars("interpolates/grad_norm_target")] == [1.0, 1.0]
@@ -195,7 +195,7 @@ TABS = {
     "images": [*SWEEP, "graph/autograd", "critic_landscape/grad_norm", "saliency"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
-    "histograms&tagFilter=param_grad": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
+    "histograms&tagFilter=param_grad/": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
     # Time Series with its filter set in the address: the penalty's share of each layer's gradient
     "?tagFilter=penalty_share#timeseries": [*SWEEP, "grad_split/penalty_share /backbone.fc1",
                                             "Tags matching filter"],
@@ -204,7 +204,7 @@ TABS = {
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
                "images": "dashboard_images.png",
-               "histograms&tagFilter=param_grad": "dashboard_histograms.png",
+               "histograms&tagFilter=param_grad/": "dashboard_histograms.png",
                "?tagFilter=penalty_share#timeseries": "dashboard_grad_split.png"}
 
 

@@ -75,14 +75,18 @@ def test_monitor_logs_hand_computed_losses_norms_histograms_and_penalty(tmp_path
     assert histogram.num == BATCH
     assert histogram.sum == pytest.approx(float(norms.sum()), rel=1e-5)
     assert histogram.max == pytest.approx(float(norms.max()), rel=1e-5)
-    # One histogram per layer: net.weight's 12 and net.bias's 3 gradient entries together.
-    assert set(accumulator.Tags()["histograms"]) == {"input_grad/norm", "param_grad/net"}
-    (first, *_) = accumulator.Histograms("param_grad/net")
-    entries = torch.cat([grad_weight.flatten(), grad_bias])
-    assert (first.step, first.histogram_value.num) == (0, 15)
-    assert first.histogram_value.sum == pytest.approx(float(entries.sum()), rel=1e-4, abs=1e-6)
-    assert first.histogram_value.min == pytest.approx(float(entries.min()), rel=1e-5)
-    assert first.histogram_value.max == pytest.approx(float(entries.max()), rel=1e-5)
+    # Per layer, the weights' histogram (net.weight's 12 gradient entries) and the biases' in a
+    # group of their own (net.bias's 3): their scales differ.
+    assert set(accumulator.Tags()["histograms"]) == {"input_grad/norm", "param_grad/net",
+                                                     "param_grad_bias/net"}
+    for tag, entries in (("param_grad/net", grad_weight.flatten()),
+                         ("param_grad_bias/net", grad_bias)):
+        (first, *_) = accumulator.Histograms(tag)
+        assert (first.step, first.histogram_value.num) == (0, entries.numel())
+        assert first.histogram_value.sum == pytest.approx(float(entries.sum()), rel=1e-4,
+                                                          abs=1e-6)
+        assert first.histogram_value.min == pytest.approx(float(entries.min()), rel=1e-5)
+        assert first.histogram_value.max == pytest.approx(float(entries.max()), rel=1e-5)
 
 
 def test_monitor_follows_every_n_steps(tmp_path: Path) -> None:
@@ -103,7 +107,9 @@ def test_monitor_logs_each_optimizers_own_parameters(tmp_path: Path) -> None:
         # the loss each optimizer's backward got: sum_i (w.x_i + b)
         value = float(getattr(module, owner)(x).sum())
         assert scalars(run, f"loss/total/{owner}") == {0: pytest.approx(value, rel=1e-5)}
-    assert set(events(run).Tags()["histograms"]) == {"param_grad/first", "param_grad/second"}
+    assert set(events(run).Tags()["histograms"]) == {
+        f"{group}/{owner}" for group in ("param_grad", "param_grad_bias")
+        for owner in ("first", "second")}
 
 
 @pytest.mark.parametrize("norm_type", [0, -1.0, "two", None])

@@ -10,8 +10,10 @@ does; left out when there is one optimizer):
   accumulation window, which Lightning divides by their number);
 * ``grad_norm/total[/<owner>]``: :math:`\lVert\partial L/\partial\theta\rVert_p` over the
   gradients the optimizer is about to apply;
-* histograms ``param_grad/<layer>``: the gradient entries of each layer's parameters (weight and
-  bias together, one card per layer), about to be applied;
+* histograms ``param_grad/<layer>``: the gradient entries of each layer's weights (its parameters
+  of two or more dimensions, one card per layer), and ``param_grad_bias/<layer>``: of its 1-D
+  parameters (biases, a normalization's scale), in a group of their own, as their scale differs;
+  about to be applied;
 * ``penalty/unweighted/<path>``, ``penalty/weighted/<path>`` and ``penalty/weight/<path>``: of
   every :class:`~gradreg.penalties.GradientPenalty` submodule, ``last_value`` (the penalty of its
   last call; lazy penalties keep theirs), the term it added to the loss there
@@ -47,18 +49,27 @@ from gradreg.lightning.callbacks._probe import (
     input_gradients,
     split_batch,
 )
-from gradreg.lightning.dashboards import GRAD_NORM, INPUT_GRAD, LOSS_TOTAL, PARAM_GRAD
+from gradreg.lightning.dashboards import (
+    GRAD_NORM,
+    INPUT_GRAD,
+    LOSS_TOTAL,
+    PARAM_GRAD,
+    PARAM_GRAD_BIAS,
+)
 from gradreg.penalties import per_sample_norm
 
 
 class _Optimizer:
-    """What the monitor logs of one optimizer: its tag suffix and its parameters by layer."""
+    """What the monitor logs of one optimizer: its tag suffix and its parameters by histogram tag
+    (``param_grad/<layer>``: a layer's weights; ``param_grad_bias/<layer>``: its 1-D
+    parameters)."""
 
     def __init__(self, suffix: str, named: list[tuple[str, nn.Parameter]]) -> None:
         self.suffix = suffix
         self.layers: dict[str, list[nn.Parameter]] = defaultdict(list)
         for name, param in named:
-            self.layers[name.rpartition(".")[0] or name].append(param)
+            group = PARAM_GRAD if param.ndim >= 2 else PARAM_GRAD_BIAS
+            self.layers[f"{group}/{name.rpartition('.')[0] or name}"].append(param)
         self.backpropagated: Tensor | None = None
 
 
@@ -148,7 +159,7 @@ class GradientNormMonitor(pl.Callback):
             for layer, layer_grads in grads.items():
                 if layer_grads:
                     values = torch.cat([g.detach().flatten() for g in layer_grads])
-                    writer.add_histogram(f"{PARAM_GRAD}/{layer}", values.float().cpu(),
+                    writer.add_histogram(layer, values.float().cpu(),
                                          logging_step(trainer))
 
     def on_train_batch_end(
