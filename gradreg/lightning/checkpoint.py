@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import tempfile
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +33,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from gradreg.lightning.compat import note_sigterm
 
 __all__ = ["AtomicCheckpointIO", "CheckpointSaveError", "PreemptionCheckpoint", "RandomState"]
 
@@ -138,21 +143,42 @@ class RandomState(pl.Callback):
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """Save a resumable checkpoint at ``path`` when training stops on ``SIGTERM`` (a cluster's
-    preemption), and remember it in :attr:`saved`.
+    """Stop training within one step of a ``SIGTERM`` (a cluster's preemption), save a resumable
+    checkpoint at ``path`` and remember it in :attr:`saved`.
 
-    Lightning turns a ``SIGTERM`` into a ``SIGTERMException`` (a ``SystemExit``) at the next
-    batch; on every rank, before the trainer tears down, this saves the state of that step
-    (parameters, optimizer, loops, callbacks such as :class:`RandomState`) with
-    ``trainer.save_checkpoint``, which writes from rank 0 only. Resumed from it, a run continues
-    from the step it reached; the interrupted epoch's remaining steps take a new pass of a plain
-    ``DataLoader`` (not the batches the uninterrupted run would have taken, see module docstring).
-    A ``SIGTERM`` outside ``fit`` (in ``test``) saves nothing: training has ended.
+    Lightning's own handling stops a single process only at the end of the epoch, and its
+    handler starts a broadcast inside the signal handler, which aborts DDP ranks caught in
+    another collective. From the start of training this replaces it with a handler that only
+    notes the signal (:func:`~gradreg.lightning.compat.note_sigterm`) and passes it on to the
+    ranks the launcher started; one process then stops after the current batch, DDP ranks at the
+    next step, where Lightning broadcasts rank 0's flag. On every rank, before the trainer tears
+    down, the state of that step (parameters, optimizer, loops, callbacks such as
+    :class:`RandomState`) is saved with ``trainer.save_checkpoint``, which writes from rank 0 only.
+    Resumed from it, a run continues from the step it reached; the interrupted epoch's remaining
+    steps take a new pass of a plain ``DataLoader`` (not the batches the uninterrupted run would
+    have taken, see module docstring). A ``SIGTERM`` outside ``fit`` (in ``test``) saves nothing:
+    training has ended.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.saved: Path | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set there (as Lightning's own)
+
+        def noted(signum: int, frame: FrameType | None) -> None:
+            if not trainer.received_sigterm and trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)
+            note_sigterm(trainer)
+
+        signal.signal(signal.SIGTERM, noted)  # Lightning restores the original at teardown
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.received_sigterm and trainer.world_size == 1:
+            raise SIGTERMException
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

@@ -14,13 +14,23 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.writer import FileWriter
 
 __all__ = ["accumulating", "attached_trainer", "batches_that_stepped",
-           "data_parallel_over_all_ranks", "event_file_writer", "relaunches_script"]
+           "data_parallel_over_all_ranks", "event_file_writer", "note_sigterm",
+           "relaunches_script"]
 
 
 def relaunches_script(trainer: pl.Trainer) -> bool:
     """Whether the trainer's strategy starts its extra ranks by re-running the command line
     (``strategy="ddp"`` on CPUs or GPUs), rather than as processes of this one (``ddp_spawn``)."""
     return isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+
+
+def note_sigterm(trainer: pl.Trainer) -> None:
+    """Mark ``trainer`` as having received ``SIGTERM`` (``trainer.received_sigterm``), as
+    Lightning's own handler does, but without the broadcast that handler starts: a collective
+    begun inside a signal handler interleaves with the one in flight (a checkpoint's barrier) and
+    the DDP ranks abort (measured on Lightning 2.6.6, gloo). Lightning's per-step broadcast of the
+    flag from rank 0 then stops every rank at the same step."""
+    trainer._signal_connector.received_sigterm = True
 
 
 def batches_that_stepped(trainer: pl.Trainer) -> int:

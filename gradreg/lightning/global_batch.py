@@ -59,6 +59,8 @@ class GlobalBatchDDPStrategy(DDPStrategy):
 
     #: what :class:`~gradreg.data.splits.SplitDataModule` asks of a strategy for global batches
     weights_global_batches = True
+    #: the weight of the slice of the current training step (1 outside training steps)
+    _slice_weight = 1.0
 
     def setup(self, trainer: pl.Trainer) -> None:
         check_splittable(getattr(self.lightning_module, "penalties", {}), self.world_size)

