@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from gradreg.autograd import GradientError
 from gradreg.torch_compat import attention_in_functional
 
-__all__ = ["differentiable_attention", "scaled_dot_product_attention"]
+__all__ = ["differentiable_attention", "explain_fused_attention", "scaled_dot_product_attention"]
 
 #: The fused entry point that :func:`differentiable_attention` replaces (bound at import, so a
 #: replacement of the module attribute never reaches it).
@@ -138,6 +138,18 @@ def scaled_dot_product_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale)
+
+
+def explain_fused_attention(err: GradientError) -> GradientError:
+    """``err`` (no double backward through the outputs' graph), with the fix where torch's
+    message names a fused attention kernel: the forward belongs inside
+    :func:`differentiable_attention`."""
+    if "scaled_dot_product" not in str(err):
+        return err
+    return GradientError(
+        f"{err} The model's attention ran a fused kernel, which has no double backward: compute "
+        "the outputs inside `with gradreg.differentiable_attention():`, or pass the model itself "
+        "(penalty(model, x)), which enters it.")
 
 
 class _RouteAttention(TorchFunctionMode):

@@ -143,7 +143,7 @@ def math_backend():
 def test_r1_on_a_transformer_encoder_equals_the_math_backend(training: bool) -> None:
     critic = transformer_critic().train(training)
     x = torch.randn(3, 5, 8, dtype=torch.float64)
-    with pytest.raises(GradientError, match="double backward"):
+    with pytest.raises(GradientError, match="fused kernel.*inside `with gradreg.differentiable"):
         r1_gradients(critic, x, lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
     value, grads = r1_gradients(critic, x, differentiable_attention)
     expected_value, expected = r1_gradients(critic, x, math_backend)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch  # noqa: F401  (``methods.torch.compile`` is what tests replace)
 from torch import Tensor
 
-from gradreg.attention import differentiable_attention
+from gradreg.attention import differentiable_attention, explain_fused_attention
 from gradreg.autograd import GradientError
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
 from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable, check_not_compiled
@@ -168,7 +168,13 @@ class DoubleBackward:
         if not self._checked:  # a torch.compile'd model: refused on the first call
             check_not_compiled(outputs)
             self._checked = True
-        return self.penalty.exact(outputs, call.inputs, call.loss_scale)
+        try:
+            return self.penalty.exact(outputs, call.inputs, call.loss_scale)
+        except GradientError as err:  # the outputs computed outside differentiable attention
+            explained = explain_fused_attention(err)
+            if explained is err:
+                raise
+            raise explained from err
 
 
 class InChunks:
