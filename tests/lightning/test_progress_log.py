@@ -27,6 +27,13 @@ from .helpers import PlainClassifier, data, loader, trainer
 LOGGER = module.__name__
 
 
+@pytest.fixture(autouse=True)
+def enabled_logger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's logger enabled: an in-process run of the app under
+    ``hydra/job_logging=disabled`` (tests/app) disables every logger that exists then."""
+    monkeypatch.setattr(logging.getLogger(LOGGER), "disabled", False)
+
+
 class Clock:
     """A clock the test moves: 0.5 s per training batch, 100 s per validation batch."""
 
