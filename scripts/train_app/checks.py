@@ -119,9 +119,9 @@ def _check_penalty_names(cfg: DictConfig) -> None:
     main = cfg.penalty.get("name") if cfg.get("penalty") is not None else None
     if main not in (None, "none") and main in (cfg.get("penalties") or {}):
         raise ConfigError(
-            f"penalties.{main}: the name of penalty={main} already; the model takes one penalty "
-            f"per name, so this one would replace it. Give it another name, e.g. "
-            f"+penalties.{main}_2=..., or set penalty=none"
+            f"penalties.{main}: {main} is already the name of penalty={main}, and the model "
+            f"takes one penalty per name (one would replace the other); give this one another "
+            f"name, e.g. +penalties.{main}_2=..., or set penalty=none"
         )
 
 

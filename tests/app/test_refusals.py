@@ -21,8 +21,9 @@ A_SECOND_DOUBLE_BACKPROP = (
 
 REFUSED = {
     "two penalties under one name": (["penalty=double_backprop", A_SECOND_DOUBLE_BACKPROP], [
-        "error: penalties.double_backprop: the name of penalty=double_backprop already",
-        "+penalties.double_backprop_2=..."]),
+        "error: penalties.double_backprop: double_backprop is already the name of "
+        "penalty=double_backprop, and the model takes one penalty per name (one would replace "
+        "the other); give this one another name, e.g. +penalties.double_backprop_2=..."]),
     "negative fgsm_eps": (["model.fgsm_eps=-1"], [
         "error: model: fgsm_eps must be a finite number >= 0", "got -1"]),
     "nan fgsm_eps": (["model.fgsm_eps=nan"], ["error: model: fgsm_eps must be", "got nan"]),
