@@ -39,6 +39,7 @@ Nested (ragged) tensors are refused.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,10 +98,12 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                is_causal: bool, scale: float) -> Tensor:
+                is_causal: bool, scale: float | None) -> Tensor:
         out = _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
         ctx.save_for_backward(q, k, v, mask, out)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        # the kernels' default, 1 / sqrt(E), computed as they compute it
+        ctx.is_causal = is_causal
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return out
 
     @staticmethod
@@ -135,8 +138,6 @@ def scaled_dot_product_attention(
         repeats = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeats, dim=-3)
         value = value.repeat_interleave(repeats, dim=-3)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale)
 
 
