@@ -26,7 +26,9 @@ that cannot be written, a checkpoint that is missing or truncated ...) ends the 
 training with exit status 2 and one line on stderr naming the config key and the valid values;
 ``HYDRA_FULL_ERROR=1`` shows the traceback instead. The checks and the resume rules live in
 ``scripts/train_app/``.
-Unknown group options (``penalty=foo``) are Hydra's own error, which lists the options (status 1).
+Errors Hydra meets before the run that are the user's to fix (an unknown group option or key,
+an override or config file that does not parse, a run folder it cannot create) end it the same
+way (``train_app.checks.hydra_error``).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
 line; in an Optuna search a NaN or Inf penalty fails only its trial, and the study goes on.

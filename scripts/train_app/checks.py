@@ -23,6 +23,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import (
     ConfigCompositionException,
     InstantiationException,
+    MissingConfigException,
     OverrideParseException,
 )
 from omegaconf import DictConfig, OmegaConf
@@ -219,8 +220,8 @@ def resolve_checkpoint(ckpt_path: str | None, runs_root: Path, output_dir: Path)
 def hydra_error(error: BaseException) -> ConfigError | None:
     """The ConfigError (caused by ``error``) of an error Hydra meets outside the app's function
     that is the user's to fix: a run (or sweep) folder it cannot create, an override that does
-    not parse or names a key the config does not have, a config file that is not YAML. None for
-    the others, which Hydra reports (an unknown group option: Hydra lists the options)."""
+    not parse or names a key or group option the config does not have, a config file that is
+    not YAML. None for the others, which Hydra reports."""
     message = _hydra_error_message(error)
     if message is None:
         return None
@@ -230,7 +231,7 @@ def hydra_error(error: BaseException) -> ConfigError | None:
 
 
 def _hydra_error_message(error: BaseException) -> str | None:
-    # (Hydra's MissingConfigException of an unknown option is an OSError too: left to Hydra)
+    # (Hydra's MissingConfigException of an unknown option is an OSError too: below)
     if isinstance(error, OSError) and error.filename is not None and _raised_by_hydra(error):
         return (f"hydra.run.dir: cannot create or write {error.filename!r} "
                 f"({error.strerror or error}); choose a run folder you can write: "
@@ -238,6 +239,8 @@ def _hydra_error_message(error: BaseException) -> str | None:
                 "paths.sweeps)")
     if isinstance(error, OverrideParseException):
         return _override_message(error)
+    if isinstance(error, MissingConfigException) and error.options:
+        return _unknown_option_message(error)
     if isinstance(error, ConfigCompositionException) and isinstance(
             error.__cause__, (ConfigAttributeError, ConfigKeyError)):
         return _unknown_key_message(error.__cause__)
@@ -267,6 +270,15 @@ def _raised_by_hydra(error: OSError) -> bool:
             module = name
         frame = frame.tb_next
     return module.startswith(("hydra.", "hydra_plugins."))
+
+
+def _unknown_option_message(error: MissingConfigException) -> str:
+    """One line for a group option that has no config file: the closest option and all."""
+    group, _, option = str(error.missing_cfg_file).rpartition("/")
+    options = sorted(error.options or [])
+    close = difflib.get_close_matches(option, options, n=1)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{group}={option}: no such option; {hint}the options of {group} are {options}"
 
 
 def _unknown_key_message(error: ConfigAttributeError | ConfigKeyError) -> str:
