@@ -124,30 +124,39 @@ def names(requirements: list[str]) -> set[str]:
     return {requirement_name(requirement) for requirement in requirements}
 
 
-#: import name -> distribution name (PIL: torchvision's dependency, imported by image_folder.py)
+#: import name -> distribution name (PIL: Pillow, which torchvision installs)
 DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision"}
+#: the extras of each package of gradreg ("": the top-level modules)
+LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": ("lightning",),
+          "data": ("lightning",)}
+#: modules that import an optional package at their top, imported by their path only (their
+#: package does not re-export them), with their extra: add a new one here
+IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
+                    "data/image_folder.py": "vision"}
 
 
-@pytest.mark.parametrize(("package", "extras"), [
-    ("", ()),  # the top-level modules and gradreg/penalties, gradreg/models, gradreg/evaluation
-    ("lightning", ("lightning",)),
-    ("data", ("lightning", "vision")),
-])
-def test_what_each_layer_imports_is_installed_by_its_extras(package: str, extras: tuple[str]):
-    """Every third-party module a layer's source imports is torch or in one of its extras
-    (torchvision, the vision extra, only in the modules imported by path)."""
-    if package:
-        files = sorted((ROOT / "gradreg" / package).rglob("*.py"))
-    else:
-        files = [*sorted((ROOT / "gradreg").glob("*.py")),
-                 *(path for sub in ("penalties", "models", "evaluation")
-                   for path in sorted((ROOT / "gradreg" / sub).rglob("*.py"))
-                   if path.name not in ("resnet.py", "torchvision_import.py"))]
-    allowed = {"torch"} | set().union(*(names(PROJECT["optional-dependencies"][extra])
-                                        for extra in extras))
+def extra_packages(extras: tuple[str, ...]) -> set[str]:
+    return set().union(*(names(PROJECT["optional-dependencies"][extra]) for extra in extras))
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_what_each_layer_imports_is_installed_by_its_extras(package: str):
+    """Every third-party module a layer's source imports is torch or in one of its extras; the
+    core's (torch alone) but in the modules imported by path."""
+    root = ROOT / "gradreg"
+    files = sorted(root.glob("*.py")) if not package else sorted((root / package).rglob("*.py"))
     for path in files:
+        by_path = IMPORTED_BY_PATH.get(path.relative_to(root).as_posix())
+        allowed = {"torch"} | extra_packages(LAYERS[package] + ((by_path,) if by_path else ()))
         imported = {DISTRIBUTION.get(name, name) for name in third_party_imports(path)}
         assert imported <= allowed, f"{path.relative_to(ROOT)} imports {imported - allowed}"
+
+
+def test_every_package_of_gradreg_is_a_layer_here():
+    root = ROOT / "gradreg"
+    packages = {path.parent.relative_to(root).parts[0]
+                for path in root.rglob("__init__.py") if path.parent != root}
+    assert packages == set(LAYERS) - {""}
 
 
 def test_the_core_depends_on_torch_alone_and_the_extras_build_on_each_other():
