@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from .conftest import CONFIGS, train_script
 from .helpers import TINY, hparams, run_in_process, run_script
@@ -118,6 +120,17 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         assert 0 <= metrics["val/acc_pgd"] <= 1
         row = hparams(folder / "tensorboard")
         assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
+    # the study's folder has one HParams declaration: the optimized metric first, the swept
+    # weight and lr as the columns that differ
+    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    content = EventAccumulator(str(tmp_path)).Reload().PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]).experiment
+    assert experiment.metric_infos[0].name.tag == "val/acc_pgd"
+    differ = {info.name for info in experiment.hparam_infos if info.differs}
+    assert {"weight", "lr"} <= differ and "seed" not in differ
+    assert not list(tmp_path.rglob("*.hparams_run"))
+    assert (tmp_path / "summary.md").is_file()
 
 
 @pytest.mark.slow
