@@ -32,6 +32,8 @@ way (``train_app.checks.hydra_error``).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
 line; in an Optuna search a NaN or Inf penalty fails only its trial, and the study goes on.
+A run stopped by ``SIGTERM`` (a cluster's preemption) saves ``checkpoints/last.ckpt``, prints
+the command that resumes it in one line and exits with status 143, which also stops a sweep.
 """
 
 from __future__ import annotations
