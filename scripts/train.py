@@ -76,7 +76,7 @@ from train_app import hydra_compat, run_names, runtime, sweeps  # noqa: F401 (ru
 from train_app.checks import (
     ConfigError,
     building,
-    check_slurm,
+    check_overrides,
     check_values,
     check_writable,
     hydra_error,
@@ -211,7 +211,7 @@ def report_hydra_error(error: BaseException) -> None:
 if __name__ == "__main__":
     try:
         sweeps.check_plugins(sys.argv)
-        check_slurm(sweeps.command_line_overrides(sys.argv))
+        check_overrides(sweeps.command_line_overrides(sys.argv))
     except ConfigError as error:
         exit_with(error)
     with sweeps.jobs_environment(sys.argv), hydra_compat.reporting_errors(report_hydra_error):

@@ -152,6 +152,22 @@ def test_a_truncated_jpeg_in_an_image_folder(tmp_path: Path,
                           "truncated")
 
 
+@pytest.mark.parametrize("key", ["paths.runs", "hydra.run.dir"])
+def test_a_quoted_home_in_a_folder_option(key: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a folder named ~ in the working directory."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(f'{key}="~/runs"', tmp_path=tmp_path / "run")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {key}=~/runs: ~ is not expanded here (a folder named ~ would "
+                          f"be created in the working directory); write {key}=$HOME/runs")
+    assert not (tmp_path / "~").exists()
+
+
 def test_hydra_full_error_shows_hydra_own_exception(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """HYDRA_FULL_ERROR=1: the traceback, of the error and of Hydra's own exception under it."""
