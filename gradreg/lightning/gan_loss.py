@@ -9,6 +9,11 @@ data (the tables below), not branches spread over a trainer. For real samples :m
 * generator phase: :math:`L_G = \mathrm{mean}\, a_G(D(G(z))) + \sum_k P_k(G(z), z)` (penalties
   on ``latents``: path length).
 
+A forward that a due exact penalty differentiates twice runs its attention through
+:func:`gradreg.differentiable_attention` (fused kernels have no double backward): the
+penalty's own forwards, and the scores R1/R2 share below; every other forward keeps the fused
+kernel.
+
 Penalties get the network itself as ``outputs`` (a callable) and run its forward on their points,
 so every penalty ``method``, ``subsample`` and ``chunks`` work. The exception is R1/R2 by plain
 double backward: as in StyleGAN2, they differentiate the critic scores of the adversarial term
