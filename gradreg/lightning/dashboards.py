@@ -31,8 +31,8 @@ histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's tar
 ``critic_landscape/score|grad_norm``       images: critic scores, :math:`\lVert\nabla_x D\rVert`
 ``samples``                                image: a grid of generated images of fixed latents,
                                            with the step and λ
-``graph/autograd``                         image: the backward graph of the penalized loss
-``autograd_graph/text|dot``                text: the same graph, to search and to paste
+``graph/autograd[/<owner>]``               image: the backward graph of the penalized loss
+``autograd_graph[/<owner>]/text|dot``      text: the same graph, to search and to paste
 =========================================  ========================================================
 
 The modules' own ``self.log`` tags (``train/loss``, ``train/critic/adversarial``, ``val/acc``, ...)

@@ -127,8 +127,11 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
             "param_grad/generator.fc1"} <= set(gan_tags["histograms"])
     assert [e.value for e in gan.Scalars("interpolates/grad_norm_target")] == [1.0, 1.0]
     assert set(classifier_tags["images"]) == {"saliency", "graph/autograd"}
+    # the critic's and the generator's graphs, each once (the generator's first step is batch 5)
     assert set(gan_tags["images"]) == {"critic_landscape/score", "critic_landscape/grad_norm",
-                                       "graph/autograd"}
+                                       "graph/autograd/critic", "graph/autograd/generator"}
+    assert [image.step for image in gan.Images("graph/autograd/critic")] == [0]
+    assert [image.step for image in gan.Images("graph/autograd/generator")] == [4]
     # the critic landscape's interval (200 steps) is longer than the run: its last image
     assert [image.step for image in gan.Images("critic_landscape/grad_norm")] == [19]
 
@@ -149,8 +152,10 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
     for plugin in ("scalars", "custom_scalars", "images", "text", "hparams", "histograms"):
         assert plugins[plugin]["enabled"], plugin
     text = poll(f"{url}/data/plugin/text/tags", lambda tags: len(tags) == 3)
-    assert all(set(text[run]) == {"autograd_graph/text/text_summary",
-                                  "autograd_graph/dot/text_summary"} for run in names)
+    assert [set(text[run]) for run in names] == [
+        {"autograd_graph/text/text_summary", "autograd_graph/dot/text_summary"}] * 2 + [
+        {f"autograd_graph/{owner}/{form}/text_summary" for owner in ("critic", "generator")
+         for form in ("text", "dot")}]
     experiment = hparams_request(url, "experiment", {"experimentName": ""})
     infos = {info["name"]: info.get("differs", False) for info in experiment["hparamInfos"]}
     # the columns marked (shown first) are those whose values differ between the runs
@@ -180,7 +185,7 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
 # what each tab must show once rendered
 TABS = {
     # Time Series opens on the parameter gradient norms, not on an epoch chart
-    "timeseries": [*SWEEP, "grad_norm 3 cards", "grad_norm/total /critic", "graph 3 cards"],
+    "timeseries": [*SWEEP, "grad_norm 3 cards", "grad_norm/total /critic", "graph 4 cards"],
     "custom_scalars": [*SWEEP, "outcome: accuracy, clean / FGSM / PGD (validation)",
                        "outcome: energy distance to held-out samples (validation)",
                        "outcome: modes covered (validation)", "task loss (train)",
@@ -192,7 +197,8 @@ TABS = {
     "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "weight", "penalty", "none",
                 "double_backprop", "wgan_gp", "val/acc", "val/energy_distance",
                 "Number of matching session groups: 3"],
-    "images": [*SWEEP, "graph/autograd", "critic_landscape/grad_norm", "saliency"],
+    "images": [*SWEEP, "graph/autograd", "graph/autograd/critic", "graph/autograd/generator",
+               "critic_landscape/grad_norm", "saliency"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
     "histograms&tagFilter=param_grad/": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],

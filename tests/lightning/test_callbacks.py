@@ -298,6 +298,17 @@ def test_graph_logger_warns_when_backward_bypasses_lightning(tmp_path: Path) -> 
         fit(tmp_path, BareBackward(), [AutogradGraphLogger()], max_steps=1)
 
 
+def test_graph_logger_names_each_optimizers_graph_after_its_network(tmp_path: Path) -> None:
+    """Two optimizers, one backward each per batch (a GAN's two phases): two graphs of the same
+    shape over different parameters, each under its network's tags, once."""
+    run = fit(tmp_path, TwoOptimizers(), [AutogradGraphLogger(batches=2)], max_steps=4)
+    logged = events(run)
+    assert {tag: [image.step for image in logged.Images(tag)]
+            for tag in logged.Tags()["images"]} == {"graph/autograd/first": [0],
+                                                     "graph/autograd/second": [0]}
+    assert "AccumulateGrad (second.weight [1, 4])" in logged_text(run, "autograd_graph/second/text")
+
+
 def test_graph_logger_rejects_bad_step() -> None:
     with pytest.raises(ValueError, match="at_step must be an int >= 0"):
         AutogradGraphLogger(at_step=-1)

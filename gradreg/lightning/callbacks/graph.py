@@ -17,7 +17,9 @@ stack trace per node, on the watched batches only.
 Tags: the image ``graph/autograd`` (leaves labelled with the module's parameter names,
 double-backward nodes in orange) and the text ``autograd_graph/text`` and ``autograd_graph/dot``
 (Text tab, to search and to paste into Graphviz; the same parameter names and double-backward
-marks), once per distinct graph of the watched batches (a GAN's critic and generator losses).
+marks), once per distinct graph of the watched batches. With several optimizers (a GAN) each
+network's loss has its own tags, ``graph/autograd/<owner>`` and ``autograd_graph/<owner>/text|dot``
+(``<owner>``: the submodule whose parameters the graph reaches, ``critic`` or ``generator``).
 TensorBoard's Graphs tab draws TorchScript traces of a forward pass (``add_graph``), which has
 no notion of a gradient's graph, so the graph is not logged there.
 """
@@ -60,6 +62,13 @@ def node_kinds(graph: AutogradGraph) -> tuple[list[str], list[str], dict[int, st
     return names, kinds, labels
 
 
+def _owner(graph: AutogradGraph) -> str:
+    """The submodules whose parameters are the graph's parameter leaves, joined by ``+`` (a GAN
+    phase's network: ``critic`` or ``generator``)."""
+    return "+".join(sorted({node.label.split(".", 1)[0] for node in graph.nodes
+                            if node.label})) or "no_parameters"
+
+
 class AutogradGraphLogger(pl.Callback):
     """Log the backward graphs of the losses backpropagated in ``batches`` training batches
     from step ``at_step`` on, each distinct graph once.
@@ -68,8 +77,8 @@ class AutogradGraphLogger(pl.Callback):
     optimization) or passed to ``self.manual_backward`` (manual); a bare ``loss.backward()`` is
     not seen. Pick ``at_step`` so that the penalty is computed on that step (lazy penalties),
     and ``batches`` so that every kind of step is seen (a GAN's generator step comes after
-    ``n_critic`` critic batches); a graph equal to one already logged (same nodes, kinds and
-    edges) is not logged again, so the images are one per distinct graph.
+    ``n_critic`` critic batches); a graph equal to one already logged (same nodes, kinds, leaves
+    and edges) is not logged again, so the images are one per distinct graph.
     """
 
     def __init__(self, at_step: int = 0, batches: int = 1) -> None:
@@ -117,16 +126,21 @@ class AutogradGraphLogger(pl.Callback):
         writer = tensorboard(trainer)
         graph = autograd_graph(loss, dict(pl_module.named_parameters()))
         names, kinds, labels = node_kinds(graph)
-        signature = (tuple(names), tuple(kinds), tuple(graph.edges))
+        signature = (tuple(names), tuple(kinds), tuple(sorted(labels.items())),
+                     tuple(graph.edges))
         if signature in self.logged:
             return
         step = logging_step(trainer)
-        title = (f"backward graph of the loss, step {step}: {len(names)} nodes,\n"
+        owner = _owner(graph) if len(trainer.optimizers) > 1 else None
+        of = f"the {owner}'s loss" if owner else "the loss"
+        title = (f"backward graph of {of}, step {step}: {len(names)} nodes,\n"
                  f"{kinds.count('double_backward')} of them double backward")
-        writer.add_figure(GRAPH_PICTURE, graph_figure(names, kinds, graph.edges, labels, title),
-                          step, close=True)
-        writer.add_text(f"{AUTOGRAD_GRAPH}/text", _code_block(graph.to_text()), step)
-        writer.add_text(f"{AUTOGRAD_GRAPH}/dot", _code_block(graph.to_dot()), step)
+        picture, text = ((f"{GRAPH_PICTURE}/{owner}", f"{AUTOGRAD_GRAPH}/{owner}") if owner
+                         else (GRAPH_PICTURE, AUTOGRAD_GRAPH))
+        writer.add_figure(picture, graph_figure(names, kinds, graph.edges, labels, title), step,
+                          close=True)
+        writer.add_text(f"{text}/text", _code_block(graph.to_text()), step)
+        writer.add_text(f"{text}/dot", _code_block(graph.to_dot()), step)
         self.logged.append(signature)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
