@@ -19,7 +19,9 @@ boolean mask or ``is_causal`` forbids a key):
     \bar Q = s\,\bar S K, \quad \bar K = s\,\bar S^\top Q, \quad \bar M = \bar S,
 
 where :math:`P` is recomputed from :math:`Q, K` in the backward (a row whose keys are all masked
-has :math:`P = 0`, as the fused kernels' output there is 0). The forward keeps the fused kernel's
+has :math:`P = 0`, as the fused kernels' output there is 0); a backward with
+``create_graph=True`` keeps it for the later backward of the same forward (the task loss's),
+as the gradient's graph holds it until then anyway. The forward keeps the fused kernel's
 memory (no :math:`L \times S` tensor is saved); the backward materializes :math:`L \times S` per
 head, as the MATH path's forward does.
 
@@ -75,12 +77,11 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: f
     return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
-def _attention_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
-                        grad_out: Tensor, is_causal: bool, scale: float
+def _attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None,
+                        out: Tensor, grad_out: Tensor, scale: float
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """:math:`(\\bar Q, \\bar K, \\bar V, \\bar M)` of the module docstring, in differentiable
-    ops (``create_graph=True`` records them)."""
-    p = _scores(q, k, mask, is_causal, scale)
+    """:math:`(\\bar Q, \\bar K, \\bar V, \\bar M)` of the module docstring from the
+    probabilities ``p``, in differentiable ops (``create_graph=True`` records them)."""
     grad_v = torch.matmul(p.transpose(-2, -1), grad_out)
     grad_p = torch.matmul(grad_out, v.transpose(-2, -1))
     grad_s = p * (grad_p - (grad_out * out).sum(dim=-1, keepdim=True))
@@ -104,13 +105,20 @@ class _Attention(torch.autograd.Function):
         # the kernels' default, 1 / sqrt(E), computed as they compute it
         ctx.is_causal = is_causal
         ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        ctx.probabilities = None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, mask, out = ctx.saved_tensors
-        return (*_attention_backward(q, k, v, mask, out, grad_out, ctx.is_causal, ctx.scale),
-                None, None)
+        p = ctx.probabilities
+        if p is None:
+            p = _scores(q, k, mask, ctx.is_causal, ctx.scale)
+            if torch.is_grad_enabled():
+                # create_graph: the gradient's graph holds p until the forward graph is freed
+                # too, so the backward of the forward graph (the task loss's) reuses it
+                ctx.probabilities = p
+        return (*_attention_backward(q, k, v, p, mask, out, grad_out, ctx.scale), None, None)
 
 
 def scaled_dot_product_attention(
