@@ -70,7 +70,7 @@ def errors(kind: str, act: type[nn.Module], steps: list[float]) -> dict[tuple[st
         for step in steps:
             with EmulatedTF32() if arithmetic == "tf32" else torch.enable_grad():
                 estimate = gradient(model, preset, points.detach(), fn_args,
-                                    method="finite_difference", fd_eps=step)
+                                    method="finite_difference", step=step)
             out[arithmetic, step] = float((estimate.double() - exact).norm() / exact.norm())
     return out
 

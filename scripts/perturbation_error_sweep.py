@@ -53,7 +53,7 @@ def estimates(critic: nn.Module, x: Tensor, precision: str, sigma: float, centra
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
         for _ in range(probes):
             rows.append(perturbation_sq_norms(lambda q: model(q).float().double(), points,
-                                              sigma=sigma, central=central,
+                                              step=sigma, central=central,
                                               generator=generator).double())
     return torch.stack(rows)
 

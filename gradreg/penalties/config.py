@@ -18,25 +18,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradreg.penalties.methods import BUILDERS
-from gradreg.penalties.projections import PROJECTIONS
-
-__all__ = ["KINDS", "POINTS", "REDUCTIONS", "PenaltyConfig", "finite_number", "require",
-           "squared_norm_penalty"]
+__all__ = ["KINDS", "METHODS", "POINTS", "PROJECTION_NAMES", "REDUCTIONS", "RENAMED",
+           "PenaltyConfig", "finite_number", "require", "squared_norm_penalty"]
 
 #: The options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
-#: ``float`` at construction; ``target`` also takes ``"ema"``, ``fd_eps`` also ``None``.
-NUMBERS = ("target", "power", "p", "gain", "ema_decay", "subsample", "fd_eps", "sigma", "epsilon")
+#: ``float`` at construction; ``target`` also takes ``"ema"``, ``step`` also ``None``.
+NUMBERS = ("target", "power", "p", "gain", "ema_decay", "subsample", "step")
 #: The options that are flags.
 FLAGS = ("one_sided", "check_finite", "central")
 
 POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
           "parameters")
 REDUCTIONS = ("mean", "sum", "max")
+#: How the parameter gradient is computed (:mod:`gradreg.penalties.methods` builds each).
+METHODS = ("double_backward", "finite_difference", "compiled", "perturbation")
+#: Where the per-sample gradient comes from (:mod:`gradreg.penalties.projections`).
+PROJECTION_NAMES = ("sum", "orthonormal", "gaussian")
+#: Options of earlier releases and the one that replaced each: a step size is ``step``, a
+#: number of directions (projections, probes, Rademacher directions) is ``count``.
+RENAMED = {"fd_eps": "step", "sigma": "step", "epsilon": "step", "num_projections": "count",
+           "probes": "count", "k": "count"}
 #: What is penalized (:mod:`gradreg.penalties.kinds`): the gradient norm of the module docstring
 #: of :mod:`gradreg.penalties.mechanism`, the Jacobian's spectral norm, or the Hessian penalty.
 KINDS = ("gradient_norm", "spectral", "hessian")
-#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of BUILDERS).
+#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
 KIND_METHODS = {"spectral": ("double_backward",),
                 "hessian": ("finite_difference", "double_backward")}
 
@@ -65,7 +70,6 @@ class PenaltyConfig:
         order: derivative order n of the ``"sum"`` projection.
         projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"``
             (:mod:`gradreg.penalties.projections`).
-        num_projections: random directions for ``"orthonormal"``.
         ema_decay: the running mean's decay for ``target="ema"``.
         check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
             passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead of
@@ -75,9 +79,9 @@ class PenaltyConfig:
             ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
             non-finite value is the GradScaler's overflow signal, and the scaler skips the step
             and lowers its scale.
-        method: how the parameter gradient is computed, one of :data:`BUILDERS
-            <gradreg.penalties.methods.BUILDERS>`: ``"double_backward"`` (exact),
-            ``"finite_difference"`` (no double backward, error O(fd_eps); refused on
+        method: how the parameter gradient is computed, one of :data:`METHODS`:
+            ``"double_backward"`` (exact),
+            ``"finite_difference"`` (no double backward, error O(step); refused on
             piecewise-linear models) or ``"compiled"`` (exact, through compiled ``torch.func``;
             falls back to double backward with a warning). The two latter need ``outputs`` as a
             callable; see :mod:`gradreg.penalties.methods`.
@@ -88,28 +92,33 @@ class PenaltyConfig:
             (:func:`~gradreg.penalties.chunks.in_chunks`): the same gradient, about
             ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
             double backward, per-sample points and a numeric target.
-        fd_eps: the finite-difference step (input-space length of each sample's shift; for
+        step: the step size of the estimate that takes one, ``None`` for its default:
+            ``method="finite_difference"``, the input-space length of each sample's shift (for
             ``points="parameters"``, the parameter-space length :math:`r` of the shift,
-            :mod:`~gradreg.penalties.param_gradient`);
-            ``None`` picks :func:`~gradreg.penalties.precision.default_step` for the precision
-            the model's arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`:
-            float64, float32, or TF32 on GPUs).
-        sigma, central, probes: ``method="perturbation"``
+            :mod:`~gradreg.penalties.param_gradient`), by default
+            :func:`~gradreg.penalties.precision.default_step` for the precision the model's
+            arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`: float64,
+            float32, or TF32 on GPUs); ``method="perturbation"``, the probe's scale σ per
+            element (default 0.01); ``kind="hessian"`` by finite difference, the step ε of the
+            second difference (default 0.1). Refused where no estimate takes a step.
+        count: the number of random directions, ``None`` for its default:
+            ``projection="orthonormal"``, the orthonormal projections (default 1);
+            ``method="perturbation"``, the probes per sample, averaged (default 1);
+            ``kind="hessian"``, the Rademacher directions per sample (>= 2, default 2).
+            Refused where nothing is drawn.
+        central: ``method="perturbation"``
             (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`): the squared norm
-            from ‖f(x + σε) − f(x)‖²/σ², ε ~ N(0, I), no double backward; ``sigma`` the probe's
-            scale per element (> 0), ``central`` the central difference, ``probes`` probes per
-            sample (averaged). Only for squared norms with target 0 (R1, R2, double backprop,
-            the Jacobian).
+            from ‖f(x + σε) − f(x)‖²/σ², ε ~ N(0, I), no double backward, or with ``central``
+            the central difference. Only for squared norms with target 0 (R1, R2, double
+            backprop, the Jacobian).
         kind: what is penalized, one of :data:`KINDS`: ``"gradient_norm"`` (the module
             docstring of :mod:`~gradreg.penalties.mechanism`), ``"spectral"`` (per-sample
             :math:`\sigma_{\max}` of the input Jacobian by ``iterations`` power-iteration
             steps, in place of the gradient norm) or ``"hessian"`` (the Hessian penalty with
-            ``k`` directions, step ``epsilon`` and ``reduction`` ``"max"`` or ``"mean"``;
+            ``count`` directions, ``step`` and ``reduction`` ``"max"`` or ``"mean"``;
             ``method`` ``"finite_difference"`` or ``"double_backward"``, the exact form). Both
             need ``outputs`` as a callable (:mod:`gradreg.penalties.kinds`).
         iterations: power-iteration steps of ``kind="spectral"``, >= 1.
-        k, epsilon: Rademacher directions per sample (>= 2) and finite-difference step (> 0) of
-            ``kind="hessian"``.
     """
 
     target: float | str = 0.0
@@ -124,20 +133,16 @@ class PenaltyConfig:
     gain: float = 1.0
     order: int = 1
     projection: str = "sum"
-    num_projections: int = 1
     ema_decay: float = 0.01
     check_finite: bool = True
     method: str = "double_backward"
     subsample: float = 1.0
-    fd_eps: float | None = None
     chunks: int = 1
-    sigma: float = 0.01
+    step: float | None = None
+    count: int | None = None
     central: bool = False
-    probes: int = 1
     kind: str = "gradient_norm"
     iterations: int = 10
-    k: int = 2
-    epsilon: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
@@ -155,16 +160,14 @@ class PenaltyConfig:
         require(self.of in ("outputs", "loss"), f"of must be 'outputs' or 'loss', got {self.of!r}")
         require(self.points != "activations" or len(self.layers) > 0,
                  "points='activations' needs layers=[...] naming the submodules to penalize")
-        require(self.projection in PROJECTIONS,
-                 f"projection must be one of {tuple(PROJECTIONS)}, got {self.projection!r}")
+        require(self.projection in PROJECTION_NAMES,
+                 f"projection must be one of {PROJECTION_NAMES}, got {self.projection!r}")
         require(isinstance(self.order, int) and self.order >= 1,
                  f"order must be an int >= 1, got {self.order!r}")
         require(self.order == 1 or self.projection == "sum", "order > 1 needs projection='sum'")
-        require(isinstance(self.num_projections, int) and self.num_projections >= 1,
-                 f"num_projections must be an int >= 1, got {self.num_projections!r}")
         require(0 < self.ema_decay <= 1, f"ema_decay must be in (0, 1], got {self.ema_decay!r}")
         require(self.gain > 0, f"gain must be > 0, got {self.gain!r}")
-        require(method in BUILDERS, f"method must be one of {tuple(BUILDERS)}, got {method!r}")
+        require(method in METHODS, f"method must be one of {METHODS}, got {method!r}")
         require(method in ("double_backward", "perturbation") or (
             self.projection == "sum" and self.order == 1 and target != "ema"
             and self.points != "activations"
@@ -174,13 +177,12 @@ class PenaltyConfig:
             "method='finite_difference'); use method='double_backward'")
         self._check_perturbation()
         self._check_kind()
+        self._check_step_and_count()
         require(self.reduction != "max" or (self.subsample == 1 and self.chunks == 1),
                 f"reduction='max' takes the largest value over the whole batch; subsample="
                 f"{self.subsample} and chunks={self.chunks} would take it over part of the batch "
                 "(or of one chunk): use subsample=1 and chunks=1")
         require(0 < self.subsample <= 1, f"subsample must be in (0, 1], got {self.subsample!r}")
-        require(self.fd_eps is None or self.fd_eps > 0,
-                 f"fd_eps must be > 0 or None, got {self.fd_eps!r}")
         chunks = self.chunks
         require(isinstance(chunks, int) and chunks >= 1,
                  f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
@@ -194,7 +196,7 @@ class PenaltyConfig:
         else (a string, a bool for a number, an int too large for a float) is refused here."""
         for name in NUMBERS:
             value = getattr(self, name)
-            if (name == "target" and value == "ema") or (name == "fd_eps" and value is None):
+            if (name == "target" and value == "ema") or (name == "step" and value is None):
                 continue
             number = finite_number(name, value, infinite=name == "p")
             if type(value) not in (int, float):
@@ -204,14 +206,9 @@ class PenaltyConfig:
                     f"{name} is a flag: pass True or False, got {getattr(self, name)!r}")
 
     def _check_perturbation(self) -> None:
-        require(isinstance(self.sigma, (int, float)) and self.sigma > 0,
-                f"sigma (the perturbation's scale) must be a number > 0, got {self.sigma!r}")
-        require(isinstance(self.probes, int) and self.probes >= 1,
-                f"probes must be an int >= 1 (probes per sample), got {self.probes!r}")
         if self.method != "perturbation":
-            require((self.sigma, self.central, self.probes) == (0.01, False, 1),
-                    f"sigma, central and probes set the perturbation estimate; they do nothing "
-                    f"with method={self.method!r}: pass method='perturbation'")
+            require(not self.central, f"central sets the perturbation estimate; it does nothing "
+                                      f"with method={self.method!r}: pass method='perturbation'")
             return
         require(self.kind == "gradient_norm" and self.squared and self.order == 1
                 and self.projection in ("sum", "orthonormal")
@@ -222,26 +219,14 @@ class PenaltyConfig:
                 "method='double_backward' or 'finite_difference'")
         require(self.chunks == 1, "method='perturbation' keeps no double-backward graph to "
                                   "split: use chunks=1")
-        require(self.num_projections == 1,
-                f"num_projections={self.num_projections} sets the Jacobian's orthonormal "
-                "projections, which method='perturbation' does not use (it perturbs the inputs "
-                "and measures all outputs): use probes=k for more probes per sample")
 
     def _check_kind(self) -> None:
         require(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
         require(isinstance(self.iterations, int) and self.iterations >= 1,
                 f"iterations must be an int >= 1 (power-iteration steps), got "
                 f"{self.iterations!r}")
-        require(isinstance(self.k, int) and self.k >= 2,
-                f"k (Rademacher directions per sample) must be an int >= 2: the Hessian penalty "
-                f"is a variance over the directions, which needs two; got {self.k!r}")
-        require(isinstance(self.epsilon, (int, float)) and self.epsilon > 0,
-                f"epsilon (the Hessian penalty's finite-difference step) must be > 0, got "
-                f"{self.epsilon!r}")
         require(self.kind == "spectral" or self.iterations == 10,
                 "iterations sets the power iteration of kind='spectral'; pass kind='spectral'")
-        require(self.kind == "hessian" or (self.k, self.epsilon) == (2, 0.1),
-                "k and epsilon set the Hessian penalty; pass kind='hessian'")
         if self.kind == "gradient_norm":
             return
         methods = KIND_METHODS[self.kind]
@@ -262,6 +247,44 @@ class PenaltyConfig:
                     f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
                     f"reduction={self.reduction!r}")
 
+    def _check_step_and_count(self) -> None:
+        """``step`` and ``count`` where an estimate takes them (:attr:`uses_step`,
+        :attr:`uses_count`), of the right type and range; refused elsewhere."""
+        require(self.step is None or self.step > 0,
+                f"step (the estimate's step size) must be a number > 0 or None (its default), "
+                f"got {self.step!r}")
+        require(self.step is None or self.uses_step,
+                f"step sets the step size of method='finite_difference', method='perturbation' "
+                f"and kind='hessian' by finite difference; it does nothing with "
+                f"method={self.method!r}, kind={self.kind!r}: leave it out")
+        least = 2 if self.kind == "hessian" else 1
+        why = (": the Hessian penalty is a variance over the directions, which needs two"
+               if least == 2 else "")
+        require(self.count is None or (isinstance(self.count, int)
+                                       and not isinstance(self.count, bool)
+                                       and self.count >= least),
+                f"count (random directions per sample) must be an int >= {least} or None (its "
+                f"default){why}; got {self.count!r}")
+        require(self.count is None or self.uses_count,
+                f"count sets the random directions of projection='orthonormal', "
+                f"method='perturbation' (probes) and kind='hessian'; it does nothing with "
+                f"projection={self.projection!r}, method={self.method!r}, kind={self.kind!r}: "
+                "leave it out")
+
+    @property
+    def uses_step(self) -> bool:
+        """Whether an estimate of this configuration takes ``step``."""
+        if self.kind == "hessian":
+            return self.method == "finite_difference"
+        return self.kind == "gradient_norm" and self.method in ("finite_difference",
+                                                                 "perturbation")
+
+    @property
+    def uses_count(self) -> bool:
+        """Whether this configuration draws random directions, whose number is ``count``."""
+        return (self.kind == "hessian" or self.method == "perturbation"
+                or self.projection == "orthonormal")
+
     @classmethod
     def options(cls) -> tuple[str, ...]:
         """The names of the options, in order."""
@@ -281,6 +304,7 @@ class PenaltyConfig:
                     f"GradientPenalty takes a PenaltyConfig or keyword options, got a "
                     f"{type(config).__name__}: GradientPenalty(**options).")
             return config
+        check_renamed(options)
         unknown = sorted(set(options) - set(cls.options()))
         if unknown:
             raise TypeError(f"GradientPenalty got unknown option(s) {unknown}; valid: weight, "
@@ -305,6 +329,15 @@ class PenaltyConfig:
         """Target 0, power 2, norm order 2: the penalty is the squared norm, taken without a
         root (whose derivative is infinite at a zero norm)."""
         return squared_norm_penalty(self.target, self.power, self.p)
+
+
+def check_renamed(options: Any) -> None:
+    """Refuse the options of earlier releases (:data:`RENAMED`), naming the option to pass."""
+    for old in sorted(set(options) & set(RENAMED)):
+        new = RENAMED[old]
+        raise TypeError(f"option {old!r} was renamed {new!r}: pass {new}={options[old]!r} (one "
+                        "name per concept: step for a step size, count for a number of "
+                        "directions).")
 
 
 def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:

@@ -47,19 +47,19 @@ def finite_difference(
     inputs: tuple[Tensor, ...],
     penalty_of_grads: PenaltyOfGradients,
     *,
-    eps: float | None = None,
+    step: float | None = None,
     check: bool = True,
 ) -> Tensor:
     r"""Exact :math:`P`, whose parameter gradient is a forward difference (no double backward).
 
     With :math:`v_i = \partial P/\partial g_i` and a per-sample step
-    :math:`h_i = \text{eps}/\lVert v_i \rVert` (each sample moves by ``eps`` in input space),
+    :math:`h_i = \text{step}/\lVert v_i \rVert` (each sample moves by ``step`` in input space),
 
     .. math::
 
         S = \sum_i \frac{f_i(x_i + h_i v_i) - f_i(x_i)}{h_i}, \qquad
-        \nabla_\theta S = \sum_i H_{\theta x_i} v_i + O(\text{eps})
-                        = \nabla_\theta P + O(\text{eps}).
+        \nabla_\theta S = \sum_i H_{\theta x_i} v_i + O(\text{step})
+                        = \nabla_\theta P + O(\text{step}).
 
     Any target, power, norm order, sidedness and reduction enter only through :math:`v`, which is
     the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
@@ -71,7 +71,7 @@ def finite_difference(
     forward began with, which the shifted forward replays; a plain
     ``lambda q: losses if q is x else ...`` also works for a model that draws no random numbers).
 
-    Error: relative :math:`O(\text{eps})` (third derivatives) plus :math:`O(u/\text{eps})`
+    Error: relative :math:`O(\text{step})` (third derivatives) plus :math:`O(u/\text{step})`
     (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);
     :func:`default_step` balances the two for float64, float32 and TF32 (the default of float32
     convolutions on Ampere and newer GPUs, whose error is the largest); the errors measured with
@@ -100,7 +100,7 @@ def finite_difference(
         leaves = tuple(g.detach().requires_grad_() for g in grads)
         value = penalty_of_grads(leaves)
         directions = torch.autograd.grad(value, leaves)
-    step = default_step(unit_roundoff(outputs)) if eps is None else eps
+    step = default_step(unit_roundoff(outputs)) if step is None else step
     norms = per_sample_norm(directions)
     moving = norms > 0
     h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)

@@ -1,8 +1,8 @@
 r"""The Hessian penalty (Peebles et al. 2020): off-diagonal Hessian terms, by their variance.
 
 For a function :math:`G` of an input :math:`z` (a generator of its latents) and Rademacher
-directions :math:`v^{(1)}, \dots, v^{(k)}` (entries :math:`\pm 1` with probability 1/2, one per
-sample and direction), every output unit :math:`G_j` of every sample gets
+directions :math:`v^{(1)}, \dots, v^{(k)}` (k = ``count``; entries :math:`\pm 1` with probability
+1/2, one per sample and direction), every output unit :math:`G_j` of every sample gets
 
 .. math::
 
@@ -18,20 +18,22 @@ the results over the tensors when :math:`G` returns a list (several layers).
 
 The second directional derivative :math:`v^\top H_j v` comes from one of two methods:
 
-* ``"finite_difference"`` (the authors' code): :math:`\big(G(z + \epsilon v) - 2G(z) +
-  G(z - \epsilon v)\big)/\epsilon^2`, error :math:`O(\epsilon^2)` (fourth derivatives; exact for
-  polynomials of degree <= 3); two forwards per direction, first-order backward only.
-* ``"exact"``: :math:`\frac{d^2}{dt^2} G(z + t v)\big|_{t=0}` by a Jacobian-vector product of a
-  Jacobian-vector product (``torch.func.jvp``, forward over forward: one pass gives the second
-  directional derivative of every output unit at once, where reverse-mode Hessian-vector
-  products would need one per unit); its parameter gradient is a backward through second
-  derivatives (the model needs a double backward). ``epsilon`` is not used.
+* ``"finite_difference"`` (the authors' code), ``step`` = ε:
+  :math:`\big(G(z + \epsilon v) - 2G(z) + G(z - \epsilon v)\big)/\epsilon^2`, error
+  :math:`O(\epsilon^2)` (fourth derivatives; exact for polynomials of degree <= 3); two
+  forwards per direction, first-order backward only.
+* ``"double_backward"`` (exact): :math:`\frac{d^2}{dt^2} G(z + t v)\big|_{t=0}` by a
+  Jacobian-vector product of a Jacobian-vector product (``torch.func.jvp``, forward over
+  forward: one pass gives the second directional derivative of every output unit at once,
+  where reverse-mode Hessian-vector products would need one per unit); its parameter gradient
+  is a backward through second derivatives (the model needs a double backward). It takes no
+  ``step``.
 
 The finite difference is refused where its rounding error could pass for curvature: each output
 carries a rounding error of about :math:`u\,|G|` (:math:`u` the unit roundoff of the arithmetic
 the model ran in), so the second difference carries up to :math:`4u|G|/\epsilon^2`; above 1e-2 of
 the outputs' size (:func:`~gradreg.penalties.precision.check_difference_rounding`; float32 at the
-default ``epsilon=0.1``: 2.4e-5, TF32: 0.2, bf16: 1.6) its variance would measure rounding noise.
+default ``step=0.1``: 2.4e-5, TF32: 0.2, bf16: 1.6) its variance would measure rounding noise.
 
 Every forward of one call (the one at :math:`z`, the shifted ones, one per direction of the exact
 form) draws the random numbers of the first (:class:`~gradreg.penalties.randomness.Replaying`):
@@ -55,10 +57,14 @@ from gradreg.penalties.checks import model_without_in_place_updates
 from gradreg.penalties.precision import check_difference_rounding
 from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["HESSIAN_METHODS", "HESSIAN_REDUCTIONS", "hessian_penalty", "rademacher",
-           "second_directional_derivatives"]
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "HESSIAN_METHODS", "HESSIAN_REDUCTIONS",
+           "hessian_penalty", "rademacher", "second_directional_derivatives"]
 
-HESSIAN_METHODS = ("finite_difference", "exact")
+HESSIAN_METHODS = ("finite_difference", "double_backward")
+#: The finite difference's step ε where ``step`` is left out (the authors' ``epsilon``).
+DEFAULT_STEP = 0.1
+#: Rademacher directions per sample where ``count`` is left out (the authors' ``k``).
+DEFAULT_COUNT = 2
 HESSIAN_REDUCTIONS = ("max", "mean")
 
 Outputs = Tensor | list[Tensor] | tuple[Tensor, ...]
@@ -78,14 +84,15 @@ def _as_list(outputs: Outputs) -> list[Tensor]:
 
 def second_directional_derivatives(
     fn: Callable[[Tensor], Outputs], z: Tensor, direction: Tensor, *,
-    method: str = "finite_difference", epsilon: float = 0.1, outputs: Outputs | None = None,
+    method: str = "finite_difference", step: float = DEFAULT_STEP,
+    outputs: Outputs | None = None,
 ) -> list[Tensor]:
     r""":math:`v^\top H_j v` for every output unit :math:`j` of every tensor ``fn(z)`` returns,
     for one direction :math:`v` (``direction``, ``z``'s shape): a list with one tensor of each
     output's shape. ``outputs``: ``fn(z)`` where already computed (finite difference only; the
     shifted forwards replay the random state of the first forward they see, so a model that
     draws random numbers needs ``outputs`` left out)."""
-    if method == "exact":
+    if method == "double_backward":
         def tangent(q: Tensor) -> Outputs:
             return jvp(fn, (q,), (direction,))[1]
         with model_without_in_place_updates("kind='hessian' with the exact method"):
@@ -93,37 +100,37 @@ def second_directional_derivatives(
     forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, None),
                         "the Hessian penalty")
     at_z = _as_list(forward(z))
-    _check_rounding(at_z, epsilon)
-    return _second_difference(forward, z, direction, epsilon, at_z)
+    _check_rounding(at_z, step)
+    return _second_difference(forward, z, direction, step, at_z)
 
 
-def _check_rounding(at_z: list[Tensor], epsilon: float) -> None:
-    """Refuse a second difference at ``epsilon`` that rounding would swamp (module docstring)."""
+def _check_rounding(at_z: list[Tensor], step: float) -> None:
+    """Refuse a second difference at ``step`` that rounding would swamp (module docstring)."""
     check_difference_rounding(
-        at_z, step=epsilon, order=2, weight=4, step_name="epsilon",
-        exact="the exact form (method='exact'; a GradientPenalty's method='double_backward')",
+        at_z, step=step, order=2, weight=4, step_name="step",
+        exact="the exact form (method='double_backward')",
         what="the Hessian penalty's second difference (G(z+eps*v) - 2G(z) + G(z-eps*v))/eps^2")
 
 
 def _second_difference(fn: Callable[[Tensor], Outputs], z: Tensor, direction: Tensor,
-                       epsilon: float, at_z: list[Tensor]) -> list[Tensor]:
+                       step: float, at_z: list[Tensor]) -> list[Tensor]:
     """(G(z + εv) − 2G(z) + G(z − εv))/ε² for each output, ``at_z`` being G(z)."""
-    shift = epsilon * direction
+    shift = step * direction
     plus, minus = _as_list(fn(z + shift)), _as_list(fn(z - shift))
     if not len(plus) == len(minus) == len(at_z):
         raise GradientError(
             f"fn returned {len(at_z)} tensors at z but {len(plus)} at a shifted z: "
             "it must return the same list of outputs for every input."
         )
-    return [(p - 2 * g + m) / epsilon**2 for p, g, m in zip(plus, at_z, minus, strict=True)]
+    return [(p - 2 * g + m) / step**2 for p, g, m in zip(plus, at_z, minus, strict=True)]
 
 
 def hessian_penalty(
     fn: Callable[[Tensor], Outputs],
     z: Tensor,
     *,
-    k: int = 2,
-    epsilon: float = 0.1,
+    count: int = DEFAULT_COUNT,
+    step: float = DEFAULT_STEP,
     reduction: str = "max",
     method: str = "finite_difference",
     outputs: Outputs | None = None,
@@ -134,52 +141,52 @@ def hessian_penalty(
     r"""The Hessian penalty of ``fn`` at ``z`` (module docstring), a differentiable scalar.
 
     ``fn(z)``: a tensor or a list of tensors (layers), batch first; ``z``: the input, batch first.
-    ``k``: Rademacher directions per sample, >= 2 (a variance needs two); ``epsilon`` > 0: the
-    finite-difference step; ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
-    ``method``: ``"finite_difference"`` or ``"exact"``. ``outputs``: ``fn(z)`` where the caller
-    already computed it (finite difference: saves a forward), with ``random_state`` the random
-    state its forward began with (replayed by the shifted forwards; needed where the model
-    draws random numbers). ``directions``: the directions
-    themselves, shape [k, *z.shape] (to reproduce a draw); else drawn from ``generator``.
+    ``count``: Rademacher directions per sample, >= 2 (a variance needs two); ``step`` > 0: the
+    finite-difference step ε; ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
+    ``method``: ``"finite_difference"`` or ``"double_backward"`` (exact). ``outputs``: ``fn(z)``
+    where the caller already computed it (finite difference: saves a forward), with
+    ``random_state`` the random state its forward began with (replayed by the shifted forwards;
+    needed where the model draws random numbers). ``directions``: the directions themselves,
+    shape [count, *z.shape] (to reproduce a draw); else drawn from ``generator``.
     """
-    _check_options(k, epsilon, reduction, method)
+    _check_options(count, step, reduction, method)
     if not isinstance(z, Tensor) or not z.is_floating_point():
         raise GradientError(
             f"the Hessian penalty needs a floating-point input z, got "
             f"{z.dtype if isinstance(z, Tensor) else type(z).__name__}."
         )
     if directions is None:
-        directions = rademacher((k, *z.shape), like=z, generator=generator)
-    elif tuple(directions.shape) != (k, *z.shape):
+        directions = rademacher((count, *z.shape), like=z, generator=generator)
+    elif tuple(directions.shape) != (count, *z.shape):
         raise GradientError(
-            f"directions have shape {tuple(directions.shape)}; expected [k, *z.shape] = "
-            f"{[k, *z.shape]}."
+            f"directions have shape {tuple(directions.shape)}; expected [count, *z.shape] = "
+            f"{[count, *z.shape]}."
         )
     forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, random_state),
                         "the Hessian penalty")
-    if method == "exact":
-        per_direction = [second_directional_derivatives(forward, z, v, method="exact")
+    if method == "double_backward":
+        per_direction = [second_directional_derivatives(forward, z, v, method="double_backward")
                          for v in directions]
-    else:  # one forward at z and one rounding check, shared by the k directions
+    else:  # one forward at z and one rounding check, shared by the directions
         at_z = _as_list(forward(z))
-        _check_rounding(at_z, epsilon)
-        per_direction = [_second_difference(forward, z, v, epsilon, at_z) for v in directions]
+        _check_rounding(at_z, step)
+        per_direction = [_second_difference(forward, z, v, step, at_z) for v in directions]
     total = None
-    for layer in zip(*per_direction, strict=True):  # k tensors of one output's shape
+    for layer in zip(*per_direction, strict=True):  # count tensors of one output's shape
         variance = torch.stack(layer).var(dim=0, correction=1)
         value = variance.amax() if reduction == "max" else variance.mean()
         total = value if total is None else total + value
     return total
 
 
-def _check_options(k: int, epsilon: float, reduction: str, method: str) -> None:
-    if not (isinstance(k, int) and k >= 2):
+def _check_options(count: int, step: float, reduction: str, method: str) -> None:
+    if not (isinstance(count, int) and count >= 2):
         raise ValueError(
-            f"k (Rademacher directions per sample) must be an int >= 2: the penalty is a "
-            f"variance over the directions, which needs at least two; got {k!r}."
+            f"count (Rademacher directions per sample) must be an int >= 2: the penalty is a "
+            f"variance over the directions, which needs at least two; got {count!r}."
         )
-    if not (isinstance(epsilon, (int, float)) and epsilon > 0):
-        raise ValueError(f"epsilon (the finite-difference step) must be > 0, got {epsilon!r}.")
+    if not (isinstance(step, (int, float)) and step > 0):
+        raise ValueError(f"step (the finite-difference step) must be > 0, got {step!r}.")
     if reduction not in HESSIAN_REDUCTIONS:
         raise ValueError(f"reduction must be one of {HESSIAN_REDUCTIONS}, got {reduction!r}.")
     if method not in HESSIAN_METHODS:

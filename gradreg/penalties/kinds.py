@@ -8,8 +8,8 @@ r"""What a penalty penalizes: its ``kind``, chosen once with the method when it 
   iterate), in place of :math:`\lVert g_i \rVert` in the same formula: target 0 gives
   :math:`\operatorname{reduce}_i \hat\sigma_i^2`, a Lipschitz target c with ``one_sided``
   :math:`\operatorname{reduce}_i \max(0, \hat\sigma_i - c)^2`;
-* ``"hessian"``: the Hessian penalty of :mod:`gradreg.penalties.hessian_penalty` (``k``,
-  ``epsilon``, ``reduction`` ``"max"`` or ``"mean"``; ``method="finite_difference"`` is the
+* ``"hessian"``: the Hessian penalty of :mod:`gradreg.penalties.hessian_penalty` (``count``
+  directions, ``step``, ``reduction`` ``"max"`` or ``"mean"``; ``method="finite_difference"`` is the
   authors' central difference, ``"double_backward"`` the exact second directional derivatives),
   of the callable's outputs at its one input.
 
@@ -33,7 +33,7 @@ from torch import Tensor
 from gradreg.autograd import GradientError
 from gradreg.penalties import methods
 from gradreg.penalties.coupling import probe_independent_samples
-from gradreg.penalties.hessian_penalty import hessian_penalty
+from gradreg.penalties.hessian_penalty import DEFAULT_COUNT, DEFAULT_STEP, hessian_penalty
 from gradreg.penalties.methods import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.spectral_norm import spectral_norms
 
@@ -69,9 +69,10 @@ class Hessian:
     first call (:func:`~gradreg.penalties.coupling.probe_independent_samples`)."""
 
     def __init__(self, config: PenaltyConfig) -> None:
-        self.options = {"k": config.k, "epsilon": config.epsilon, "reduction": config.reduction,
-                        "method": "exact" if config.method == "double_backward"
-                        else "finite_difference"}
+        self.options = {
+            "count": DEFAULT_COUNT if config.count is None else config.count,
+            "step": DEFAULT_STEP if config.step is None else config.step,
+            "reduction": config.reduction, "method": config.method}
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:

@@ -20,7 +20,7 @@ gradient w.r.t. the parameters is the exact double-backward one.
 Where :math:`g_i` comes from is a choice of ``projection`` and ``order``:
 
 * ``"sum"`` (order ``n``): :math:`g_i = \partial^n (\sum f)/\partial x_i^n` (``nth_derivative``);
-* ``"orthonormal"``: ``num_projections`` orthonormal directions :math:`v_{ij}` drawn uniformly per
+* ``"orthonormal"``: ``count`` orthonormal directions :math:`v_{ij}` drawn uniformly per
   sample; :math:`\lVert g_i\rVert^2 = \frac{K}{n}\sum_j \lVert v_{ij}^\top J_i\rVert^2` is an
   unbiased estimate of :math:`\lVert J_i \rVert_F^2` (Hoffman, Roberts & Yaida 2019), exact at
   :math:`n = K`, :math:`K` the number of outputs per sample;
@@ -51,9 +51,11 @@ and weights what it returns. A new method needs no change here:
    draws: dropout's mask) and probes coupled samples on its first call
    (:mod:`~gradreg.penalties.coupling`);
 2. add its builder ``(config, penalty) -> method`` to
-   :data:`~gradreg.penalties.methods.BUILDERS`: its name becomes a valid ``method``;
-3. state what it supports in :meth:`PenaltyConfig.__post_init__`: every method but
-   ``double_backward`` already needs ``order=1``, a numeric target, per-sample points, and
+   :data:`~gradreg.penalties.methods.BUILDERS` and its name to
+   :data:`~gradreg.penalties.config.METHODS` (a test holds the two equal);
+3. state what it supports in :meth:`PenaltyConfig.__post_init__` (a step size is ``step``, a
+   number of random directions ``count``, resolved by the method where left out): every method
+   but ``double_backward`` already needs ``order=1``, a numeric target, per-sample points, and
    ``outputs`` as a callable (``needs_callable``), and all but ``perturbation`` (which takes the
    Jacobian's squared norm too) ``projection="sum"``;
 4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
@@ -82,6 +84,7 @@ from gradreg.penalties.checks import check_per_sample, check_points
 from gradreg.penalties.chunks import subsample
 from gradreg.penalties.config import (
     POINTS,
+    RENAMED,
     PenaltyConfig,
     finite_number,
     require,
@@ -94,7 +97,9 @@ from gradreg.penalties.projections import PROJECTIONS, gradient_norms
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
-_OPTIONS = PenaltyConfig.options()
+#: The options read as attributes of the penalty. ``penalty.step`` is the lazy counter's buffer
+#: (a checkpoint key, ``<name>.step``); the step size is ``penalty.config.step``.
+_OPTIONS = tuple(name for name in PenaltyConfig.options() if name != "step")
 
 
 def gradient_penalty(
@@ -160,6 +165,9 @@ class GradientPenalty(nn.Module):
         config = self.__dict__.get("config")
         if config is not None and name in _OPTIONS:
             return getattr(config, name)
+        if name in RENAMED:
+            raise AttributeError(f"the option {name!r} was renamed {RENAMED[name]!r}: read "
+                                 f"penalty.{RENAMED[name]}")
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -24,7 +24,7 @@ ordinary first-order backward: value and parameter gradient are :math:`P`'s in e
 |-------------------|----------------------------------------|-----------------------------------|
 | double_backward   | input backward with graph + its        | exact                             |
 |                   | backward (about 2x a plain step)       |                                   |
-| finite_difference | input backward, forward + backward at  | O(eps) + O(u/eps) when smooth;    |
+| finite_difference | input backward, forward + backward at  | O(step) + O(u/step) when smooth;  |
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
 | compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
 | perturbation      | a forward at x + σε, first-order       | an estimate: sampling noise       |
@@ -58,11 +58,12 @@ from gradreg.attention import differentiable_attention, explain_fused_attention
 from gradreg.autograd import GradientError
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
 from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable, check_not_compiled
+from gradreg.penalties.config import METHODS
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.param_gradient import ParameterFiniteDifference
-from gradreg.penalties.perturbation import perturbation_sq_norms
+from gradreg.penalties.perturbation import DEFAULT_COUNT, DEFAULT_STEP, perturbation_sq_norms
 from gradreg.penalties.precision import (
     STEPS,
     TF32_ROUNDOFF,
@@ -221,13 +222,13 @@ class FiniteDifference:
     (smooth, samples independent) on the first call. The forward at the shifted points replays
     the random state of the one at the points (:meth:`PenaltyCall.forward`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, eps: float | None) -> None:
-        self.penalty, self.eps = penalty, eps
+    def __init__(self, penalty: PenaltyFunctions, step: float | None) -> None:
+        self.penalty, self.step = penalty, step
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         value = finite_difference(call.forward(), call.inputs, self.penalty.of_gradients,
-                                  eps=self.eps, check=not self._checked)
+                                  step=self.step, check=not self._checked)
         self._checked = True  # only once the check has passed
         return value
 
@@ -242,8 +243,10 @@ class Perturbation:
 
     def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
         self.penalty = penalty
-        self.options = {"sigma": config.sigma, "central": config.central,
-                        "probes": config.probes}
+        self.options = {
+            "step": DEFAULT_STEP if config.step is None else config.step,
+            "central": config.central,
+            "count": DEFAULT_COUNT if config.count is None else config.count}
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -293,14 +296,12 @@ def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method
 BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
     "finite_difference": lambda config, penalty: (
-        ParameterFiniteDifference(penalty, config.fd_eps, config.p, config.squared)
-        if config.points == "parameters" else FiniteDifference(penalty, config.fd_eps)),
+        ParameterFiniteDifference(penalty, config.step, config.p, config.squared)
+        if config.points == "parameters" else FiniteDifference(penalty, config.step)),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
     "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }
 
-#: The names of the methods, the values of ``method``.
-METHODS = tuple(BUILDERS)
 
 
 def choose(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:

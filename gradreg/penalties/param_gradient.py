@@ -5,7 +5,7 @@ norm (``param_grad_norm``: :math:`P = \lVert g \rVert_2`), the chain rule gives
 :math:`\nabla_\theta P = H v` with :math:`H = \nabla^2_\theta L` and :math:`v = \partial P /
 \partial g` (for :math:`P = \lVert g\rVert_2`, :math:`v = g / \lVert g \rVert`). The
 Hessian-vector product is a forward difference of gradients along :math:`\hat v = v/\lVert v
-\rVert` with step :math:`r` (``fd_eps``):
+\rVert` with step :math:`r` (``step``):
 
 .. math::
 
@@ -85,12 +85,12 @@ def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list
 
 class ParameterFiniteDifference:
     """The method (module docstring): value :math:`P(g)` exact, its parameter gradient
-    :math:`H v` by a difference of gradients with step ``eps`` (``None``: the
+    :math:`H v` by a difference of gradients with step ``step`` (``None``: the
     :func:`~gradreg.penalties.precision.default_step` of the loss's arithmetic)."""
 
-    def __init__(self, penalty: PenaltyFunctions, eps: float | None, p: float,
+    def __init__(self, penalty: PenaltyFunctions, step: float | None, p: float,
                  squared: bool) -> None:
-        self.penalty, self.eps, self.p, self.squared = penalty, eps, p, squared
+        self.penalty, self.step, self.p, self.squared = penalty, step, p, squared
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -117,8 +117,8 @@ class ParameterFiniteDifference:
             v = torch.autograd.grad(value, leaves, allow_unused=True)
         v = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, v, strict=True)]
         length = torch.sqrt(sum(d.square().sum() for d in v))
-        eps = self.eps if self.eps is not None else default_step(unit_roundoff(loss))
-        shift = torch.where(length > 0, eps / length, 0.0)  # no host sync
+        step = self.step if self.step is not None else default_step(unit_roundoff(loss))
+        shift = torch.where(length > 0, step / length, 0.0)  # no host sync
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():
@@ -129,6 +129,6 @@ class ParameterFiniteDifference:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
-        scale = length / eps
+        scale = length / step
         hvp = [(b - a) * scale.to(a.dtype) for a, b in zip(g, shifted, strict=True)]
         return with_gradients(value, list(params), hvp)

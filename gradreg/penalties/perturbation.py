@@ -34,7 +34,8 @@ than 1e-2 of the outputs' size, :math:`2u/\sigma` (:math:`u/\sigma` central), is
 (:func:`~gradreg.penalties.precision.check_difference_rounding`): bf16 autocast or TF32 at the
 default σ (0.78 and 0.098). The variance over the probes is that of
 :math:`(\varepsilon^\top g)^2`, :math:`2\lVert g\rVert^4` for a scalar output: one probe gives a
-relative standard deviation of :math:`\sqrt2` per sample, ``probes=k`` divides the variance by k.
+relative standard deviation of :math:`\sqrt2` per sample, ``count=k`` probes divide the variance by
+k.
 
 The estimate is an ordinary differentiable function of the parameters (first-order backward
 only): its parameter gradient is :math:`2 (\varepsilon^\top g)\,\nabla_\theta(\varepsilon^\top g)
@@ -63,10 +64,12 @@ from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.precision import check_difference_rounding
 from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["DEFAULT_SIGMA", "perturbation_sq_norms"]
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "perturbation_sq_norms"]
 
-#: The probe's scale per element, Seaweed APT's ``sigma = 0.01``.
-DEFAULT_SIGMA = 0.01
+#: The probe's scale σ per element (``step``), Seaweed APT's ``sigma = 0.01``.
+DEFAULT_STEP = 0.01
+#: Probes per sample (``count``).
+DEFAULT_COUNT = 1
 
 
 def perturbation_sq_norms(
@@ -74,9 +77,9 @@ def perturbation_sq_norms(
     inputs: Tensor | Sequence[Tensor],
     *,
     outputs: Tensor | None = None,
-    sigma: float = DEFAULT_SIGMA,
+    step: float = DEFAULT_STEP,
     central: bool = False,
-    probes: int = 1,
+    count: int = DEFAULT_COUNT,
     generator: torch.Generator | None = None,
     random_state: GeneratorState | None = None,
     check_samples: bool = True,
@@ -91,8 +94,8 @@ def perturbation_sq_norms(
     with (:meth:`~gradreg.penalties.randomness.GeneratorState.capture` before it), replayed by
     the perturbed forwards (needed where the model draws random numbers).
     ``fn`` may also be a :class:`~gradreg.penalties.randomness.SharedForward` (outputs and state
-    in one). ``sigma``: the probe's scale per element, > 0.
-    ``probes``: probes per sample, averaged (each one forward of the batch, two when central).
+    in one). ``step``: the probe's scale σ per element, > 0.
+    ``count``: probes per sample, averaged (each one forward of the batch, two when central).
     ``generator``: the random generator of the probes (drawn in float32, then cast to each
     input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
     ``check_samples``: probe that the samples do not interact (one backward of the first
@@ -108,10 +111,10 @@ def perturbation_sq_norms(
             f"model (a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
     inputs = as_tuple(inputs)
-    if not (isinstance(sigma, (int, float)) and sigma > 0):
-        raise ValueError(f"sigma (the probe's scale) must be a number > 0, got {sigma!r}.")
-    if not (isinstance(probes, int) and probes >= 1):
-        raise ValueError(f"probes must be an int >= 1 (probes per sample), got {probes!r}.")
+    if not (isinstance(step, (int, float)) and step > 0):
+        raise ValueError(f"step (the probe's scale σ) must be a number > 0, got {step!r}.")
+    if not (isinstance(count, int) and count >= 1):
+        raise ValueError(f"count must be an int >= 1 (probes per sample), got {count!r}.")
     for x in inputs:
         if not x.is_floating_point():
             raise GradientError(
@@ -125,8 +128,8 @@ def perturbation_sq_norms(
         outputs = forward(*inputs)
         check_per_sample(outputs, inputs)
     total = None
-    for probe in range(probes):
-        shifts = tuple(_probe(x, generator) * sigma for x in inputs)
+    for probe in range(count):
+        shifts = tuple(_probe(x, generator) * step for x in inputs)
         shifted = tuple(x + s for x, s in zip(inputs, shifts, strict=True))
         if check_samples and probe == 0:
             shifted = tuple(q if q.requires_grad else q.requires_grad_() for q in shifted)
@@ -134,7 +137,7 @@ def perturbation_sq_norms(
         if probe == 0:
             check_per_sample(plus, inputs)
             check_difference_rounding(
-                [plus], step=sigma, order=1, weight=1 if central else 2, step_name="sigma",
+                [plus], step=step, order=1, weight=1 if central else 2, step_name="step",
                 what="the perturbation estimate's difference quotient of outputs",
                 exact="method='double_backward' (r1/r2 instead of approx_r1/approx_r2)")
             if check_samples:
@@ -144,9 +147,9 @@ def perturbation_sq_norms(
             delta = (plus - minus) / 2
         else:
             delta = plus - outputs
-        sq = delta.reshape(delta.shape[0], -1).square().sum(1) / (sigma * sigma)
+        sq = delta.reshape(delta.shape[0], -1).square().sum(1) / (step * step)
         total = sq if total is None else total + sq
-    return total / probes
+    return total / count
 
 
 def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from gradreg.penalties.config import PenaltyConfig
+from gradreg.penalties.config import PenaltyConfig, check_renamed
 from gradreg.penalties.mechanism import GradientPenalty
 
 __all__ = ["PRESETS", "make_penalty"]
@@ -25,8 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dragan": {"weight": 10.0, "target": 1.0, "points": "perturbed"},
     "double_backprop": {"weight": 1.0, "points": "inputs", "of": "loss"},
     "intermediate": {"weight": 1.0, "points": "activations", "of": "loss"},
-    "jacobian": {"weight": 1.0, "points": "inputs", "projection": "orthonormal",
-                 "num_projections": 1},
+    "jacobian": {"weight": 1.0, "points": "inputs", "projection": "orthonormal"},
     "param_grad_norm": {"weight": 1.0, "power": 1.0, "points": "parameters", "of": "loss"},
     "path_length": {"weight": 2.0, "target": "ema", "ema_decay": 0.01, "projection": "gaussian",
                     "points": "latents"},
@@ -36,7 +35,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "max_gp": {"weight": 1.0, "points": "interpolates", "reduction": "max"},
     "spectral": {"weight": 1.0, "points": "inputs", "kind": "spectral", "iterations": 10},
     "hessian": {"weight": 1.0, "points": "latents", "kind": "hessian", "reduction": "max",
-                "method": "finite_difference", "k": 2, "epsilon": 0.1},
+                "method": "finite_difference"},
 }
 
 #: The formula of each preset, for its function's docstring.
@@ -61,7 +60,7 @@ FORMULAS = {
     "spectral": "λ mean_i σ_max(∂f(x_i)/∂x_i)² by power iteration (``iterations``), or a "
                 "Lipschitz target c with ``target=c, one_sided=True``; ``penalty(f, x)``",
     "hessian": "λ max (or mean) over samples and output units of Var_v(vᵀH v), v Rademacher, "
-               "``k`` directions (Peebles et al. 2020); ``penalty(G, z)``",
+               "``count`` directions (Peebles et al. 2020); ``penalty(G, z)``",
 }
 
 _OPTIONS = ("weight", *PenaltyConfig.options())
@@ -71,6 +70,7 @@ def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
     """The preset ``name`` with ``overrides`` applied, e.g. ``make_penalty("r1", weight=1.0)``."""
     if name not in PRESETS:
         raise ValueError(f"unknown penalty preset {name!r}; known presets: {', '.join(PRESETS)}.")
+    check_renamed(overrides)
     unknown = sorted(set(overrides) - set(_OPTIONS))
     if unknown:
         raise ValueError(

@@ -7,11 +7,12 @@ differentiable by double backward:
 
 * ``"sum"`` (order ``n``): :math:`g_i = \partial^n (\sum f)/\partial x_i^n`;
 * ``"orthonormal"``: :math:`\lVert g_i\rVert^2 = \frac{K}{n}\sum_j \lVert v_{ij}^\top J_i\rVert^2`
-  for ``num_projections`` = n orthonormal directions drawn uniformly per sample;
+  for ``count`` = n orthonormal directions drawn uniformly per sample (default 1);
 * ``"gaussian"``: :math:`g_i = J_i^\top y_i`, :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`.
 
 A new kind of norm is one more entry: a function ``(outputs, inputs, config, loss_scale)`` that
-returns one norm per sample (or one in all for ``points="parameters"``).
+returns one norm per sample (or one in all for ``points="parameters"``), and its name in
+:data:`~gradreg.penalties.config.PROJECTION_NAMES`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from gradreg.penalties.norms import per_sample_norm, per_sample_rows, safe_sqrt
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
 
-__all__ = ["PROJECTIONS", "gradient_norms", "latent_sq_length", "projected_sq_norm", "unscaled_vjp"]
+__all__ = ["DEFAULT_COUNT", "PROJECTIONS", "gradient_norms", "latent_sq_length",
+           "projected_sq_norm", "unscaled_vjp"]
 
 LossScale = float | Tensor | None
+
+#: Orthonormal projections per sample where ``count`` is left out.
+DEFAULT_COUNT = 1
 
 
 def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
@@ -66,13 +71,13 @@ def _sum(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
 
 def _random(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
             loss_scale: LossScale) -> Tensor:
-    sq = projected_sq_norm(outputs, inputs, config.projection, config.num_projections,
-                           loss_scale)
+    sq = projected_sq_norm(outputs, inputs, config.projection,
+                           DEFAULT_COUNT if config.count is None else config.count, loss_scale)
     return sq if config.squared else safe_sqrt(sq)
 
 
 def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: str,
-                      num_projections: int, loss_scale: LossScale = None) -> Tensor:
+                      count: int = 1, loss_scale: LossScale = None) -> Tensor:
     """Squared per-sample norm of J^T v for random v (see the module docstring).
 
     The random directions are drawn in at least float32 and then cast to the outputs' dtype:
@@ -88,18 +93,18 @@ def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: s
         pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
         noise = (torch.randn(flat.shape, **draw) / math.sqrt(pixels)).to(flat.dtype)
         return latent_sq_length(unscaled_vjp(flat, inputs, noise, loss_scale))
-    if num_projections > k:
+    if count > k:
         raise GradientError(
-            f"num_projections={num_projections} exceeds the {k} outputs per sample: "
+            f"count={count} exceeds the {k} outputs per sample: "
             f"at most {k} orthonormal directions exist (and {k} gives the exact norm)."
         )
-    gaussian = torch.randn(batch, k, num_projections, **draw)
+    gaussian = torch.randn(batch, k, count, **draw)
     directions = torch.linalg.qr(gaussian).Q.to(flat.dtype)  # [B, K, n], orthonormal, uniform
     sq = sum(
         per_sample_norm(unscaled_vjp(flat, inputs, directions[:, :, j], loss_scale), squared=True)
-        for j in range(num_projections)
+        for j in range(count)
     )
-    return sq * (k / num_projections)
+    return sq * (k / count)
 
 
 def latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:

@@ -44,7 +44,7 @@ def test_step_is_task_loss_plus_the_penalty_formulas() -> None:
         "db": make_penalty("double_backprop", weight=0.5),
         "hidden": make_penalty("intermediate", weight=0.25, layers=["act1"]),
         "pgn": make_penalty("param_grad_norm", weight=0.1),
-        "jac": make_penalty("jacobian", weight=2.0, num_projections=CLASSES),
+        "jac": make_penalty("jacobian", weight=2.0, count=CLASSES),
     })
     x, y = data()
     loss, penalties = model.losses(x, y)

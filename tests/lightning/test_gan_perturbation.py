@@ -18,8 +18,8 @@ def test_approx_r1_and_r2_share_the_adversarial_scores() -> None:
     torch.manual_seed(0)
     generator = MLP(LATENT, 2, hidden=(16,), activation="tanh").double()
     critic = MLP(2, 1, hidden=(16,), activation="tanh").double()
-    penalties = {"r1": make_penalty("approx_r1", weight=3.0, sigma=0.05),
-                 "r2": make_penalty("approx_r2", weight=5.0, sigma=0.05)}
+    penalties = {"r1": make_penalty("approx_r1", weight=3.0, step=0.05),
+                 "r2": make_penalty("approx_r2", weight=5.0, step=0.05)}
     gan_loss = GANLoss(generator, critic, penalties, adversarial="nonsaturating",
                        latent_dim=LATENT)
     real = torch.randn(BATCH, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -55,8 +55,8 @@ def test_a_dropout_critic_is_perturbed_at_the_adversarial_forwards_mask() -> Non
     generator = MLP(LATENT, 2, hidden=(16,), activation="tanh").double()
     critic = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Dropout(0.3),
                            nn.Linear(16, 1)).double()
-    penalties = {"r1": make_penalty("approx_r1", weight=3.0, sigma=0.05),
-                 "r2": make_penalty("approx_r2", weight=5.0, sigma=0.05)}
+    penalties = {"r1": make_penalty("approx_r1", weight=3.0, step=0.05),
+                 "r2": make_penalty("approx_r2", weight=5.0, step=0.05)}
     gan_loss = GANLoss(generator, critic, penalties, adversarial="nonsaturating",
                        latent_dim=LATENT)
     real = torch.randn(BATCH, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

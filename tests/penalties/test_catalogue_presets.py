@@ -52,12 +52,12 @@ def test_approx_r1_is_gamma_half_the_mean_squared_difference_over_sigma() -> Non
     """approx_r1(γ)(D, x) = γ/2 · mean_i (D(x_i + σε_i) − D(x_i))² / σ², written out."""
     d, x = critic(), torch.randn(5, 3, dtype=F64)
     torch.manual_seed(3)
-    got = approx_r1(4.0, sigma=0.05)(d, as_points(x))
+    got = approx_r1(4.0, step=0.05)(d, as_points(x))
     eps = probes((5, 3), 3)
     expected = 4.0 / 2 * ((d(x + 0.05 * eps) - d(x)) / 0.05).square().mean()
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
     torch.manual_seed(3)
-    central = approx_r2(4.0, sigma=0.05, central=True)(d, x)
+    central = approx_r2(4.0, step=0.05, central=True)(d, x)
     expected = 4.0 / 2 * ((d(x + 0.05 * eps) - d(x - 0.05 * eps)) / 0.1).square().mean()
     torch.testing.assert_close(central, expected, rtol=1e-12, atol=0)
 
@@ -115,16 +115,18 @@ def test_perturbation_refuses_what_it_cannot_estimate() -> None:
         wgan_gp(method="perturbation")
     with pytest.raises(ValueError, match="squared per-sample norms with target 0"):
         path_length(method="perturbation")
-    with pytest.raises(ValueError, match="they do nothing with method='double_backward'"):
-        r1(sigma=0.1)
-    with pytest.raises(ValueError, match="sigma .* must be a number > 0, got 0"):
-        approx_r1(sigma=0)
-    with pytest.raises(ValueError, match="probes must be an int >= 1"):
-        approx_r1(probes=0)
+    with pytest.raises(ValueError, match="it does nothing with method='double_backward'"):
+        r1(step=0.1)
+    with pytest.raises(ValueError, match="central sets the perturbation estimate"):
+        r1(central=True)
+    with pytest.raises(ValueError, match="step .* must be a number > 0 or None .* got 0"):
+        approx_r1(step=0)
+    with pytest.raises(ValueError, match="count .* must be an int >= 1 or None"):
+        approx_r1(count=0)
     with pytest.raises(ValueError, match="keeps no double-backward graph to split"):
         approx_r1(chunks=2)
-    with pytest.raises(ValueError, match="num_projections=4 .* use probes=k"):
-        jacobian(method="perturbation", num_projections=4)
+    with pytest.raises(ValueError, match="count sets the random directions .* it does nothing"):
+        r1(count=4)
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.Flatten(0))
     with pytest.raises(GradientError, match="BatchNorm in training mode"):
         approx_r1()(bn.double(), x)
@@ -299,7 +301,7 @@ def test_hessian_preset_is_the_authors_penalty() -> None:
     same seed (the authors' formula, written out in test_hessian.py)."""
     g, z = generator(), torch.randn(5, 3, dtype=F64)
     torch.manual_seed(4)
-    got = hessian(0.3, k=3)(g, as_points(z))
+    got = hessian(0.3, count=3)(g, as_points(z))
     torch.manual_seed(4)
     v = torch.randint(0, 2, (3, 5, 3)).to(F64) * 2 - 1
     sdd = torch.stack([(g(z + 0.1 * vi) - 2 * g(z) + g(z - 0.1 * vi)) / 0.1**2 for vi in v])
@@ -312,16 +314,20 @@ def test_hessian_exact_method_agrees_with_finite_differences() -> None:
     values = []
     for method in ("double_backward", "finite_difference"):
         torch.manual_seed(5)
-        values.append(hessian(reduction="mean", method=method, epsilon=1e-3)(g, z))
+        values.append(hessian(reduction="mean", method=method,
+                              **({"step": 1e-3} if method == "finite_difference" else {}))(g, z))
     torch.testing.assert_close(values[1], values[0], rtol=1e-5, atol=0)
 
 
 def test_hessian_bad_input() -> None:
     g, z = generator(), torch.randn(5, 3, dtype=F64)
-    with pytest.raises(ValueError, match="k .* must be an int >= 2"):
-        hessian(k=1)
-    with pytest.raises(ValueError, match="epsilon .* must be > 0, got 0"):
-        hessian(epsilon=0.0)
+    with pytest.raises(ValueError, match="count .* must be an int >= 2 .* variance"):
+        hessian(count=1)
+    with pytest.raises(ValueError, match="step .* must be a number > 0 or None .* got 0"):
+        hessian(step=0.0)
+    with pytest.raises(ValueError, match="it does nothing with method='double_backward', "
+                                         "kind='hessian'"):
+        hessian(method="double_backward", step=0.1)
     with pytest.raises(ValueError, match="reduces by 'max' .* or 'mean', got reduction='sum'"):
         hessian(reduction="sum")
     with pytest.raises(ValueError, match="'finite_difference' or 'double_backward', got "
@@ -335,8 +341,8 @@ def test_hessian_bad_input() -> None:
         make_penalty("r1", kind="laplacian")
     with pytest.raises(ValueError, match="variance, not a norm: target, one_sided"):
         hessian(target=1.0)
-    with pytest.raises(ValueError, match="k and epsilon set the Hessian penalty"):
-        make_penalty("r1", k=4)
+    with pytest.raises(ValueError, match="count sets the random directions"):
+        make_penalty("r1", count=4)
     with pytest.raises(ValueError, match="iterations sets the power iteration"):
         make_penalty("jacobian", iterations=5)
 

@@ -46,7 +46,7 @@ def step(penalty: GradientPenalty, modules: list[nn.Module], fn: object, points:
 
 
 CONFIGS = [("wgan_gp", {}), ("wgan_lp", {"reduction": "sum"}), ("r1", {"p": 1.5, "power": 1.0}),
-           ("derivative", {"order": 2}), ("jacobian", {"num_projections": 1})]
+           ("derivative", {"order": 2}), ("jacobian", {"count": 1})]
 
 
 @pytest.mark.parametrize(("preset", "overrides"), CONFIGS)

@@ -38,7 +38,7 @@ def gnp_step(model: nn.Module, params: list[torch.Tensor]
         return F.mse_loss(model(x), y)
 
     loss = loss_fn()
-    value = presets.param_grad_norm(0.1, method="finite_difference", fd_eps=1e-2)(
+    value = presets.param_grad_norm(0.1, method="finite_difference", step=1e-2)(
         LossAt(loss_fn, loss), params)
     return value.detach(), list(torch.autograd.grad(loss + value, params))
 
@@ -48,7 +48,7 @@ def check_the_methods_without_double_backward(backend: str) -> None:
     compiled = torch.compile(eager, backend=backend)
     params = list(eager.parameters())
     cases = [lambda m: critic_step(m, params, "approx_r1"),
-             lambda m: critic_step(m, params, "r1", method="finite_difference", fd_eps=1e-2),
+             lambda m: critic_step(m, params, "r1", method="finite_difference", step=1e-2),
              lambda m: gnp_step(m, params)]
     for case in cases:
         value, grads = case(compiled)

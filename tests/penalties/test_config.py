@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import warnings
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods
+from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods, projections
+from gradreg.penalties import config as config_module
 from tests.penalties.parameter_gradients import value_and_grad
 
 
@@ -91,8 +93,9 @@ def test_compile_falls_back_once_and_is_not_tried_again(monkeypatch: pytest.Monk
 
 
 def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A method registered in BUILDERS is a valid ``method``, built once, and is handed each
-    call with the points subsampled; what it returns is weighted as any other."""
+    """A method registered in BUILDERS (and its name in config.METHODS) is a valid ``method``,
+    built once, and is handed each call with the points subsampled; what it returns is weighted
+    as any other."""
     calls: list[methods.PenaltyCall] = []
 
     def build(config: PenaltyConfig, penalty: methods.PenaltyFunctions) -> methods.Method:
@@ -107,6 +110,7 @@ def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -
 
     built: list[methods.Method] = []
     monkeypatch.setitem(methods.BUILDERS, "recorded", build)
+    monkeypatch.setattr(config_module, "METHODS", (*config_module.METHODS, "recorded"))
     model, x = critic(), points(batch=6)
     penalty = make_penalty("r1", weight=4.0, method="recorded", subsample=0.5)
     assert penalty.needs_callable and len(built) == 1
@@ -118,3 +122,14 @@ def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -
                                atol=0)
     with pytest.raises(ValueError, match="method must be one of .*'recorded'.*got 'other'"):
         make_penalty("r1", method="other")
+
+
+def test_the_names_the_configuration_accepts_are_those_the_methods_build() -> None:
+    """The configuration imports nothing of the computation (no circle): its names of methods
+    and projections are its own tuples, held equal here to what is built."""
+    assert tuple(methods.BUILDERS) == config_module.METHODS
+    assert tuple(projections.PROJECTIONS) == config_module.PROJECTION_NAMES
+    with open(config_module.__file__) as source:
+        tree = ast.parse(source.read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in imported if name and name.startswith("gradreg.penalties")}

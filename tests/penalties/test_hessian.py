@@ -53,7 +53,7 @@ def _g2(z: Tensor) -> Tensor:
     return z[:, 0] ** 2 * z[:, 1]
 
 
-@pytest.mark.parametrize("method", ["exact", "finite_difference"])
+@pytest.mark.parametrize("method", ["double_backward", "finite_difference"])
 def test_the_authors_analytic_case(method: str) -> None:
     """G(z) = [z0·z1, z0²·z1] has Hessian penalties [4, 16·z0²].
 
@@ -69,7 +69,7 @@ def test_the_authors_analytic_case(method: str) -> None:
     signs = [torch.tensor([[a, b]], dtype=F64) for a in (-1.0, 1.0) for b in (-1.0, 1.0)]
     pairs = [torch.stack(pair) for pair in itertools.product(signs, repeat=2)]  # [2, 1, 2] each
     for fn, expected in ((_g1, 4.0), (_g2, 16 * 0.7**2)):
-        values = torch.stack([hessian_penalty(fn, z, k=2, directions=d, method=method)
+        values = torch.stack([hessian_penalty(fn, z, count=2, directions=d, method=method)
                               for d in pairs])
         torch.testing.assert_close(values.mean(), torch.tensor(expected, dtype=F64),
                                    rtol=1e-9, atol=1e-9)
@@ -97,14 +97,14 @@ def test_finite_difference_equals_the_authors_code(reduction: str) -> None:
     directions = torch.randint(0, 2, (3, 5, 3), generator=torch.Generator().manual_seed(1))
     directions = directions.to(F64) * 2 - 1
     epsilon = 0.1
-    mine = hessian_penalty(_layers(net), z, k=3, epsilon=epsilon, reduction=reduction,
+    mine = hessian_penalty(_layers(net), z, count=3, step=epsilon, reduction=reduction,
                            directions=directions)
     theirs = _authors_hessian_penalty(_layers(net), z, epsilon * directions, epsilon,
                                       torch.max if reduction == "max" else torch.mean)
     torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
     drawn = torch.randint(0, 2, (3, 5, 3), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(  # the same directions when drawn from the same generator
-        hessian_penalty(_layers(net), z, k=3, reduction=reduction,
+        hessian_penalty(_layers(net), z, count=3, reduction=reduction,
                         generator=torch.Generator().manual_seed(1)),
         _authors_hessian_penalty(_layers(net), z, epsilon * (drawn.to(F64) * 2 - 1), epsilon,
                                  torch.max if reduction == "max" else torch.mean),
@@ -117,8 +117,8 @@ def test_finite_difference_converges_to_exact(reduction: str) -> None:
     net, z = _generator(), torch.randn(5, 3, dtype=F64)
     params = list(net.parameters())
     values, grads = [], []
-    for method in ("exact", "finite_difference"):
-        value = hessian_penalty(_layers(net), z, k=4, epsilon=1e-3, reduction=reduction,
+    for method in ("double_backward", "finite_difference"):
+        value = hessian_penalty(_layers(net), z, count=4, step=1e-3, reduction=reduction,
                                 method=method, generator=torch.Generator().manual_seed(2))
         values.append(value)
         grads.append(torch.autograd.grad(value, params))
@@ -139,7 +139,7 @@ def test_exact_form_passes_gradcheck() -> None:
     def penalty(z: Tensor, *params: Tensor) -> Tensor:
         def G(q: Tensor) -> Tensor:
             return functional_call(net, dict(zip(names, params, strict=True)), (q,))
-        return hessian_penalty(G, z, k=2, reduction="mean", method="exact",
+        return hessian_penalty(G, z, count=2, reduction="mean", method="double_backward",
                                directions=directions)
 
     params = tuple(p.detach().clone().requires_grad_() for p in net.parameters())
@@ -148,15 +148,15 @@ def test_exact_form_passes_gradcheck() -> None:
 
 def test_bad_options_are_refused() -> None:
     z = torch.randn(2, 2)
-    with pytest.raises(ValueError, match="k .* must be an int >= 2: .* variance"):
-        hessian_penalty(_g1, z, k=1)
-    with pytest.raises(ValueError, match="epsilon .* must be > 0, got 0"):
-        hessian_penalty(_g1, z, epsilon=0.0)
+    with pytest.raises(ValueError, match="count .* must be an int >= 2: .* variance"):
+        hessian_penalty(_g1, z, count=1)
+    with pytest.raises(ValueError, match="step .* must be > 0, got 0"):
+        hessian_penalty(_g1, z, step=0.0)
     with pytest.raises(ValueError, match="reduction must be one of"):
         hessian_penalty(_g1, z, reduction="sum")
     with pytest.raises(ValueError, match="method must be one of"):
-        hessian_penalty(_g1, z, method="double_backward")
-    with pytest.raises(GradientError, match=r"expected \[k, \*z.shape\]"):
+        hessian_penalty(_g1, z, method="exact")
+    with pytest.raises(GradientError, match=r"expected \[count, \*z.shape\]"):
         hessian_penalty(_g1, z, directions=torch.ones(2, 3, 2))
     with pytest.raises(GradientError, match="floating-point input z"):
         hessian_penalty(_g1, torch.ones(2, 2, dtype=torch.long))
@@ -170,6 +170,7 @@ def test_a_second_difference_that_rounding_would_swamp_is_refused() -> None:
     def G(q: Tensor) -> Tensor:
         return torch.tanh(q).prod(1, keepdim=True)
 
-    assert torch.isfinite(hessian_penalty(G, z, epsilon=0.1))
-    with pytest.raises(GradientError, match=r"up to 0\.24 .* epsilon >= 0\.0049 .*method='exact'"):
-        hessian_penalty(G, z, epsilon=1e-3)
+    assert torch.isfinite(hessian_penalty(G, z, step=0.1))
+    with pytest.raises(GradientError,
+                       match=r"up to 0\.24 .* step >= 0\.0049 .*method='double_backward'"):
+        hessian_penalty(G, z, step=1e-3)

@@ -36,9 +36,9 @@ def test_jacobian_estimate_exact_at_full_rank_and_unbiased() -> None:
     x = torch.randn(6, 3, dtype=torch.float64)
     exact = exact_frobenius_sq(model, x)
     points = as_points(x)
-    full = jacobian(num_projections=4)(model(points), points)
+    full = jacobian(count=4)(model(points), points)
     assert full.item() == pytest.approx(exact.item(), rel=1e-12)
-    one = jacobian(num_projections=1)
+    one = jacobian(count=1)
     draws = []
     for _ in range(200):
         points = as_points(x)
@@ -66,7 +66,7 @@ def test_micro_batches_average_to_full_batch(preset: str) -> None:
             losses = F.cross_entropy(logits, labels[rows], reduction="none")
             penalty = make_penalty("double_backprop")(losses, points)
         else:
-            penalty = jacobian(num_projections=4)(logits, points)
+            penalty = jacobian(count=4)(logits, points)
         grads = torch.autograd.grad(penalty, list(model.parameters()), materialize_grads=True)
         return penalty.detach(), list(grads)
 

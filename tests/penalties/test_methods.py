@@ -169,7 +169,7 @@ def test_finite_difference_error_in_tf32_with_its_step(activation: type[nn.Modul
     _, exact = value_and_grad(make_penalty("wgan_gp"), exact64, exact64(p64), p64)
     errors = {}
     for step in (methods.STEPS[methods.TF32_ROUNDOFF], 1e-2):
-        penalty = make_penalty("wgan_gp", method="finite_difference", fd_eps=step)
+        penalty = make_penalty("wgan_gp", method="finite_difference", step=step)
         with EmulatedTF32():
             _, estimate = value_and_grad(penalty, critic, critic, points.detach().requires_grad_())
         errors[step] = relative_error(estimate.double(), exact)
@@ -201,7 +201,7 @@ def test_subsample_is_the_penalty_of_the_first_samples(reduction: str, scale: fl
      ({"method": "finite_difference", "projection": "gaussian"}, "supports projection='sum'"),
      ({"method": "compiled", "target": "ema"}, "a numeric target"),
      ({"subsample": 0.0}, r"subsample must be in \(0, 1\]"),
-     ({"fd_eps": -1.0}, "fd_eps must be > 0")],
+     ({"method": "finite_difference", "step": -1.0}, "step .* must be a number > 0")],
 )
 def test_invalid_method_options(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -59,7 +59,7 @@ def test_the_error_is_r_over_2_times_the_third_derivative_and_vanishes_with_r() 
     leading = third_derivative_term(model, x, y)
     errors = []
     for r in (1e-2, 1e-3, 1e-4):
-        value, estimate = step(model, x, y, method="finite_difference", fd_eps=r)
+        value, estimate = step(model, x, y, method="finite_difference", step=r)
         torch.testing.assert_close(value, exact_value, rtol=1e-14, atol=0)  # the value is exact
         error = estimate - exact
         # the remainder after the leading term is O(r^2): within 5 r of the term's size
@@ -87,14 +87,14 @@ def test_it_is_the_papers_two_gradient_update() -> None:
             [n for n, _ in model.named_parameters()], shifted, strict=True)), (x,)), y), shifted)
     paper = torch.cat([((1 - alpha) * a + alpha * b).flatten()
                        for a, b in zip(g, g_shifted, strict=True)])
-    _, ours = step(model, x, y, method="finite_difference", fd_eps=r)
+    _, ours = step(model, x, y, method="finite_difference", step=r)
     torch.testing.assert_close(ours, paper, rtol=1e-10, atol=1e-12)
 
 
 def test_the_parameters_are_restored_bitwise_also_after_an_error() -> None:
     model, x, y = problem()
     before = [p.detach().clone() for p in model.parameters()]
-    step(model, x, y, method="finite_difference", fd_eps=0.1)
+    step(model, x, y, method="finite_difference", step=0.1)
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b)
     calls = []
@@ -105,7 +105,7 @@ def test_the_parameters_are_restored_bitwise_also_after_an_error() -> None:
             raise RuntimeError("out of memory")
         return F.cross_entropy(model(x), y)
 
-    penalty = presets.param_grad_norm(1.0, method="finite_difference", fd_eps=0.1)
+    penalty = presets.param_grad_norm(1.0, method="finite_difference", step=0.1)
     with pytest.raises(RuntimeError, match="out of memory"):
         penalty(LossAt(failing), list(model.parameters()))
     for p, b in zip(model.parameters(), before, strict=True):
@@ -135,7 +135,7 @@ def test_on_fused_attention_it_approaches_the_exact_form_as_r_shrinks() -> None:
         return torch.cat([g.flatten() for g in grads if g is not None])
 
     exact = gradient()
-    errors = [(gradient(method="finite_difference", fd_eps=r) - exact).norm().item()
+    errors = [(gradient(method="finite_difference", step=r) - exact).norm().item()
               for r in (1e-4, 1e-5)]
     # measured on this transformer: |error| = 384 r (its third derivative along g is large),
     # linear in r: 1.5e-4 of |exact| (26.2) at r = 1e-5

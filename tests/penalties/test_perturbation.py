@@ -28,7 +28,7 @@ def test_linear_critic_gives_the_squared_projection_of_its_gradient() -> None:
     def critic(q: Tensor) -> Tensor:
         return q @ w + 0.5
 
-    got = perturbation_sq_norms(critic, x, sigma=0.1, probes=3,
+    got = perturbation_sq_norms(critic, x, step=0.1, count=3,
                                 generator=torch.Generator().manual_seed(1))
     expected = sum((eps @ w).square() for eps in _probes((4, 6), 1, count=3)) / 3
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
@@ -60,7 +60,7 @@ def test_quadratic_critic_forward_bias_and_central_exactness() -> None:
     forward = ((eps * grad).sum(1) + sigma / 2 * ((eps @ a) * eps).sum(1)).square()
     central = (eps * grad).sum(1).square()
     for is_central, expected in ((False, forward), (True, central)):
-        got = perturbation_sq_norms(critic, x, sigma=sigma, central=is_central,
+        got = perturbation_sq_norms(critic, x, step=sigma, central=is_central,
                                     generator=torch.Generator().manual_seed(2))
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
@@ -100,7 +100,7 @@ def test_parameter_gradient_is_that_of_the_squared_directional_derivative() -> N
     x = torch.randn(5, 3, dtype=F64)
     (eps,) = _probes((5, 3), 5)
 
-    got_value = perturbation_sq_norms(critic, x, sigma=1e-4, central=True,
+    got_value = perturbation_sq_norms(critic, x, step=1e-4, central=True,
                                       generator=torch.Generator().manual_seed(5)).sum()
     got = torch.autograd.grad(got_value, list(params.values()))
 
@@ -163,10 +163,10 @@ def test_bad_input_is_refused_with_the_fix() -> None:
     x = torch.randn(4, 3)
     with pytest.raises(GradientError, match="pass the model .* not Tensor"):
         perturbation_sq_norms(x.sum(1), x)
-    with pytest.raises(ValueError, match="sigma .* > 0, got 0"):
-        perturbation_sq_norms(lambda q: q.sum(1), x, sigma=0)
-    with pytest.raises(ValueError, match="probes must be an int >= 1"):
-        perturbation_sq_norms(lambda q: q.sum(1), x, probes=0)
+    with pytest.raises(ValueError, match="step .* > 0, got 0"):
+        perturbation_sq_norms(lambda q: q.sum(1), x, step=0)
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        perturbation_sq_norms(lambda q: q.sum(1), x, count=0)
     with pytest.raises(GradientError, match="floating-point inputs, got torch.int64"):
         perturbation_sq_norms(lambda q: q.sum(1), torch.ones(4, 3, dtype=torch.long))
     with pytest.raises(GradientError, match=r"D\(x\) rather than D\(x\).mean\(\)"):
@@ -188,10 +188,10 @@ def test_steps_that_rounding_would_swamp_are_refused(dtype: torch.dtype, sigma: 
     x = torch.randn(3, 4).to(dtype)
 
     def estimate() -> Tensor:
-        return perturbation_sq_norms(lambda q: q.sum(1), x, sigma=sigma, central=central)
+        return perturbation_sq_norms(lambda q: q.sum(1), x, step=sigma, central=central)
 
     if smallest is None:
         assert torch.isfinite(estimate()).all()
     else:
-        with pytest.raises(GradientError, match=f"sigma >= {smallest} in this arithmetic"):
+        with pytest.raises(GradientError, match=f"step >= {smallest} in this arithmetic"):
             estimate()

@@ -94,7 +94,7 @@ def test_perturbation_is_the_squared_directional_derivative_for_the_first_forwar
     model, x = critic(layer), batch()
     torch.manual_seed(3)
     state = torch.get_rng_state()
-    estimate = perturbation_sq_norms(model, x, sigma=1e-7)
+    estimate = perturbation_sq_norms(model, x, step=1e-7)
     g, eps = probe_after(state, model, x)
     expected = (eps * g).sum(1).square().detach()
     assert expected.max() > 1e-3
@@ -112,7 +112,7 @@ def test_approx_r1_on_the_task_forward_replays_its_mask(central: bool) -> None:
     torch.manual_seed(4)
     state = torch.get_rng_state()
     shared = SharedForward.run(model, x)
-    penalty = make_penalty("approx_r1", sigma=1e-7, central=central)
+    penalty = make_penalty("approx_r1", step=1e-7, central=central)
     model.zero_grad()
     value = penalty(shared, x)
     value.backward()
@@ -170,7 +170,7 @@ def masked_generator(model: nn.Sequential, state: Tensor, z: Tensor) -> nn.Modul
 
 
 @pytest.mark.parametrize(("method", "epsilon", "rtol"),
-                         [("exact", 0.1, 1e-10), ("finite_difference", 1e-3, 1e-4)])
+                         [("double_backward", 0.1, 1e-10), ("finite_difference", 1e-3, 1e-4)])
 def test_hessian_penalty_with_dropout_is_that_of_the_masked_generator(
         method: str, epsilon: float, rtol: float) -> None:
     """The Hessian penalty of a dropout generator equals the exact penalty of the same generator
@@ -183,10 +183,10 @@ def test_hessian_penalty_with_dropout_is_that_of_the_masked_generator(
     directions = rademacher((3, *z.shape), like=z, generator=torch.Generator().manual_seed(2))
     torch.manual_seed(6)
     state = torch.get_rng_state()
-    value = hessian_penalty(model, z, k=3, method=method, epsilon=epsilon, reduction="mean",
+    value = hessian_penalty(model, z, count=3, method=method, step=epsilon, reduction="mean",
                             directions=directions)
     fixed = masked_generator(model, state, z)
-    expected = hessian_penalty(fixed, z, k=3, method="exact", reduction="mean",
+    expected = hessian_penalty(fixed, z, count=3, method="double_backward", reduction="mean",
                                directions=directions)
     assert expected > 1e-4
     torch.testing.assert_close(value, expected, rtol=rtol, atol=0)
@@ -202,7 +202,7 @@ def test_hessian_kind_replays_the_mask_and_its_probe_moves_no_generator() -> Non
     torch.manual_seed(7)
     value = make_penalty("hessian", method="double_backward")(model, z)
     torch.manual_seed(7)
-    expected = hessian_penalty(model, z, k=2, method="exact")
+    expected = hessian_penalty(model, z, count=2, method="double_backward")
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=0)
 
 
@@ -288,7 +288,7 @@ def test_the_generators_advance_as_for_one_forward() -> None:
     replayed forwards draw inside a fork, so the next step draws new masks."""
     model, x = critic(), batch()
     torch.manual_seed(12)
-    perturbation_sq_norms(model, x, probes=3, check_samples=False)
+    perturbation_sq_norms(model, x, count=3, check_samples=False)
     after = torch.get_rng_state()
     torch.manual_seed(12)
     model(x)
@@ -316,7 +316,7 @@ def test_perturbation_replays_cuda_dropout() -> None:
     model, x = critic().cuda(), batch().cuda()
     torch.manual_seed(13)
     cpu, gpu = torch.get_rng_state(), torch.cuda.get_rng_state()
-    estimate = perturbation_sq_norms(model, x, sigma=1e-7)
+    estimate = perturbation_sq_norms(model, x, step=1e-7)
     torch.cuda.set_rng_state(gpu)
     g, _ = probe_after(cpu, model, x)
     eps = torch.randn(x.shape, dtype=torch.float32, device="cuda").to(F64)
@@ -328,7 +328,7 @@ def test_over_many_masks_approx_r1_is_unbiased_for_exact_r1() -> None:
     same shared forward, is zero within four standard errors (a perturbed forward that drew
     another mask would put it far from zero)."""
     model, x = critic(), batch(16).requires_grad_()
-    approx, exact = make_penalty("approx_r1", sigma=1e-4), make_penalty("r1")
+    approx, exact = make_penalty("approx_r1", step=1e-4), make_penalty("r1")
     torch.manual_seed(14)
     differences, values = [], []
     for _ in range(300):

@@ -55,7 +55,7 @@ def evaluate(name: str, model: nn.Module, device: torch.device, dtype: torch.dty
     """Value and parameter gradient of the preset on ``model`` moved to ``device``/``dtype``,
     at points made on the CPU in float64 (same draws everywhere) and then moved."""
     model = copy.deepcopy(model).to(device, dtype)
-    gp = penalty(name, **({"num_projections": 2} if name == "jacobian" else {}), **overrides)
+    gp = penalty(name, **({"count": 2} if name == "jacobian" else {}), **overrides)
     x = batch(0).double()
     if gp.points in ("parameters", "activations"):
         value = penalty_value(gp, model, x.to(device, dtype))
