@@ -122,14 +122,14 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
     # the study's folder has one HParams declaration: the optimized metric first, the swept
     # weight and lr as the columns that differ
-    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
     content = EventAccumulator(str(tmp_path)).Reload().PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
     assert experiment.metric_infos[0].name.tag == "val/acc_pgd"
     differ = {info.name for info in experiment.hparam_infos if info.differs}
     assert {"weight", "lr"} <= differ and "seed" not in differ
-    assert not list(tmp_path.rglob("*.hparams_run"))
+    assert not list(tmp_path.rglob("*_hparams_run"))
     assert (tmp_path / "summary.md").is_file()
 
 

@@ -233,8 +233,8 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
         run.fit(module, loader(), loader())
     metrics = declare_folder(tmp_path, first="val/loss")
     assert metrics == ["val/loss", "val/acc"]
-    assert not list(tmp_path.rglob("*.hparams_run"))
-    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    assert not list(tmp_path.rglob("*_hparams_run"))
+    assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
     folder = ea.EventAccumulator(str(tmp_path)).Reload()
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         folder.PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
@@ -243,7 +243,7 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
     assert [info.name.tag for info in experiment.metric_infos] == ["val/loss", "val/acc"]
     # written again (a later sweep into the folder): still one declaration
     declare_folder(tmp_path)
-    assert len(list(tmp_path.glob("events.out.tfevents.*.hparams_folder"))) == 1
+    assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
     assert declare_folder(tmp_path / "run0" / "nothing") == []
 
 

@@ -18,7 +18,7 @@ value is the latest scalar under the metric's own tag. So:
   root, from what its runs hold: every run's hyperparameters, the ones whose values differ
   between runs marked (TensorBoard shows them first, the others a click away), and the union of
   the runs' metrics with ``first`` (the metric a search optimizes) leading. The runs write
-  their declarations in event files of their own (``*.hparams_run``), which it removes: the
+  their declarations in event files of their own (``*_hparams_run``), which it removes: the
   folder's is then the only one, whatever order TensorBoard reads the runs in. The app writes
   it at the end of every sweep.
 
@@ -47,8 +47,9 @@ from gradreg.lightning.dashboards import PENALTY_WEIGHT
 Value = bool | int | float | str
 
 #: the suffixes of the event files of a run's declaration and of a folder's
-#: (:func:`declare_folder` replaces the runs' with the folder's)
-RUN_DECLARATION, FOLDER_DECLARATION = ".hparams_run", ".hparams_folder"
+#: (:func:`declare_folder` replaces the runs' with the folder's); appended to the writer's
+#: ``<pid>.<n>``, so the name still ends in its process id and number
+RUN_DECLARATION, FOLDER_DECLARATION = "_hparams_run", "_hparams_folder"
 ENDS_AFTER = ("fit", "test")
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gradreg.lightning.callbacks._logging import (
@@ -71,6 +72,11 @@ class _Optimizer:
             group = PARAM_GRAD if param.ndim >= 2 else PARAM_GRAD_BIAS
             self.layers[f"{group}/{name.rpartition('.')[0] or name}"].append(param)
         self.backpropagated: Tensor | None = None
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """``tensor``, or the whole tensor of a ``DTensor`` (a collective: every rank calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class GradientNormMonitor(pl.Callback):
@@ -143,7 +149,8 @@ class GradientNormMonitor(pl.Callback):
         if not logging_due(trainer, self.every_n_steps):
             return
         logged = self._optimizers[id(optimizer)]
-        grads = {layer: [p.grad for p in params if p.grad is not None]
+        # a sharded parameter's (FSDP2) gradient is a DTensor: gathered whole on every rank
+        grads = {layer: [_whole(p.grad) for p in params if p.grad is not None]
                  for layer, params in logged.layers.items()}
         norms = [torch.linalg.vector_norm(g.detach(), self.norm_type)
                  for layer_grads in grads.values() for g in layer_grads]

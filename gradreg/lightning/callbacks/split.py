@@ -28,7 +28,9 @@ includes their double-backward part), i.e. about twice the step's backward; on t
 nothing but one attribute read. It needs the module to hand over its loss terms
 (:func:`gradreg.lightning.loss_terms.record_terms`), as gradreg's Classifier and GAN do; for a
 GAN the parts are those of the phase's network (the parameters that require grad in that
-phase), logged at each phase's backward.
+phase), logged at each phase's backward. Under data parallelism (DDP, FSDP) every rank computes
+the parts of its own batch, before the ranks' gradients are averaged, and rank 0's are logged:
+the split of one rank's share of the batch, not of the averaged ``.grad``.
 """
 
 from __future__ import annotations
