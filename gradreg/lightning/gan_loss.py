@@ -60,27 +60,60 @@ from gradreg.penalties import (
 )
 
 # name -> (a_D, a_G), each of (real scores, fake scores); a_G gets real=None unless the name is
-# in PAIRED
+# in PAIRED. Module-level functions, not lambdas: a GAN is pickled by ddp_spawn.
 Term = Callable[[Tensor | None, Tensor], Tensor]
+
+
+def _wgan_critic(real: Tensor, fake: Tensor) -> Tensor:
+    return fake - real
+
+
+def _wgan_generator(real: Tensor | None, fake: Tensor) -> Tensor:
+    return -fake
+
+
+def _nonsaturating_critic(real: Tensor, fake: Tensor) -> Tensor:
+    return F.softplus(fake) + F.softplus(-real)
+
+
+def _nonsaturating_generator(real: Tensor | None, fake: Tensor) -> Tensor:
+    return F.softplus(-fake)
+
+
+def _relativistic_critic(real: Tensor, fake: Tensor) -> Tensor:
+    return F.softplus(fake - real)
+
+
+def _relativistic_generator(real: Tensor, fake: Tensor) -> Tensor:
+    return F.softplus(real - fake)
+
+
 ADVERSARIAL: dict[str, tuple[Term, Term]] = {
-    "wgan": (lambda real, fake: fake - real, lambda real, fake: -fake),
-    "nonsaturating": (
-        lambda real, fake: F.softplus(fake) + F.softplus(-real),
-        lambda real, fake: F.softplus(-fake),
-    ),
-    "relativistic": (
-        lambda real, fake: F.softplus(fake - real),
-        lambda real, fake: F.softplus(real - fake),
-    ),
+    "wgan": (_wgan_critic, _wgan_generator),
+    "nonsaturating": (_nonsaturating_critic, _nonsaturating_generator),
+    "relativistic": (_relativistic_critic, _relativistic_generator),
 }
 PAIRED = ("relativistic",)
 
+
+def _real_points(real: Tensor, fake: Tensor) -> Tensor:
+    return as_points(real)
+
+
+def _fake_points(real: Tensor, fake: Tensor) -> Tensor:
+    return as_points(fake)
+
+
+def _dragan_points(real: Tensor, fake: Tensor) -> Tensor:
+    return perturb_dragan(real)
+
+
 # points -> how to make them from (real, fake) in the critic phase
 CRITIC_POINTS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "real": lambda real, fake: as_points(real),
-    "fake": lambda real, fake: as_points(fake),
+    "real": _real_points,
+    "fake": _fake_points,
     "interpolates": interpolate,
-    "perturbed": lambda real, fake: perturb_dragan(real),
+    "perturbed": _dragan_points,
 }
 GENERATOR_POINTS = ("latents",)
 
