@@ -32,7 +32,7 @@ histogram ``interpolates/grad_norm``       interpolates: mean, the penalty's tar
 ``samples``                                image: a grid of generated images of fixed latents,
                                            with the step and λ
 ``graph/autograd[/<owner>]``               image: the backward graph of the penalized loss
-``autograd_graph[/<owner>]/text|dot``      text: the same graph, to search and to paste
+``autograd_graph/text|dot``                text: the same graphs, to search and to paste
 =========================================  ========================================================
 
 The modules' own ``self.log`` tags (``train/loss``, ``train/critic/adversarial``, ``val/acc``, ...)

@@ -18,8 +18,9 @@ Tags: the image ``graph/autograd`` (leaves labelled with the module's parameter 
 double-backward nodes in orange) and the text ``autograd_graph/text`` and ``autograd_graph/dot``
 (Text tab, to search and to paste into Graphviz; the same parameter names and double-backward
 marks), once per distinct graph of the watched batches. With several optimizers (a GAN) each
-network's loss has its own tags, ``graph/autograd/<owner>`` and ``autograd_graph/<owner>/text|dot``
-(``<owner>``: the submodule whose parameters the graph reaches, ``critic`` or ``generator``).
+network's picture has its own tag, ``graph/autograd/<owner>`` (``<owner>``: the submodule whose
+parameters the graph reaches, ``critic`` or ``generator``); their texts share the text tags, and
+name the parameters.
 TensorBoard's Graphs tab draws TorchScript traces of a forward pass (``add_graph``), which has
 no notion of a gradient's graph, so the graph is not logged there.
 """
@@ -135,12 +136,11 @@ class AutogradGraphLogger(pl.Callback):
         of = f"the {owner}'s loss" if owner else "the loss"
         title = (f"backward graph of {of}, step {step}: {len(names)} nodes,\n"
                  f"{kinds.count('double_backward')} of them double backward")
-        picture, text = ((f"{GRAPH_PICTURE}/{owner}", f"{AUTOGRAD_GRAPH}/{owner}") if owner
-                         else (GRAPH_PICTURE, AUTOGRAD_GRAPH))
+        picture = f"{GRAPH_PICTURE}/{owner}" if owner else GRAPH_PICTURE
         writer.add_figure(picture, graph_figure(names, kinds, graph.edges, labels, title), step,
                           close=True)
-        writer.add_text(f"{text}/text", _code_block(graph.to_text()), step)
-        writer.add_text(f"{text}/dot", _code_block(graph.to_dot()), step)
+        writer.add_text(f"{AUTOGRAD_GRAPH}/text", _code_block(graph.to_text()), step)
+        writer.add_text(f"{AUTOGRAD_GRAPH}/dot", _code_block(graph.to_dot()), step)
         self.logged.append(signature)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
