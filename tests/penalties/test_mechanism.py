@@ -36,9 +36,9 @@ def test_jacobian_estimate_exact_at_full_rank_and_unbiased() -> None:
     x = torch.randn(6, 3, dtype=torch.float64)
     exact = exact_frobenius_sq(model, x)
     points = as_points(x)
-    full = jacobian(count=4)(model(points), points)
+    full = jacobian(1.0, count=4)(model(points), points)
     assert full.item() == pytest.approx(exact.item(), rel=1e-12)
-    one = jacobian(count=1)
+    one = jacobian(1.0, count=1)
     draws = []
     for _ in range(200):
         points = as_points(x)
@@ -147,7 +147,7 @@ def test_intermediate_power_one_reproduces_seed_minimize_f() -> None:
         net[0].weight.fill_(3.0)
         net[1].weight.fill_(2.0)
         net[1].bias.fill_(6.0)
-    penalty = make_penalty("intermediate", layers=["0"], power=1.0)
+    penalty = make_penalty("intermediate", weight=1.0, layers=["0"], power=1.0)
     with gradreg.capture(net, *penalty.layers) as acts:
         y = net(torch.tensor([[4.0]])).pow(2)
     value = penalty(y, list(acts.values()))

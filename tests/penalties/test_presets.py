@@ -94,22 +94,22 @@ def reference(preset: str) -> float:
     logits = model[2](hidden)
     losses = F.cross_entropy(logits, labels, reduction="none")
     if preset == "double_backprop":
-        return _norms(losses, x).pow(2).mean().item()
+        return (0.1 * _norms(losses, x).pow(2).mean()).item()  # the default λ = 0.1
     if preset == "intermediate":
-        return _norms(losses, hidden).pow(2).mean().item()
+        return (0.01 * _norms(losses, hidden).pow(2).mean()).item()  # λ = 0.01
     if preset == "param_grad_norm":
         gs = grad(losses.mean(), list(model.parameters()))
-        return torch.sqrt(sum(g.pow(2).sum() for g in gs)).item()
+        return (0.01 * torch.sqrt(sum(g.pow(2).sum() for g in gs))).item()  # λ = 0.01
     if preset == "derivative":
         (d1,) = grad(logits.sum(), x, create_graph=True)
         (d2,) = grad(d1.sum(), x, create_graph=True)
-        return d2.pow(2).sum(1).mean().item()
+        return (0.01 * d2.pow(2).sum(1).mean()).item()  # λ = 0.01
     assert preset == "jacobian"
     jac = torch.stack([torch.stack([grad(logits[i, k], x, retain_graph=True)[0][i]
                                     for k in range(4)]) for i in range(5)])  # [B, K, D]
     directions = torch.linalg.qr(torch.randn(5, 4, 1, dtype=torch.float64)).Q  # [B, K, 1]
     projected = torch.einsum("bkd,bkn->bnd", jac, directions)
-    return (4 / 1 * projected.pow(2).sum((1, 2))).mean().item()
+    return (0.01 * 4 / 1 * projected.pow(2).sum((1, 2))).mean().item()  # λ = 0.01
 
 
 def test_value_equals_straight_line_formula(preset: str) -> None:

@@ -320,7 +320,7 @@ def test_regularized_backward_with_all_parameters_frozen_is_refused() -> None:
 def test_derivative_of_a_one_dimensional_function_takes_b_points() -> None:
     """u(x) = x^3 at x = [1, 2]: u'' = 6x, the penalty mean (6x)^2 = (36 + 144) / 2 = 90."""
     x = as_points(torch.tensor([1.0, 2.0], dtype=F64))
-    assert derivative()(x.pow(3), x).item() == pytest.approx(90.0, rel=1e-14)
+    assert derivative(1.0)(x.pow(3), x).item() == pytest.approx(90.0, rel=1e-14)
     # R1 of D(x) = 3x per sample: 10/2 * 9 = 45
     assert r1()(3 * x, x).item() == pytest.approx(45.0, rel=1e-14)
     one = torch.tensor(2.0, dtype=F64, requires_grad=True)  # a 0-d point: one sample
@@ -331,9 +331,9 @@ def test_spectral_norm_of_a_b_output_and_of_b_points() -> None:
     """f(x) = w.x (output [B]): sigma = |w| = 5, penalty 25; f(x) = 2x on [B] points: 4."""
     w = torch.tensor([3.0, 4.0], dtype=F64)
     x = as_points(torch.randn(3, 2, dtype=F64))
-    assert spectral(iterations=2)(lambda q: q @ w, x).item() == pytest.approx(25.0, rel=1e-12)
+    assert spectral(1.0, iterations=2)(lambda q: q @ w, x).item() == pytest.approx(25.0, rel=1e-12)
     s = as_points(torch.randn(3, dtype=F64))
-    assert spectral(iterations=2)(lambda q: 2 * q, s).item() == pytest.approx(4.0, rel=1e-12)
+    assert spectral(1.0, iterations=2)(lambda q: 2 * q, s).item() == pytest.approx(4.0, rel=1e-12)
 
 
 # --- points the penalty would silently combine wrongly -----------------------------------------
