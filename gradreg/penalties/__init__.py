@@ -1,10 +1,19 @@
 """Gradient penalties: one mechanism (:class:`GradientPenalty`), the published ones as presets.
 
-Plain PyTorch, WGAN-GP::
+Plain PyTorch, WGAN-GP:
 
-    gp = gradreg.penalties.wgan_gp()                      # λ = 10
-    x_hat = gradreg.penalties.interpolate(real, fake)
-    loss = D(fake).mean() - D(real).mean() + gp(D(x_hat), x_hat)
+    >>> import torch
+    >>> import gradreg
+    >>> torch.manual_seed(0) and None
+    >>> D = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1),
+    ...                         torch.nn.Flatten(0))
+    >>> real, fake = torch.randn(16, 2), torch.randn(16, 2) + 1
+    >>> gp = gradreg.penalties.wgan_gp()                      # λ = 10
+    >>> x_hat = gradreg.penalties.interpolate(real, fake)
+    >>> loss = D(fake).mean() - D(real).mean() + gp(D(x_hat), x_hat)
+    >>> loss.backward()
+    >>> all(p.grad is not None for p in D.parameters())
+    True
 """
 
 from gradreg.penalties.config import PenaltyConfig

@@ -119,6 +119,17 @@ class PenaltyConfig:
             ``method`` ``"finite_difference"`` or ``"double_backward"``, the exact form). Both
             need ``outputs`` as a callable (:mod:`gradreg.penalties.kinds`).
         iterations: power-iteration steps of ``kind="spectral"``, >= 1.
+
+    Example:
+        >>> import dataclasses
+        >>> from gradreg.penalties import GradientPenalty, PenaltyConfig
+        >>> config = PenaltyConfig(target=1.0, points="interpolates")
+        >>> config.squared, config.needs_callable
+        (False, False)
+        >>> GradientPenalty(dataclasses.replace(config, one_sided=True), weight=10.0)
+        GradientPenalty(weight=10.0, target=1.0, points='interpolates', every=1)
+        >>> PenaltyConfig(method="finite_difference", step=0.01).uses_count
+        False
     """
 
     target: float | str = 0.0

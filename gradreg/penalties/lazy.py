@@ -15,6 +15,14 @@ def lazy_optimizer_kwargs(
     :math:`c = k/(k+1)` the corrected settings are ``lr * c`` and ``betas ** c``, which keeps the
     learning rate per minibatch and the moment decay per minibatch as without the extra steps.
     Not needed when the penalty is added to the task loss on the due step (one step either way).
+
+    Example:
+        StyleGAN2's discriminator, R1 every 16 minibatches (c = 16/17):
+
+        >>> from gradreg.penalties import lazy_optimizer_kwargs
+        >>> kwargs = lazy_optimizer_kwargs(0.0025, (0.0, 0.99), every=16)
+        >>> round(kwargs["lr"], 8), round(kwargs["betas"][1], 8)
+        (0.00235294, 0.99058546)
     """
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be an int >= 1, got {every!r}.")

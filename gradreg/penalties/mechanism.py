@@ -117,6 +117,18 @@ def gradient_penalty(
     ``outputs``: per-sample values, shape [B] or [B, ...] (critic scores, per-sample losses);
     ``inputs``: tensor(s) requiring grad that ``outputs`` was computed from, batch first.
     ``reduction``: ``"mean"``, ``"sum"`` or ``"none"`` (per-sample values, shape [B]); q = power.
+
+    Example:
+        A linear critic :math:`f(x) = w \cdot x` has :math:`g_i = w`, :math:`\lVert w \rVert = 5`:
+
+        >>> import torch
+        >>> from gradreg.penalties import gradient_penalty
+        >>> w = torch.tensor([3.0, 4.0])
+        >>> x = torch.randn(6, 2, requires_grad=True)
+        >>> gradient_penalty(x @ w, x)  # mean_i ||w||^2
+        tensor(25.)
+        >>> gradient_penalty(x @ w, x, target=1.0, reduction="none")  # (||w|| - 1)^2 per sample
+        tensor([16., 16., 16., 16., 16., 16.])
     """
     inputs = as_tuple(inputs)
     check_per_sample(outputs, inputs)
@@ -143,6 +155,20 @@ class GradientPenalty(nn.Module):
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
     current weight. ``last_value`` holds the detached unweighted penalty of the last call.
+
+    Example:
+        WGAN-GP's formula, :math:`10\,\mathrm{mean}_i (\lVert g_i \rVert - 1)^2`, of a critic
+        :math:`D(x) = (w \cdot x)^2 / 2` whose gradient is :math:`(w \cdot x)\,w`:
+
+        >>> import torch
+        >>> from gradreg.penalties import GradientPenalty, as_points
+        >>> w = torch.tensor([3.0, 4.0])
+        >>> x = as_points(torch.tensor([[0.2, 0.0], [0.0, 0.1]]))  # w.x = 0.6, 0.4
+        >>> gp = GradientPenalty(weight=10.0, target=1.0, points="interpolates")
+        >>> penalty = gp((x @ w).square() / 2, x)  # norms 3 and 2: 10 * (2^2 + 1^2) / 2
+        >>> round(penalty.item(), 4), gp.points
+        (25.0, 'interpolates')
+        >>> penalty.backward()  # differentiable: the backward runs through the input gradient
     """
 
     def __init__(self, config: PenaltyConfig | None = None, /, *, weight: float = 1.0,
@@ -219,6 +245,12 @@ class GradientPenalty(nn.Module):
         may be called more than once on a due step (micro-batches). The decision is taken
         on a Python integer (no device sync on a GPU); the ``step`` buffer is written to, not
         read, and a loaded state dict sets the integer again.
+
+        Example:
+            >>> from gradreg.penalties import r1
+            >>> penalty = r1(10.0, every=4)
+            >>> [penalty.due() for _ in range(6)]
+            [True, False, False, False, True, False]
         """
         is_due = self._steps % self.every == 0
         self._steps += 1

@@ -28,6 +28,13 @@ def per_sample_norm(
     for a model that is constant in its input. ``per_sample=False`` gives one norm over
     everything (shape []). A gradient of shape [B] (points of one scalar per sample) is one
     feature per sample: :math:`\lVert g_i \rVert_p = |g_i|`.
+
+    Example:
+        >>> import torch
+        >>> from gradreg.penalties import per_sample_norm
+        >>> g = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+        >>> per_sample_norm(g), per_sample_norm(g, squared=True), per_sample_norm(g, p=1)
+        (tensor([5., 0.]), tensor([25.,  0.]), tensor([7., 0.]))
     """
     grads = as_tuple(grads)
     flat = [per_sample_rows(g) if per_sample else g.reshape(1, -1) for g in grads]

@@ -15,7 +15,16 @@ __all__ = ["as_points", "interpolate", "perturb_dragan"]
 
 
 def as_points(x: Tensor) -> Tensor:
-    """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs)."""
+    """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs).
+
+    Example:
+        >>> import torch
+        >>> from gradreg.penalties import as_points
+        >>> data = torch.ones(4, 3)
+        >>> x = as_points(data)
+        >>> x.requires_grad, x.is_leaf, x is data
+        (True, True, False)
+    """
     _require_floating("as_points", x)
     return x.detach().requires_grad_()
 
@@ -68,6 +77,14 @@ def interpolate(real: Tensor, fake: Tensor, alpha: float | Tensor | None = None,
     ``x`` = ``real``, :math:`\tilde x` = ``fake``. ``alpha``: ``None`` draws one
     :math:`\alpha \sim U[0, 1)` per sample (from ``generator``); or a number in [0, 1], or one
     value per sample (shape ``[B]`` or ``[B, 1, ..., 1]``), to reproduce a script's own draws.
+
+    Example:
+        >>> import torch
+        >>> from gradreg.penalties import interpolate
+        >>> real, fake = torch.zeros(2, 3), torch.ones(2, 3)
+        >>> interpolate(real, fake, torch.tensor([0.25, 1.0]))  # x + alpha (x~ - x)
+        tensor([[0.2500, 0.2500, 0.2500],
+                [1.0000, 1.0000, 1.0000]], requires_grad=True)
     """
     if real.shape != fake.shape:
         raise ValueError(
@@ -93,6 +110,14 @@ def perturb_dragan(real: Tensor, *, generator: torch.Generator | None = None) ->
     (numpy's ``std``, not the Bessel-corrected one) and :math:`\alpha \sim U[0, 1)` one per
     sample, as in the reference implementation (Kodali et al. 2017:
     ``X + 0.5 * X.std() * np.random.random(X.shape)`` on numpy arrays).
+
+    Example:
+        >>> import torch
+        >>> from gradreg.penalties import perturb_dragan
+        >>> real = torch.tensor([[0.0, 2.0], [2.0, 0.0]])  # std 1 (divisor N)
+        >>> shift = perturb_dragan(real) - real  # alpha * 0.5 * 1 * U[0, 1): in [0, 0.5)
+        >>> bool(((shift >= 0) & (shift < 0.5)).all())
+        True
     """
     _require_floating("perturb_dragan", real)
     real = real.detach()

@@ -67,7 +67,19 @@ _OPTIONS = ("weight", *PenaltyConfig.options())
 
 
 def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
-    """The preset ``name`` with ``overrides`` applied, e.g. ``make_penalty("r1", weight=1.0)``."""
+    r"""The preset ``name`` with ``overrides`` applied, e.g. ``make_penalty("r1", weight=1.0)``.
+
+    Example:
+        R1, :math:`\frac{\gamma}{2} \mathrm{mean}_i \lVert \nabla D(x_i) \rVert^2`, of a linear
+        critic :math:`D(x) = w \cdot x` with :math:`\lVert w \rVert^2 = 25`:
+
+        >>> import torch
+        >>> from gradreg.penalties import as_points, make_penalty
+        >>> w = torch.tensor([3.0, 4.0])
+        >>> x = as_points(torch.randn(5, 2))
+        >>> make_penalty("r1", weight=1.0)(x @ w, x)  # 1/2 * 25
+        tensor(12.5000)
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown penalty preset {name!r}; known presets: {', '.join(PRESETS)}.")
     check_renamed(overrides)
@@ -96,10 +108,20 @@ def _preset(name: str) -> Callable[..., GradientPenalty]:
         return make_penalty(name, **dict(zip(("weight",), args, strict=False)), **options)
 
     build.__name__ = build.__qualname__ = name
+    options = {"target": 0.0, "every": 1, **PRESETS[name]}
+    layers = ", layers=['act1']" if options["points"] == "activations" else ""  # its own input
     build.__doc__ = (
         f"The ``{name}`` preset: {FORMULAS[name]}.\n\n"
         f"``weight`` (default {default}) may be passed positionally; every other option of "
-        f":class:`GradientPenalty` by keyword. Preset options: {PRESETS[name]}."
+        f":class:`GradientPenalty` by keyword. Preset options: {PRESETS[name]}.\n\n"
+        f"Example:\n"
+        f"    >>> from gradreg.penalties import {name}\n"
+        f"    >>> {name}({layers[2:]})\n"
+        f"    GradientPenalty(weight={default}, target={options['target']}, "
+        f"points={options['points']!r}, every={options['every']})\n"
+        f"    >>> penalty = {name}(0.5, every=4{layers})\n"
+        f"    >>> penalty.weight, penalty.every\n"
+        f"    (0.5, 4)\n"
     )
     build.__signature__ = inspect.Signature([
         inspect.Parameter("weight", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,

@@ -47,7 +47,20 @@ __all__ = ["GeneratorState", "Replaying", "SharedForward"]
 @dataclass(frozen=True, eq=False)
 class GeneratorState:
     """The state of torch's global generators at one moment: the CPU's, and that of each
-    accelerator device in ``devices`` (of type ``device_type``)."""
+    accelerator device in ``devices`` (of type ``device_type``).
+
+    Example:
+        >>> import torch
+        >>> from gradreg.penalties import GeneratorState
+        >>> state = GeneratorState.capture()
+        >>> first = torch.rand(2)
+        >>> state.moved()
+        True
+        >>> with state.replayed():  # the same draws again; the generator restored after
+        ...     again = torch.rand(2)
+        >>> torch.equal(first, again)
+        True
+    """
 
     cpu: Tensor
     device_type: str
@@ -93,7 +106,7 @@ class GeneratorState:
 
 @dataclass(frozen=True, eq=False)
 class SharedForward:
-    """A per-sample function whose forward at ``points`` already ran (the task's forward):
+    r"""A per-sample function whose forward at ``points`` already ran (the task's forward):
     called on ``points`` itself (the same tensor object) it hands back ``outputs``, elsewhere it
     runs ``fn``. ``state``: the random state that forward began with (:meth:`GeneratorState.capture`
     just before it), which a penalty replays for its other forwards; ``None`` where unknown
@@ -101,6 +114,20 @@ class SharedForward:
 
     Pass it as a penalty's ``outputs`` (``penalty(shared, x)``), e.g.
     ``shared = SharedForward.run(critic, x)``, the task loss from ``shared.outputs``.
+
+    Example:
+        R1 without a double backward, sharing the critic's forward at the reals with the task
+        loss (a linear critic: the estimate is exactly :math:`(\varepsilon \cdot w)^2`):
+
+        >>> import torch
+        >>> from gradreg.penalties import SharedForward, approx_r1, as_points
+        >>> critic = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.Flatten(0))
+        >>> x = as_points(torch.randn(8, 2))
+        >>> shared = SharedForward.run(critic, x)
+        >>> task_loss = torch.nn.functional.softplus(-shared.outputs).mean()
+        >>> loss = task_loss + approx_r1(10.0)(shared, x)
+        >>> shared(x) is shared.outputs  # the points themselves: no second forward
+        True
     """
 
     fn: Callable[..., Tensor]
