@@ -19,7 +19,8 @@ boolean mask or ``is_causal`` forbids a key):
     \bar Q = s\,\bar S K, \quad \bar K = s\,\bar S^\top Q, \quad \bar M = \bar S,
 
 where :math:`P` is recomputed from :math:`Q, K` in the backward (a row whose keys are all masked
-has :math:`P = 0`, as the fused kernels' output there is 0); a backward with
+has :math:`P = 0` where the kernel's output there is 0, torch >= 2.5, and :math:`P =` NaN where
+it is NaN, torch 2.4: the backward is that of the forward that ran); a backward with
 ``create_graph=True`` keeps it for the later backward of the same forward (the task loss's),
 as the gradient's graph holds it until then anyway. The forward keeps the fused kernel's
 memory (no :math:`L \times S` tensor is saved); the backward materializes :math:`L \times S` per
@@ -63,8 +64,10 @@ __all__ = ["differentiable_attention", "explain_fused_attention", "scaled_dot_pr
 _FUSED = F.scaled_dot_product_attention
 
 
-def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
-    """The attention probabilities :math:`P` (rows of fully masked keys are 0)."""
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
+            out: Tensor) -> Tensor:
+    """The attention probabilities :math:`P`; a row whose keys are all masked is what the
+    kernel's output ``out`` has there: 0 (torch >= 2.5), or NaN (torch 2.4)."""
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # the scale on L x E, not on L x S
     if is_causal:
         allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
@@ -74,7 +77,8 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: f
     if mask is None:
         return torch.softmax(s, dim=-1)
     dead = s.amax(dim=-1, keepdim=True) == float("-inf")  # no host sync: a mask, not a branch
-    return torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    fill = torch.where(out.isnan().any(dim=-1, keepdim=True), float("nan"), 0.0).to(s.dtype)
+    return torch.where(dead, fill, torch.softmax(s.masked_fill(dead, 0.0), dim=-1))
 
 
 def _attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None,
@@ -113,7 +117,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, mask, out = ctx.saved_tensors
         p = ctx.probabilities
         if p is None:
-            p = _scores(q, k, mask, ctx.is_causal, ctx.scale)
+            p = _scores(q, k, mask, ctx.is_causal, ctx.scale, out)
             if torch.is_grad_enabled():
                 # create_graph: the gradient's graph holds p until the forward graph is freed
                 # too, so the backward of the forward graph (the task loss's) reuses it

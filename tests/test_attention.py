@@ -38,11 +38,19 @@ def qkv(heads: int = 3, lq: int = 5, lk: int = 6, kv_heads: int | None = None
                  for s in shapes)
 
 
-def with_dead_row() -> torch.Tensor:
+def with_dead_row(dead: bool = True) -> torch.Tensor:
+    """A boolean mask of 5 queries by 6 keys; row 2 allows no key where ``dead``."""
     mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) > 0.3
-    mask[2] = False  # no key allowed: the fused kernels give 0 there
-    mask[:, 0] = mask[:, 0] | (torch.arange(5) != 2)
+    mask[:, 0] = True
+    mask[2] = not dead  # dead: no key allowed (the kernel's output there: 0, or NaN on torch 2.4)
     return mask
+
+
+def kernel_gives_nan_on_a_dead_row() -> bool:
+    """Whether this torch's attention returns NaN (torch 2.4) rather than 0 on a query row
+    whose keys are all masked."""
+    q, k, v = (t.detach() for t in qkv())
+    return bool(FUSED(q, k, v, attn_mask=with_dead_row())[..., 2, :].isnan().all())
 
 
 @pytest.mark.parametrize("options", [
@@ -52,8 +60,8 @@ def test_gradcheck_and_gradgradcheck(options: dict) -> None:
     q, k, v = qkv()
     kind = options.pop("attn_mask", None)
     inputs: tuple[torch.Tensor, ...] = (q, k, v)
-    if kind == "bool":
-        options["attn_mask"] = with_dead_row()
+    if kind == "bool":  # a NaN row has no finite Jacobian: the dead row where the kernel gives 0
+        options["attn_mask"] = with_dead_row(dead=not kernel_gives_nan_on_a_dead_row())
     if kind == "float":  # an additive mask that is learned: its gradient is checked too
         mask = torch.randn(2, 1, 5, 6, dtype=torch.float64, requires_grad=True)
         inputs = (q, k, v, mask)
@@ -95,7 +103,28 @@ def test_the_forward_is_the_fused_kernels_bitwise() -> None:
     mask = with_dead_row()
     torch.testing.assert_close(scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                               rtol=0, atol=0)
+                               rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_dead_rows_gradient_is_that_of_the_kernels_output_there() -> None:
+    """Row 2 allows no key: 0 there and a finite gradient (torch >= 2.5), or NaN there and
+    NaN gradients like the MATH backend's (torch 2.4), never a finite gradient of NaN."""
+    q, k, v = qkv()
+    mask = with_dead_row()
+    weights = torch.randn(2, 3, 5, 3, generator=torch.Generator().manual_seed(2),
+                          dtype=torch.float64)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ours = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    nan = kernel_gives_nan_on_a_dead_row()
+    assert bool(out[..., 2, :].isnan().all()) is nan
+    assert nan or bool((out[..., 2, :] == 0).all())
+    torch.testing.assert_close(out, reference, equal_nan=True)
+    for got, want in zip(ours, expected, strict=True):
+        assert bool(got.isfinite().all()) is not nan
+        torch.testing.assert_close(got, want, equal_nan=True)
 
 
 def test_nested_tensors_are_refused() -> None:

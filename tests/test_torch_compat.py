@@ -283,6 +283,7 @@ def test_a_compiled_regions_autograd_node_has_its_name() -> None:
         f"the autograd node {COMPILED_NODE!r} of a torch.compile'd region")
 
 
+@needs_fsdp2
 def test_fsdp2s_parameters_are_dtensors(sharded: dict) -> None:
     parameter = next(sharded["model"].parameters())
     assert isinstance(parameter, dtensor_type()), moved("DTensor as FSDP2's parameter class")
