@@ -92,7 +92,7 @@ from gradreg.penalties.config import (
 )
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite import FiniteCheck
-from gradreg.penalties.norms import penalty_from_norms, per_sample_norm
+from gradreg.penalties.norms import NormPenalty, penalty_from_norms, per_sample_norm
 from gradreg.penalties.projections import PROJECTIONS, gradient_norms
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
@@ -176,8 +176,12 @@ class GradientPenalty(nn.Module):
         super().__init__()
         self.config = PenaltyConfig.from_options(config, options)
         self.weight = weight
-        self._method = kinds.choose(self.config, methods.PenaltyFunctions(
-            self._exact, self._of_gradients, self._of_norms))
+        config = self.config
+        self._of_norms = NormPenalty(
+            target=0.0 if config.target == "ema" else config.target, one_sided=config.one_sided,
+            power=config.power, p=config.p, reduction=config.reduction, squared=config.squared)
+        self._method = kinds.choose(config, methods.PenaltyFunctions(
+            self._exact, self._of_norms.of_gradients, self._of_norms))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self._due = False  # what the latest due() returned: whether a lazy penalty may be called
@@ -359,20 +363,7 @@ class GradientPenalty(nn.Module):
                     outputs, inputs, f"subsample={self.subsample}, chunks={self.chunks}")
             self._first_call_checked = True
         target = self._ema_target(norms) if self.target == "ema" else self.target
-        return self._penalty_of_norms(norms, target)
-
-    def _of_gradients(self, grads: tuple[Tensor, ...]) -> Tensor:
-        """The unweighted penalty as a function of the per-sample input gradients alone."""
-        return self._of_norms(per_sample_norm(grads, self.p, squared=self.config.squared))
-
-    def _of_norms(self, norms: Tensor) -> Tensor:
-        """The unweighted penalty of per-sample norms at the configured (numeric) target."""
-        return self._penalty_of_norms(norms, self.target)
-
-    def _penalty_of_norms(self, norms: Tensor, target: float | Tensor) -> Tensor:
-        return penalty_from_norms(norms, target=target, one_sided=self.one_sided,
-                                  power=self.power, reduction=self.reduction,
-                                  squared=self.config.squared)
+        return self._of_norms(norms, target)
 
     def _ema_target(self, norms: Tensor) -> Tensor:
         """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose

@@ -4,14 +4,15 @@ of the norms (deviation from the target, power, reduction over samples)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from gradreg.autograd import as_tuple
 
-__all__ = ["REDUCE", "penalty_from_norms", "per_sample_norm", "per_sample_rows", "safe_pow",
-           "safe_sqrt"]
+__all__ = ["REDUCE", "NormPenalty", "penalty_from_norms", "per_sample_norm", "per_sample_rows",
+           "safe_pow", "safe_sqrt"]
 
 
 def per_sample_norm(
@@ -91,3 +92,42 @@ def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool
     if reduction not in REDUCE:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(map(repr, REDUCE))}.")
     return REDUCE[reduction](values)
+
+
+@dataclass(frozen=True)
+class NormPenalty:
+    r"""The unweighted penalty as a pure function of the per-sample norms,
+    :math:`\operatorname{reduce}_i \phi(n_i - c)^{\text{power}}` (:func:`penalty_from_norms`),
+    or of the per-sample gradients themselves (:meth:`of_gradients`): what an estimate is given
+    of the penalty, holding the options and nothing of the module (it pickles, and calls
+    nothing back).
+
+    Example:
+        WGAN-GP's formula of norms 3 and 2 (target 1), and R1's of a gradient (3, 4):
+
+        >>> import torch
+        >>> from gradreg.penalties.norms import NormPenalty
+        >>> NormPenalty(target=1.0)(torch.tensor([3.0, 2.0]))  # ((3-1)^2 + (2-1)^2) / 2
+        tensor(2.5000)
+        >>> NormPenalty(target=0.0, squared=True).of_gradients((torch.tensor([[3.0, 4.0]]),))
+        tensor(25.)
+    """
+
+    target: float
+    one_sided: bool = False
+    power: float = 2.0
+    p: float = 2.0
+    reduction: str = "mean"
+    squared: bool = False
+
+    def __call__(self, norms: Tensor, target: float | Tensor | None = None) -> Tensor:
+        """The penalty of ``norms`` (squared where :attr:`squared`); ``target`` replaces the
+        configured one (StyleGAN2's running mean, a tensor)."""
+        return penalty_from_norms(norms, target=self.target if target is None else target,
+                                  one_sided=self.one_sided, power=self.power,
+                                  reduction=self.reduction, squared=self.squared)
+
+    def of_gradients(self, grads: Tensor | Sequence[Tensor]) -> Tensor:
+        """The penalty of the per-sample gradients ``grads`` (batch first), differentiable in
+        them."""
+        return self(per_sample_norm(grads, self.p, squared=self.squared))
