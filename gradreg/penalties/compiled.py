@@ -14,7 +14,7 @@ from gradreg.graph import walk_backward_graph
 from gradreg.penalties.chunks import with_gradients
 from gradreg.torch_compat import COMPILED_NODE
 
-__all__ = ["CompileUnavailable", "CompiledPenalty", "check_not_compiled"]
+__all__ = ["CompileUnavailable", "CompiledPenalty", "check_not_compiled", "runs_compiled"]
 
 #: The penalties that need no double backward, which run on a torch.compile'd model.
 WITHOUT_DOUBLE_BACKWARD = (
@@ -23,11 +23,20 @@ WITHOUT_DOUBLE_BACKWARD = (
     "param_grad_norm given the loss as LossAt), or kind='hessian' by its finite difference")
 
 
+def runs_compiled(outputs: Tensor) -> bool:
+    """Whether the graph of ``outputs`` runs through a compiled region (``torch.compile``).
+    Such a region's backward is compiled on its first use, and where that backward keeps no
+    graph it donates its saved buffers: every later backward of the region that retains the
+    graph (``retain_graph`` or ``create_graph``) raises. A method that needs two backwards of
+    a compiled forward runs the forward once more instead, one backward each."""
+    return outputs.grad_fn is not None and COMPILED_NODE in walk_backward_graph([outputs]).names()
+
+
 def check_not_compiled(outputs: Tensor) -> None:
     """Raise where the graph of ``outputs`` runs through a compiled region: torch's
     compiled autograd has no double backward (aot_autograd raises, or ``chunks`` fails on its
     donated buffers), so an exact penalty cannot differentiate it twice."""
-    if outputs.grad_fn is not None and COMPILED_NODE in walk_backward_graph([outputs]).names():
+    if runs_compiled(outputs):
         raise GradientError(
             "an exact penalty (double backward) of a torch.compile'd model: compiled autograd "
             "has no double backward. Use a method that needs none on the compiled model, "

@@ -35,10 +35,11 @@ __all__ = ["check_independent_samples", "probe_independent_samples"]
 
 
 def check_independent_samples(outputs: Tensor | Sequence[Tensor], points: Sequence[Tensor],
-                              what: str) -> None:
+                              what: str, *, retain_graph: bool = True) -> None:
     """Raise :class:`~gradreg.GradientError` where the outputs of samples 1.. depend on sample
     0's ``points`` (module docstring). ``outputs``: the per-sample outputs (a tensor, or several
-    as a list), batch first, with their graph to ``points``; a batch of one is not probed."""
+    as a list), batch first, with their graph to ``points``; a batch of one is not probed.
+    ``retain_graph``: keep that graph for a later backward (False: the graph is the probe's)."""
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     outputs = [o for o in outputs if o.requires_grad and o.ndim > 0 and o.shape[0] > 1]
     wanted = [x for x in points if x.requires_grad and x.ndim > 0 and x.shape[0] > 1]
@@ -50,7 +51,8 @@ def check_independent_samples(outputs: Tensor | Sequence[Tensor], points: Sequen
         w = torch.rand(o.shape, generator=draw, device=o.device, dtype=o.dtype) + 0.5
         w[0] = 0
         weights.append(w)
-    grads = torch.autograd.grad(outputs, wanted, grad_outputs=weights, retain_graph=True,
+    grads = torch.autograd.grad(outputs, wanted, grad_outputs=weights,
+                                retain_graph=retain_graph,
                                 allow_unused=True)
     if any(g is not None and bool(((g[0] != 0) & g[0].isfinite()).any()) for g in grads):
         raise GradientError(_coupled_message(what, outputs))
@@ -73,7 +75,7 @@ def probe_independent_samples(fn: Callable[..., Tensor | Sequence[Tensor]],
     try:
         with torch.enable_grad(), GeneratorState.capture(*points).replayed():
             outputs = fn(*leaves, *args)
-        check_independent_samples(outputs, leaves, what)
+        check_independent_samples(outputs, leaves, what, retain_graph=False)
     finally:  # only those that changed: the others may be saved for the caller's backward
         with torch.no_grad():
             for buffer, value in zip(buffers, saved, strict=True):

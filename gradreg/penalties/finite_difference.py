@@ -19,7 +19,8 @@ from torch import Tensor
 from gradreg.autograd import GradientError, gradient
 from gradreg.graph import graph_node_names
 from gradreg.penalties.checks import check_per_sample
-from gradreg.penalties.coupling import check_independent_samples
+from gradreg.penalties.compiled import runs_compiled
+from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
 from gradreg.penalties.randomness import Replaying
@@ -91,11 +92,17 @@ def finite_difference(
     forward = Replaying(fn, "method='finite_difference'")
     outputs = forward(*inputs)
     check_per_sample(outputs, inputs)
+    compiled = runs_compiled(outputs)  # one backward per compiled graph: forwards of their own
     if check:
         check_smooth(outputs)
-        check_independent_samples(outputs, inputs, "method='finite_difference'")
-    grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs), create_graph=False,
-                     retain_graph=True)
+        if compiled:
+            probe_independent_samples(fn, inputs, "method='finite_difference'")
+        else:
+            check_independent_samples(outputs, inputs, "method='finite_difference'")
+    at = tuple(x.detach().requires_grad_() for x in inputs) if compiled else inputs
+    grads = gradient(forward(*at) if compiled else outputs, at,
+                     grad_outputs=torch.ones_like(outputs), create_graph=False,
+                     retain_graph=not compiled)
     with torch.enable_grad():
         leaves = tuple(g.detach().requires_grad_() for g in grads)
         value = penalty_of_grads(leaves)

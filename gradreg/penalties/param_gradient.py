@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
-from gradreg.graph import walk_backward_graph
 from gradreg.penalties.chunks import with_gradients
+from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.torch_compat import COMPILED_NODE, dtensor_type
+from gradreg.torch_compat import dtensor_type
 
 if TYPE_CHECKING:
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
@@ -101,7 +101,7 @@ class ParameterFiniteDifference:
         if loss is not None and self._shares is None:
             # a compiled region's backward donates its buffers (no retain_graph): its loss is
             # computed again instead of shared
-            self._shares = COMPILED_NODE not in walk_backward_graph([loss]).names()
+            self._shares = not runs_compiled(loss)
         loss = loss if loss is not None and self._shares else call.fn()
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             raise GradientError(

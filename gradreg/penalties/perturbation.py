@@ -60,7 +60,8 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample
-from gradreg.penalties.coupling import check_independent_samples
+from gradreg.penalties.compiled import runs_compiled
+from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.precision import check_difference_rounding
 from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
@@ -140,7 +141,9 @@ def perturbation_sq_norms(
                 [plus], step=step, order=1, weight=1 if central else 2, step_name="step",
                 what="the perturbation estimate's difference quotient of outputs",
                 exact="method='double_backward' (r1/r2 instead of approx_r1/approx_r2)")
-            if check_samples:
+            if check_samples and runs_compiled(plus):  # one backward per compiled graph
+                probe_independent_samples(fn, shifted, "the perturbation estimate")
+            elif check_samples:
                 check_independent_samples(plus, shifted, "the perturbation estimate")
         if central:
             minus = forward(*(x - s for x, s in zip(inputs, shifts, strict=True)))

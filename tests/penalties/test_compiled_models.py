@@ -1,6 +1,8 @@
 """Penalties on torch.compile'd models: the methods without a double backward give what they
 give on the eager model (float64: the compiled kernels' rounding is not amplified by the
-difference quotients); exact ones are refused with the methods that work named."""
+difference quotients), also after a training step compiled the model's backward with donated
+buffers (one backward per compiled graph); exact ones are refused with the methods that work
+named."""
 
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ def check_the_methods_without_double_backward(backend: str) -> None:
     eager = mlp()
     compiled = torch.compile(eager, backend=backend)
     params = list(eager.parameters())
+    # a training step first: the compiled backward, compiled by a backward that keeps no graph,
+    # donates its buffers and takes no retained backward after it
+    compiled(torch.randn(6, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    eager.zero_grad(set_to_none=True)
     cases = [lambda m: critic_step(m, params, "approx_r1"),
              lambda m: critic_step(m, params, "r1", method="finite_difference", step=1e-2),
              lambda m: gnp_step(m, params)]
@@ -72,3 +78,18 @@ def test_on_a_model_compiled_through_aot_autograd() -> None:
 def test_on_a_model_compiled_by_inductor() -> None:
     torch.compiler.reset()
     check_the_methods_without_double_backward("inductor")
+
+
+@pytest.mark.parametrize("name, options", [
+    ("approx_r1", {}), ("r1", {"method": "finite_difference", "step": 1e-2}),
+], ids=["perturbation", "finite_difference"])
+def test_coupled_samples_of_a_compiled_model_are_refused(name: str, options: dict) -> None:
+    """The coupling probe of a compiled model runs a forward of its own (its graph is
+    backpropagated once), and still sees BatchNorm's batch statistics."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    compiled = torch.compile(eager.double(), backend="aot_eager")
+    compiled(torch.randn(6, 4, dtype=torch.float64, requires_grad=True)).sum().backward()
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(GradientError, match="samples are coupled"):
+        presets.make_penalty(name, **options)(compiled, x)

@@ -32,7 +32,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gradreg.lightning.callbacks._logging import (
@@ -58,6 +57,7 @@ from gradreg.lightning.dashboards import (
     PARAM_GRAD_BIAS,
 )
 from gradreg.penalties import per_sample_norm
+from gradreg.torch_compat import dtensor_type
 
 
 class _Optimizer:
@@ -74,9 +74,14 @@ class _Optimizer:
         self.backpropagated: Tensor | None = None
 
 
+#: FSDP2's sharded tensor class (public from torch 2.5, private in 2.4), or None
+_DTENSOR = dtensor_type()
+
+
 def _whole(tensor: Tensor) -> Tensor:
     """``tensor``, or the whole tensor of a ``DTensor`` (a collective: every rank calls it)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    sharded = _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+    return tensor.full_tensor() if sharded else tensor
 
 
 class GradientNormMonitor(pl.Callback):
