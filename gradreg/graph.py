@@ -26,9 +26,11 @@ from gradreg.torch_compat import created_by_a_backward
 __all__ = [
     "AutogradGraph",
     "BackwardGraph",
+    "CollapsedGraph",
     "GraphEdge",
     "GraphNode",
     "autograd_graph",
+    "collapse_module_calls",
     "graph_leaves",
     "graph_node_names",
     "walk_backward_graph",
@@ -199,3 +201,122 @@ def autograd_graph(tensor: Tensor, parameters: Mapping[str, Tensor] | None = Non
             double_backward=variable is None and created_by_a_backward(fn),
         ))
     return AutogradGraph(nodes, walked.edges)
+
+
+@dataclass(frozen=True)
+class CollapsedGraph:
+    """A backward graph with each module call drawn as one box: ``members[b]`` are the nodes of
+    the :class:`AutogradGraph` in box ``b`` (its first member names it), ``labels[b]`` the box's
+    text, ``kinds[b]`` one of ``module`` (a module call), ``forward``, ``double_backward``,
+    ``parameter`` and ``leaf``; ``edges`` between boxes, each once (a box's own edges and the
+    edges into the parameters it holds are gone)."""
+
+    members: list[tuple[int, ...]]
+    labels: list[str]
+    kinds: list[str]
+    edges: list[GraphEdge]
+
+
+def _module_of(label: str | None) -> str:
+    """``critic.fc1.weight`` -> ``critic.fc1``; a parameter of no submodule -> ``""``."""
+    return label.rsplit(".", 1)[0] if label and "." in label else ""
+
+
+def collapse_module_calls(graph: AutogradGraph, module_kinds: Mapping[str, str] | None = None
+                          ) -> CollapsedGraph:
+    """``graph`` with the nodes of each module call merged into one box, e.g. a ``Linear`` call's
+    ``AddmmBackward0``, the ``TBackward0`` of its weight and the ``AccumulateGrad`` of its weight
+    and bias into ``fc1 (Linear)``.
+
+    Read off the graph alone: a *parameter view* is a forward node (not double backward) whose
+    successors are all parameter leaves of one module ``M`` (``TBackward0`` of ``M.weight``); a
+    *call* of ``M`` is a forward node whose parameter leaves, directly or through views, are all
+    of ``M``'s parameters in the graph (``Addmm`` reaches bias and weight, a weight decay's
+    ``Pow`` of the weight alone does not). A call's box holds the call and its views (a view two
+    calls share goes to the first, a view outside every call, e.g. of a call whose output the
+    loss does not use but whose gradient it does, is a box of its own); a parameter leaf goes
+    into the boxes of its module's calls when all its predecessors are in them, and stays a box
+    of its own otherwise (read by a weight decay's ``Pow``, by such a view, or by a double
+    backward that reads the weight directly). Labels: the module's name without the first part
+    that every module of the graph shares (``backbone.``, ``critic.``) and its class from
+    ``module_kinds`` (name -> class name); other nodes keep their names, leaves their
+    parameter's name or their shape.
+    """
+    module_kinds = module_kinds or {}
+    successors: dict[int, list[int]] = {node.index: [] for node in graph.nodes}
+    predecessors: dict[int, list[int]] = {node.index: [] for node in graph.nodes}
+    for edge in graph.edges:
+        successors[edge.source].append(edge.target)
+        predecessors[edge.target].append(edge.source)
+    module = {node.index: _module_of(node.label) for node in graph.nodes
+              if node.is_leaf and _module_of(node.label)}
+    parameters: dict[str, set[int]] = {}
+    for leaf, name in module.items():
+        parameters.setdefault(name, set()).add(leaf)
+
+    def forward_op(index: int) -> bool:
+        node = graph.nodes[index]
+        return not node.is_leaf and not node.double_backward
+
+    views = {}  # view -> its module
+    for node in graph.nodes:
+        found = {module.get(target) for target in successors[node.index]}
+        if forward_op(node.index) and successors[node.index] and None not in found and (
+                len(found) == 1):
+            views[node.index] = found.pop()
+    box_of: dict[int, int] = {}
+    members: list[list[int]] = []
+    calls: dict[int, str] = {}  # box -> module
+    for node in graph.nodes:
+        if node.index in box_of or node.index in views or not forward_op(node.index):
+            continue
+        parts = [t for t in successors[node.index] if t in module or t in views]
+        reached = {leaf for t in parts for leaf in ([t] if t in module else successors[t])}
+        names = {module[leaf] for leaf in reached}
+        if len(names) != 1 or reached != parameters[next(iter(names))]:
+            continue
+        box_of[node.index] = len(members)
+        calls[len(members)] = names.pop()
+        members.append([node.index])
+        for view in parts:
+            if view in views and view not in box_of:
+                box_of[view] = box_of[node.index]
+                members[-1].append(view)
+    absorbed = {leaf for leaf, name in module.items() if predecessors[leaf] and all(
+        calls.get(box_of.get(p, -1)) == name for p in predecessors[leaf])}
+    for node in graph.nodes:
+        if node.index not in box_of and node.index not in absorbed:
+            box_of[node.index] = len(members)
+            members.append([node.index])
+    for leaf in absorbed:  # shown in the label of its module's calls
+        for box in {box_of[p] for p in predecessors[leaf]}:
+            members[box].append(leaf)
+    order = sorted(range(len(members)), key=lambda box: members[box][0])
+    renumber = {box: k for k, box in enumerate(order)}
+    firsts = {name.split(".", 1)[0] for name in module.values()}
+    common = f"{firsts.pop()}." if len(firsts) == 1 and all(
+        "." in name for name in module.values()) else ""
+    labels, kinds = [], []
+    for box in order:
+        first = graph.nodes[members[box][0]]
+        if box in calls:
+            name = calls[box].removeprefix(common)
+            kind = module_kinds.get(calls[box])
+            labels.append(f"{name} ({kind})" if kind else name)
+            kinds.append("module")
+        elif first.is_leaf:
+            labels.append(first.label.removeprefix(common) if first.label
+                          else f"leaf {list(first.leaf_shape or ())}")
+            kinds.append("parameter" if first.label else "leaf")
+        else:
+            labels.append(first.name)
+            kinds.append("double_backward" if first.double_backward else "forward")
+    edges: dict[tuple[int, int], GraphEdge] = {}
+    for edge in graph.edges:
+        if edge.target in absorbed:
+            continue
+        source, target = renumber[box_of[edge.source]], renumber[box_of[edge.target]]
+        if source != target and (source, target) not in edges:
+            edges[source, target] = GraphEdge(source, target, edge.input_nr, len(edges))
+    return CollapsedGraph([tuple(sorted(members[box])) for box in order], labels, kinds,
+                          list(edges.values()))

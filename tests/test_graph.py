@@ -122,3 +122,99 @@ def test_the_graph_names_parameters_and_marks_the_gradients_nodes() -> None:
     plain = gradreg.autograd_graph((w * x).sum())
     assert not any(node.double_backward for node in plain.nodes)
     assert "AccumulateGrad (leaf [2])" in plain.to_text()
+
+
+# --- module calls collapsed into boxes (the picture's graph) -------------------------------------
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def kinds_of(module: nn.Module) -> dict[str, str]:
+    return {name: type(sub).__name__ for name, sub in module.named_modules()}
+
+
+def boxes_and_edges(collapsed: gradreg.graph.CollapsedGraph) -> tuple[list[str], set]:
+    labels = collapsed.labels
+    return labels, {(labels[e.source], labels[e.target]) for e in collapsed.edges}
+
+
+def test_each_linear_call_is_one_box_with_its_parameters_and_the_gradients_graph_stays() -> None:
+    """y = sum fc2(relu(fc1(x))) + ||dy/dx||^2: the 19 nodes (printed by ``to_text``) become 13
+    boxes. fc2's box holds Addmm [3], the T [7] of its weight and the leaves bias [5] and weight
+    [10]; fc1's Addmm [9], T [15], bias [13] and weight [17]. The gradient's double-backward
+    T nodes [12] and [18] read the forward T of the other layer's weight, so they point to that
+    layer's box; the input x stays a leaf."""
+    net = TwoLayers()
+    x = torch.randn(5, 3, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        out = net(x).sum()
+        loss = out + gradreg.gradient(out, x).square().sum()
+    graph = gradreg.autograd_graph(loss, dict(net.named_parameters()))
+    collapsed = gradreg.graph.collapse_module_calls(graph, kinds_of(net))
+    labels, edges = boxes_and_edges(collapsed)
+    assert len(graph.nodes) == 19
+    assert labels == ["AddBackward0", "SumBackward0", "SumBackward0", "fc2 (Linear)",
+                      "PowBackward0", "ReluBackward0", "MmBackward0", "fc1 (Linear)",
+                      "ThresholdBackwardBackward0", "TBackward0", "leaf [5, 3]", "MmBackward0",
+                      "TBackward0"]
+    assert collapsed.kinds == ["forward"] * 3 + ["module", "forward", "forward",
+                                                 "double_backward", "module", "double_backward",
+                                                 "double_backward", "leaf", "double_backward",
+                                                 "double_backward"]
+    assert collapsed.members[3] == (3, 5, 7, 10) and collapsed.members[7] == (9, 13, 15, 17)
+    assert [(e.source, e.target) for e in collapsed.edges] == [
+        (0, 1), (0, 2), (1, 3), (2, 4), (3, 5), (4, 6), (5, 7), (6, 8), (6, 9), (7, 10),
+        (8, 11), (8, 5), (9, 7), (11, 12), (12, 3)]
+    assert ("fc1 (Linear)", "leaf [5, 3]") in edges and ("TBackward0", "fc2 (Linear)") in edges
+    # every node is in a box, each once (no parameter is shared by two calls here)
+    assert sorted(n for box in collapsed.members for n in box) == list(range(19))
+    # the text and DOT forms stay the full graph
+    assert graph.to_text().count("\n") == 18 and graph.to_dot().count("->") == len(graph.edges)
+
+
+def test_a_weight_decay_term_is_not_a_module_call_and_keeps_the_weight_a_leaf() -> None:
+    """sum fc1(x) + sum(fc1.weight^2): Pow reaches the weight alone, not fc1's bias, so it is no
+    call; the weight, read by the call's T and by Pow, stays a box of its own (green leaf)
+    that both point to; the bias, read by the call alone, goes into the call's box."""
+    fc1 = nn.Linear(3, 2)
+    net = nn.Module()
+    net.fc1 = fc1
+    loss = fc1(torch.randn(4, 3)).sum() + fc1.weight.pow(2).sum()
+    collapsed = gradreg.graph.collapse_module_calls(
+        gradreg.autograd_graph(loss, dict(net.named_parameters())), kinds_of(net))
+    labels, edges = boxes_and_edges(collapsed)
+    assert labels == ["AddBackward0", "SumBackward0", "SumBackward0", "fc1 (Linear)",
+                      "PowBackward0", "fc1.weight"]
+    assert {("fc1 (Linear)", "fc1.weight"), ("PowBackward0", "fc1.weight")} <= edges
+    assert collapsed.kinds[labels.index("fc1.weight")] == "parameter"
+
+
+def test_a_critic_called_three_times_has_three_boxes_per_layer_named_without_its_prefix() -> None:
+    """WGAN-GP's critic loss: D(fake) - D(real) + (||dD(x)/dx|| - 1)^2, D = critic.fc (one
+    Linear). The penalty's call of fc is not in the graph (only its gradient is), so the T of
+    its weight, read by the gradient's graph, is a box ``TBackward0`` of its own over the
+    weight ``fc.weight``, which stays a leaf; the calls on fake and real are ``fc (Linear)``
+    each (the shared ``critic.`` dropped from the names)."""
+    net = nn.Module()
+    net.critic = nn.Module()
+    net.critic.fc = nn.Linear(2, 1)
+    real, fake = torch.randn(4, 2), torch.randn(4, 2)
+    x = (0.5 * real + 0.5 * fake).requires_grad_()
+    grad = gradreg.gradient(net.critic.fc(x).sum(), x)
+    loss = (net.critic.fc(fake).mean() - net.critic.fc(real).mean()
+            + (grad.norm(dim=1) - 1).pow(2).mean())
+    collapsed = gradreg.graph.collapse_module_calls(
+        gradreg.autograd_graph(loss, dict(net.named_parameters())), kinds_of(net))
+    labels, edges = boxes_and_edges(collapsed)
+    assert labels.count("fc (Linear)") == 2 and "fc.weight" in labels
+    assert collapsed.kinds[labels.index("fc.weight")] == "parameter"
+    assert ("TBackward0", "fc.weight") in edges and ("fc (Linear)", "fc.weight") in edges
+    assert not [label for label in labels if "critic" in label or "AccumulateGrad" in label]

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.image import imread
 from torch import Tensor, nn
 
@@ -23,7 +24,7 @@ from gradreg.lightning.callbacks import (
 )
 from gradreg.lightning.callbacks import figures as figures_module
 from gradreg.lightning.callbacks import samples as samples_module
-from gradreg.lightning.callbacks.graph_figure import layers
+from gradreg.lightning.callbacks.graph_figure import CARD_WIDTH, graph_figure, layers
 from tests.lightning.helpers import (
     BATCH,
     WEIGHT,
@@ -249,6 +250,31 @@ def test_graph_layers_put_every_node_below_all_its_parents() -> None:
     edges = [GraphEdge(s, t, 0, k) for k, (s, t) in enumerate(
         [(0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (3, 4)])]
     assert layers(5, edges) == [[0], [1, 2], [3], [4]]
+
+
+def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
+    """TensorBoard's Images tab draws an image 350 px wide: every text of the picture must be
+    >= 10 px there, i.e. fontsize * dpi / 72 * 350 / (width in px) >= 10; a layer of 12 wide
+    boxes wraps onto rows, and no two boxes overlap or leave the picture once drawn."""
+    labels = ["AddBackward0"] + [f"layer{k}.fc (Linear)" for k in range(12)] + ["x"]
+    kinds = ["forward"] + ["module"] * 12 + ["leaf"]
+    edges = [GraphEdge(0, k, 0, k) for k in range(1, 13)] + [
+        GraphEdge(k, 13, 0, 12 + k) for k in range(1, 13)]
+    figure = graph_figure(labels, kinds, edges, title="backward graph of the loss, step 0:\n"
+                          "14 nodes (0 double backward) in 14 boxes")
+    width_px = figure.get_figwidth() * figure.dpi
+    assert CARD_WIDTH == 350 and width_px == 500
+    texts = [*figure.axes[0].texts, *figure.legends[0].get_texts(), *figure.texts]
+    assert min(t.get_fontsize() * figure.dpi / 72 * CARD_WIDTH / width_px for t in texts) >= 10
+    canvas = FigureCanvasAgg(figure)  # as TensorBoard's add_figure draws it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = [t.get_bbox_patch().get_window_extent(renderer) for t in figure.axes[0].texts]
+    assert len(boxes) == 14 and len({round(b.y0) for b in boxes}) >= 5  # the 12 wrapped
+    assert not [(a, b) for k, a in enumerate(boxes) for b in boxes[k + 1:] if a.overlaps(b)]
+    assert all(b.x0 >= 0 and b.x1 <= width_px and b.y0 >= 0 for b in boxes)
+    header = [t.get_window_extent(renderer) for t in texts[14:]]
+    assert all(h.x1 <= width_px and h.y0 > max(b.y1 for b in boxes) for h in header)
 
 
 def test_the_critic_landscape_shows_clipping_and_counts_the_fakes_outside() -> None:

@@ -14,9 +14,11 @@ backward runs records the node being differentiated
 nodes of the gradient's graph (:func:`gradreg.autograd_graph` reads the mark). Anomaly mode costs a
 stack trace per node, on the watched batches only.
 
-Tags: the image ``graph/autograd`` (leaves labelled with the module's parameter names,
-double-backward nodes in orange) and the text ``autograd_graph/text`` and ``autograd_graph/dot``
-(Text tab, to search and to paste into Graphviz; the same parameter names and double-backward
+Tags: the image ``graph/autograd`` (each module call one box, ``fc1 (Linear)``, holding its op,
+its parameters and their views: :func:`gradreg.graph.collapse_module_calls`; double-backward
+nodes in orange; sized to be read at TensorBoard's card size) and the text
+``autograd_graph/text`` and ``autograd_graph/dot`` (Text tab, to search and to paste into
+Graphviz: the full graph, every node, with the same parameter names and double-backward
 marks), once per distinct graph of the watched batches. With several optimizers (a GAN) each
 network's picture has its own tag, ``graph/autograd/<owner>`` (``<owner>``: the submodule whose
 parameters the graph reaches, ``critic`` or ``generator``); their texts share the text tags, and
@@ -34,7 +36,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from gradreg.graph import AutogradGraph, autograd_graph
+from gradreg.graph import AutogradGraph, autograd_graph, collapse_module_calls
 from gradreg.lightning.callbacks._logging import (
     logging_step,
     tensorboard,
@@ -134,11 +136,14 @@ class AutogradGraphLogger(pl.Callback):
         step = logging_step(trainer)
         owner = _owner(graph) if len(trainer.optimizers) > 1 else None
         of = f"the {owner}'s loss" if owner else "the loss"
-        title = (f"backward graph of {of}, step {step}: {len(names)} nodes,\n"
-                 f"{kinds.count('double_backward')} of them double backward")
+        boxes = collapse_module_calls(graph, {name: type(module).__name__ for name, module
+                                              in pl_module.named_modules()})
+        title = (f"backward graph of {of}, step {step}:\n{len(names)} nodes "
+                 f"({kinds.count('double_backward')} double backward) in "
+                 f"{len(boxes.labels)} boxes")
         picture = f"{GRAPH_PICTURE}/{owner}" if owner else GRAPH_PICTURE
-        writer.add_figure(picture, graph_figure(names, kinds, graph.edges, labels, title), step,
-                          close=True)
+        figure = graph_figure(boxes.labels, boxes.kinds, boxes.edges, title=title)
+        writer.add_figure(picture, figure, step, close=True)
         writer.add_text(f"{AUTOGRAD_GRAPH}/text", _code_block(graph.to_text()), step)
         writer.add_text(f"{AUTOGRAD_GRAPH}/dot", _code_block(graph.to_dot()), step)
         self.logged.append(signature)
