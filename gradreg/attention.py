@@ -19,12 +19,12 @@ boolean mask or ``is_causal`` forbids a key):
     \bar Q = s\,\bar S K, \quad \bar K = s\,\bar S^\top Q, \quad \bar M = \bar S,
 
 where :math:`P` is recomputed from :math:`Q, K` in the backward (a row whose keys are all masked
-has :math:`P = 0` where the kernel's output there is 0, torch >= 2.5, and :math:`P =` NaN where
-it is NaN, torch 2.4: the backward is that of the forward that ran); a backward with
-``create_graph=True`` keeps it for the later backward of the same forward (the task loss's),
-as the gradient's graph holds it until then anyway. The forward keeps the fused kernel's
-memory (no :math:`L \times S` tensor is saved); the backward materializes :math:`L \times S` per
-head, as the MATH path's forward does.
+has :math:`P = 0` where the kernel's output there is 0, as on torch 2.13 and 2.14, and
+:math:`P =` NaN where it is NaN, as on torch 2.4: the backward is that of the forward that ran);
+a backward with ``create_graph=True`` keeps it for the later backward of the same forward (the
+task loss's), as the gradient's graph holds it until then anyway. The forward keeps the fused
+kernel's memory (no :math:`L \times S` tensor is saved); the backward materializes
+:math:`L \times S` per head, as the MATH path's forward does.
 
 :func:`differentiable_attention` routes every ``F.scaled_dot_product_attention`` call made while
 it is active (``nn.MultiheadAttention`` and the ``nn.TransformerEncoder`` layers in train and eval
@@ -67,7 +67,7 @@ _FUSED = F.scaled_dot_product_attention
 def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
             out: Tensor) -> Tensor:
     """The attention probabilities :math:`P`; a row whose keys are all masked is what the
-    kernel's output ``out`` has there: 0 (torch >= 2.5), or NaN (torch 2.4)."""
+    kernel's output ``out`` has there: 0 (torch 2.13, 2.14), or NaN (torch 2.4)."""
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # the scale on L x E, not on L x S
     if is_causal:
         allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()

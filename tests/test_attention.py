@@ -107,7 +107,7 @@ def test_the_forward_is_the_fused_kernels_bitwise() -> None:
 
 
 def test_a_dead_rows_gradient_is_that_of_the_kernels_output_there() -> None:
-    """Row 2 allows no key: 0 there and a finite gradient (torch >= 2.5), or NaN there and
+    """Row 2 allows no key: 0 there and a finite gradient (torch 2.13, 2.14), or NaN there and
     NaN gradients like the MATH backend's (torch 2.4), never a finite gradient of NaN."""
     q, k, v = qkv()
     mask = with_dead_row()

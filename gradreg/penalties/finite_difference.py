@@ -65,7 +65,9 @@ def finite_difference(
     Any target, power, norm order, sidedness and reduction enter only through :math:`v`, which is
     the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
     forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
-    points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph. To share
+    points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph (on a
+    ``torch.compile``'d model the gradient at :math:`x` runs a forward of its own: a compiled
+    graph takes one backward, :func:`~gradreg.penalties.compiled.runs_compiled`). To share
     the forward at :math:`x` with the task loss too, pass the task's forward as ``fn``:
     ``SharedForward.run(per_sample_loss, x, y)`` (:class:`~gradreg.penalties.randomness
     .SharedForward`: its outputs at :math:`x`, the loss from them, and the random state that
