@@ -218,3 +218,26 @@ def test_a_critic_called_three_times_has_three_boxes_per_layer_named_without_its
     assert collapsed.kinds[labels.index("fc.weight")] == "parameter"
     assert ("TBackward0", "fc.weight") in edges and ("fc (Linear)", "fc.weight") in edges
     assert not [label for label in labels if "critic" in label or "AccumulateGrad" in label]
+
+
+def test_a_weight_the_gradients_graph_reads_directly_stays_a_leaf() -> None:
+    """sum conv(x) + ||d/dx||^2 through tanh: ConvolutionBackwardBackward0 (double backward)
+    reads conv.weight's AccumulateGrad itself, so the weight is a box of its own; the bias, read
+    by the call alone, is in ``conv (Conv2d)``. Without parameter names nothing collapses."""
+    net = nn.Module()
+    net.conv = nn.Conv2d(1, 2, 3)
+    x = torch.randn(3, 1, 4, 4, requires_grad=True)
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        out = torch.tanh(net.conv(x)).sum()
+        loss = out + gradreg.gradient(out, x).square().sum()
+    graph = gradreg.autograd_graph(loss, dict(net.named_parameters()))
+    collapsed = gradreg.graph.collapse_module_calls(graph, kinds_of(net))
+    labels, edges = boxes_and_edges(collapsed)
+    call = labels.index("conv (Conv2d)")
+    assert [graph.nodes[n].name for n in collapsed.members[call]] == [
+        "ConvolutionBackward0", "AccumulateGrad"]
+    assert graph.nodes[collapsed.members[call][1]].label == "conv.bias"
+    assert {("conv (Conv2d)", "conv.weight"), ("conv (Conv2d)", "leaf [3, 1, 4, 4]"),
+            ("ConvolutionBackwardBackward0", "conv.weight")} <= edges
+    plain = gradreg.graph.collapse_module_calls(gradreg.autograd_graph(loss))
+    assert len(plain.labels) == len(graph.nodes) and "module" not in plain.kinds
