@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from gradreg.graph import graph_leaves
+from gradreg.penalties.loss_scale import unscaled
 
 __all__ = ["in_chunks", "subsample", "with_gradients"]
 
@@ -83,11 +85,8 @@ def in_chunks(
         mine = {id(x) for x in points}
         leaves = [t for t in graph_leaves([value]) if id(t) not in mine]
         wanted = leaves + [x for x, up in zip(points, upstream, strict=True) if up]
-        if loss_scale is None:
-            grads = torch.autograd.grad(value, wanted, allow_unused=True)
-        else:
-            grads = tuple(None if g is None else g / loss_scale for g in
-                          torch.autograd.grad(value * loss_scale, wanted, allow_unused=True))
+        grads = unscaled(partial(torch.autograd.grad, inputs=wanted, allow_unused=True), value,
+                         loss_scale)
         grads = [torch.zeros_like(t) if g is None else g
                  for t, g in zip(wanted, grads, strict=True)]
         for leaf, g in zip(leaves, grads[:len(leaves)], strict=True):

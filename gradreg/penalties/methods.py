@@ -62,6 +62,7 @@ from gradreg.penalties.config import METHODS
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
 from gradreg.penalties.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.loss_scale import LossScale
 from gradreg.penalties.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.perturbation import DEFAULT_COUNT, DEFAULT_STEP, perturbation_sq_norms
 from gradreg.penalties.precision import (
@@ -104,7 +105,6 @@ __all__ = [
     "with_gradients",
 ]
 
-LossScale = float | Tensor | None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient, nth_derivative
+from gradreg.penalties.loss_scale import LossScale, unscaled
 from gradreg.penalties.norms import per_sample_norm, per_sample_rows, safe_sqrt
 
 if TYPE_CHECKING:
@@ -33,21 +34,16 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_COUNT", "PROJECTIONS", "gradient_norms", "latent_sq_length",
            "projected_sq_norm", "unscaled_vjp"]
 
-LossScale = float | Tensor | None
-
 #: Orthonormal projections per sample where ``count`` is left out.
 DEFAULT_COUNT = 1
 
 
 def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
                  loss_scale: LossScale) -> tuple[Tensor, ...]:
-    """``gradient(outputs, inputs, grad_outputs)``; under a loss scale s (fp16 GradScaler) the
-    outputs are scaled by s before differentiating and the gradients multiplied by 1/s, PyTorch's
-    documented gradient-penalty recipe (never ``scaler.unscale_``)."""
-    if loss_scale is None:
-        return gradient(outputs, inputs, grad_outputs=grad_outputs)
-    scaled = gradient(outputs * loss_scale, inputs, grad_outputs=grad_outputs)
-    return tuple(g * (1.0 / loss_scale) for g in scaled)
+    """``gradient(outputs, inputs, grad_outputs)``, under a loss scale taken scaled and unscaled
+    (:func:`~gradreg.penalties.loss_scale.unscaled`)."""
+    return unscaled(lambda value: gradient(value, inputs, grad_outputs=grad_outputs), outputs,
+                    loss_scale)
 
 
 def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
@@ -57,8 +53,8 @@ def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squ
     if order == 1:
         grads = unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
     else:
-        scale = 1.0 if loss_scale is None else loss_scale
-        grads = tuple(nth_derivative(outputs * scale, x, order) * (1.0 / scale) for x in inputs)
+        grads = unscaled(lambda value: tuple(nth_derivative(value, x, order) for x in inputs),
+                         outputs, loss_scale)
     return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
 
 
