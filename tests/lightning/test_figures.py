@@ -263,7 +263,7 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
     figure = graph_figure(labels, kinds, edges, title="backward graph of the loss, step 0:\n"
                           "14 nodes (0 double backward) in 14 boxes")
     width_px = figure.get_figwidth() * figure.dpi
-    assert CARD_WIDTH == 350 and width_px == 500
+    assert CARD_WIDTH == 350 and width_px == 400
     texts = [*figure.axes[0].texts, *figure.legends[0].get_texts(), *figure.texts]
     assert min(t.get_fontsize() * figure.dpi / 72 * CARD_WIDTH / width_px for t in texts) >= 10
     canvas = FigureCanvasAgg(figure)  # as TensorBoard's add_figure draws it

@@ -8,9 +8,11 @@ the barycentre heuristic, which reduces edge crossings), and edges are straight 
 wider than the picture wraps onto the next rows.
 
 Size: TensorBoard's Images tab draws an image :data:`CARD_WIDTH` (350) px wide whatever its own
-width, so the picture is :data:`WIDTH` inches at :data:`DPI` (500 px) and its text
-:data:`FONT_SIZE` points: ``FONT_SIZE * DPI / 72 * CARD_WIDTH / (WIDTH * DPI)`` = 10.7 px on
-the card. Its height grows with the number of rows; the card scrolls past 1024 px.
+width, scaled with nearest-neighbour sampling (``image-rendering: pixelated``), which drops
+rows and columns of pixels. So the picture is :data:`WIDTH` inches at :data:`DPI` (400 px:
+one column in eight dropped) and its text :data:`FONT_SIZE` points:
+``FONT_SIZE * DPI / 72 * CARD_WIDTH / (WIDTH * DPI)`` = 10.7 px on the card; lines are 1 pt.
+Its height grows with the number of rows; the card scrolls past 1024 px.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gradreg.graph import GraphEdge
 
 CARD_WIDTH = 350  # px: the width of an image in TensorBoard's Images tab
 WIDTH = 5.0  # inches
-DPI = 100
+DPI = 80
 FONT_SIZE = 11  # points
 ROW = 0.42  # inches from one row of boxes to the next
 LINE = 0.22  # inches: a line of the title or legend
@@ -120,7 +122,7 @@ def graph_figure(
             xy[node] = (left + widths[node] / 2, -depth)
             left += widths[node] + gap
     ax.add_collection(LineCollection([(xy[e.source], xy[e.target]) for e in edges],
-                                     colors="#888888", linewidths=0.8, zorder=1))
+                                     colors="#888888", linewidths=1.0, zorder=1))
     for node, (x, y) in xy.items():
         ax.text(x, y, text[node], ha="center", va="center", fontsize=FONT_SIZE, zorder=2,
                 bbox={"boxstyle": "round,pad=0.25", "facecolor": KINDS[kinds[node]][0],
