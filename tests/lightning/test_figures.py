@@ -253,9 +253,11 @@ def test_graph_layers_put_every_node_below_all_its_parents() -> None:
 
 
 def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
-    """TensorBoard's Images tab draws an image 350 px wide: every text of the picture must be
-    >= 10 px there, i.e. fontsize * dpi / 72 * 350 / (width in px) >= 10; a layer of 12 wide
-    boxes wraps onto rows, and no two boxes overlap or leave the picture once drawn."""
+    """TensorBoard's Images tab draws an image 350 px wide (nearest-neighbour: a picture twice
+    as wide and even in height loses every other pixel row and column, no letter is cut
+    unevenly): every text of the picture must be >= 10 px there, i.e. fontsize * dpi / 72 *
+    350 / (width in px) >= 10; a layer of 12 wide boxes wraps onto rows, and no two boxes
+    overlap or leave the picture once drawn."""
     labels = ["AddBackward0"] + [f"layer{k}.fc (Linear)" for k in range(12)] + ["x"]
     kinds = ["forward"] + ["module"] * 12 + ["leaf"]
     edges = [GraphEdge(0, k, 0, k) for k in range(1, 13)] + [
@@ -263,7 +265,8 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
     figure = graph_figure(labels, kinds, edges, title="backward graph of the loss, step 0:\n"
                           "14 nodes (0 double backward) in 14 boxes")
     width_px = figure.get_figwidth() * figure.dpi
-    assert CARD_WIDTH == 350 and width_px == 400
+    assert CARD_WIDTH == 350 and width_px == 2 * CARD_WIDTH  # pixels kept: every other
+    assert round(figure.get_figheight() * figure.dpi) % 2 == 0
     texts = [*figure.axes[0].texts, *figure.legends[0].get_texts(), *figure.texts]
     assert min(t.get_fontsize() * figure.dpi / 72 * CARD_WIDTH / width_px for t in texts) >= 10
     canvas = FigureCanvasAgg(figure)  # as TensorBoard's add_figure draws it

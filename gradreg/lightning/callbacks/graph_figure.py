@@ -9,14 +9,16 @@ wider than the picture wraps onto the next rows.
 
 Size: TensorBoard's Images tab draws an image :data:`CARD_WIDTH` (350) px wide whatever its own
 width, scaled with nearest-neighbour sampling (``image-rendering: pixelated``), which drops
-rows and columns of pixels. So the picture is :data:`WIDTH` inches at :data:`DPI` (400 px:
-one column in eight dropped) and its text :data:`FONT_SIZE` points:
+rows and columns of pixels and breaks letters unless the ratio is whole. So the picture is
+:data:`WIDTH` inches at :data:`DPI`, 700 px, twice the card, and an even number of pixels
+high: the card keeps every other row and column. Its text is :data:`FONT_SIZE` points:
 ``FONT_SIZE * DPI / 72 * CARD_WIDTH / (WIDTH * DPI)`` = 10.7 px on the card; lines are 1 pt.
 Its height grows with the number of rows; the card scrolls past 1024 px.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -29,7 +31,7 @@ from gradreg.graph import GraphEdge
 
 CARD_WIDTH = 350  # px: the width of an image in TensorBoard's Images tab
 WIDTH = 5.0  # inches
-DPI = 80
+DPI = 140
 FONT_SIZE = 11  # points
 ROW = 0.42  # inches from one row of boxes to the next
 LINE = 0.22  # inches: a line of the title or legend
@@ -112,7 +114,8 @@ def graph_figure(
     rows = [line for row in layers(len(names), edges) for line in wrap(row, widths, WIDTH)]
     present = [kind for kind in KINDS if kind in set(kinds)]
     top = LINE * (title.count("\n") + 1 + len(present)) + 0.25  # title and legend
-    fig = Figure(figsize=(WIDTH, ROW * len(rows) + top), dpi=DPI)
+    height = 2 * math.ceil((ROW * len(rows) + top) * DPI / 2) / DPI  # even in pixels
+    fig = Figure(figsize=(WIDTH, height), dpi=DPI)
     ax = fig.add_axes((0.0, 0.0, 1.0, 1.0 - top / fig.get_figheight()))
     xy = {}
     for depth, row in enumerate(rows):
