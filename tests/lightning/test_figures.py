@@ -15,9 +15,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.image import imread
 from torch import Tensor, nn
 
-from gradreg.graph import GraphEdge
+from gradreg.graph import GraphEdge, autograd_graph, collapse_module_calls
 from gradreg.lightning import dashboards
 from gradreg.lightning.callbacks import (
+    AutogradGraphLogger,
     CriticLandscape,
     SaliencyMaps,
     SampleGrid,
@@ -28,6 +29,7 @@ from gradreg.lightning.callbacks.graph_figure import CARD_WIDTH, graph_figure, l
 from tests.lightning.helpers import (
     BATCH,
     WEIGHT,
+    ManualClassifier,
     PlainClassifier,
     PlainGan,
     data,
@@ -278,6 +280,23 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
     assert all(b.x0 >= 0 and b.x1 <= width_px and b.y0 >= 0 for b in boxes)
     header = [t.get_window_extent(renderer) for t in texts[14:]]
     assert all(h.x1 <= width_px and h.y0 > max(b.y1 for b in boxes) for h in header)
+
+
+def test_the_logged_graph_picture_draws_the_module_calls_as_boxes(tmp_path: Path) -> None:
+    """The logger's picture of a Linear classifier's double-backprop loss is the figure of the
+    collapsed graph (its pixel size says how many rows it has): the Addmm of ``net`` with the T
+    of its weight and the leaves of weight and bias one box ``net (Linear)``, so the graph's 19
+    nodes are 16 boxes."""
+    module = ManualClassifier()  # backpropagates its loss as it is (no division by Lightning)
+    run = fit(tmp_path, module, [AutogradGraphLogger()], max_steps=1)
+    (image,) = events(run).Images("graph/autograd")
+    with torch.autograd.set_detect_anomaly(True, check_nan=False):
+        loss = module.loss(*data())  # lr=0: the graph of the logged step
+    graph = autograd_graph(loss, dict(module.named_parameters()))
+    boxes = collapse_module_calls(graph, {"net": "Linear"})
+    assert (len(graph.nodes), len(boxes.labels)) == (19, 16) and "net (Linear)" in boxes.labels
+    expected = graph_figure(boxes.labels, boxes.kinds, boxes.edges, title="one\ntwo")
+    assert (image.width, image.height) == (700, round(expected.get_figheight() * expected.dpi))
 
 
 def test_the_critic_landscape_shows_clipping_and_counts_the_fakes_outside() -> None:
