@@ -260,7 +260,8 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
     unevenly): every text of the picture must be >= 10 px there, i.e. fontsize * dpi / 72 *
     350 / (width in px) >= 10; a layer of 12 wide boxes wraps onto rows, and no two boxes
     overlap or leave the picture once drawn."""
-    labels = ["AddBackward0"] + [f"layer{k}.fc (Linear)" for k in range(12)] + ["x"]
+    long = "encoder.layers.11.self_attn.out_proj (NonDynamicallyQuantizableLinear)"  # 70
+    labels = ["AddBackward0"] + [f"layer{k}.fc (Linear)" for k in range(11)] + [long, "x"]
     kinds = ["forward"] + ["module"] * 12 + ["leaf"]
     edges = [GraphEdge(0, k, 0, k) for k in range(1, 13)] + [
         GraphEdge(k, 13, 0, 12 + k) for k in range(1, 13)]
@@ -276,6 +277,8 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
     renderer = canvas.get_renderer()
     boxes = [t.get_bbox_patch().get_window_extent(renderer) for t in figure.axes[0].texts]
     assert len(boxes) == 14 and len({round(b.y0) for b in boxes}) >= 5  # the 12 wrapped
+    assert figure.axes[0].texts[12].get_text() == (
+        "encoder.layers.11.self_at…micallyQuantizableLinear)")  # 51 characters
     assert not [(a, b) for k, a in enumerate(boxes) for b in boxes[k + 1:] if a.overlaps(b)]
     assert all(b.x0 >= 0 and b.x1 <= width_px and b.y0 >= 0 for b in boxes)
     header = [t.get_window_extent(renderer) for t in texts[14:]]

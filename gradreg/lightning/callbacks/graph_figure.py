@@ -87,6 +87,16 @@ def text_width(label: str) -> float:
     return (0.62 * len(label) + 0.8) * FONT_SIZE / 72
 
 
+def fit(label: str) -> str:
+    """``label``, or where it is wider than the picture, its start and end around an ellipsis
+    (the text and DOT forms have the whole name)."""
+    most = int((WIDTH * 72 / FONT_SIZE - 0.8) / 0.62)  # characters of text_width <= WIDTH
+    if len(label) <= most:
+        return label
+    head = (most - 1) // 2
+    return f"{label[:head]}…{label[len(label) - (most - 1 - head):]}"
+
+
 def wrap(row: Sequence[int], widths: Mapping[int, float], width: float) -> list[list[int]]:
     """The nodes of one layer, in order, cut into rows whose boxes fit side by side in
     ``width`` inches (a box wider than that alone on its row)."""
@@ -109,7 +119,7 @@ def graph_figure(
     :data:`WIDTH` inches wide, text at :data:`FONT_SIZE`: legible at TensorBoard's card size;
     the rows of a layer are spread evenly over the width, boxes in the order of the layout."""
     labels = labels or {}
-    text = {node: labels.get(node, short_name(names[node])) for node in range(len(names))}
+    text = {node: fit(labels.get(node, short_name(names[node]))) for node in range(len(names))}
     widths = {node: text_width(label) for node, label in text.items()}
     rows = [line for row in layers(len(names), edges) for line in wrap(row, widths, WIDTH)]
     present = [kind for kind in KINDS if kind in set(kinds)]
