@@ -229,19 +229,20 @@ def collapse_module_calls(graph: AutogradGraph, module_kinds: Mapping[str, str] 
     and bias into ``fc1 (Linear)``.
 
     Read off the graph alone: a *parameter view* is a forward node (not double backward) whose
-    successors are all parameter leaves of one module ``M`` (``TBackward0`` of ``M.weight``); a
+    one successor is a parameter leaf of a module ``M`` (``TBackward0`` of ``M.weight``); a
     *call* of ``M`` is a forward node whose parameter leaves, directly or through views, are all
     of ``M``'s parameters in the graph (``Addmm`` reaches bias and weight, a weight decay's
-    ``Pow`` of the weight alone does not). A call's box holds the call and its views (a view two
-    calls share goes to the first, a view outside every call, e.g. of a call whose output the
-    loss does not use but whose gradient it does, is a box of its own); a parameter leaf goes
-    into the boxes of its module's calls when all its predecessors are in them, and stays a box
-    of its own otherwise (read by a weight decay's ``Pow``, by such a view, or by a double
-    backward that reads the weight directly). Labels: the module's name without the first part
-    that every module of the graph shares (``backbone.``, ``critic.``) and its class from
-    ``module_kinds`` (name -> class name); other nodes keep their names, leaves their
-    parameter's name or their shape.
-    """
+    ``Pow`` of the weight alone does not), and that has an input besides them or reaches two
+    parameters or more (a ``Conv2d`` of an input without grad: weight and bias; not the ``Pow``
+    of a bias-free layer's weight, nor the ``T`` of a weight). A call's box holds the call and
+    its views (a view two calls share goes to the first, a view outside every call, e.g. of a
+    call whose output the loss does not use but whose gradient it does, is a box of its own); a
+    parameter leaf goes into the boxes of its module's calls when all its predecessors are in
+    them, and stays a box of its own otherwise (read by a weight decay's ``Pow``, by such a
+    view, or by a double backward that reads the weight directly). Labels: the module's name
+    without the first part that every module of the graph shares (``backbone.``, ``critic.``)
+    and its class from ``module_kinds`` (name -> class name); other nodes keep their names,
+    leaves their parameter's name or their shape."""
     module_kinds = module_kinds or {}
     successors: dict[int, list[int]] = {node.index: [] for node in graph.nodes}
     predecessors: dict[int, list[int]] = {node.index: [] for node in graph.nodes}
@@ -260,20 +261,20 @@ def collapse_module_calls(graph: AutogradGraph, module_kinds: Mapping[str, str] 
 
     views = {}  # view -> its module
     for node in graph.nodes:
-        found = {module.get(target) for target in successors[node.index]}
-        if forward_op(node.index) and successors[node.index] and None not in found and (
-                len(found) == 1):
-            views[node.index] = found.pop()
+        if forward_op(node.index) and len(successors[node.index]) == 1 and (
+                successors[node.index][0] in module):
+            views[node.index] = module[successors[node.index][0]]
     box_of: dict[int, int] = {}
     members: list[list[int]] = []
     calls: dict[int, str] = {}  # box -> module
     for node in graph.nodes:
-        if node.index in box_of or node.index in views or not forward_op(node.index):
+        if node.index in box_of or not forward_op(node.index):
             continue
         parts = [t for t in successors[node.index] if t in module or t in views]
         reached = {leaf for t in parts for leaf in ([t] if t in module else successors[t])}
         names = {module[leaf] for leaf in reached}
-        if len(names) != 1 or reached != parameters[next(iter(names))]:
+        if len(names) != 1 or reached != parameters[next(iter(names))] or (
+                len(parts) == len(successors[node.index]) and len(reached) < 2):
             continue
         box_of[node.index] = len(members)
         calls[len(members)] = names.pop()

@@ -241,3 +241,21 @@ def test_a_weight_the_gradients_graph_reads_directly_stays_a_leaf() -> None:
             ("ConvolutionBackwardBackward0", "conv.weight")} <= edges
     plain = gradreg.graph.collapse_module_calls(gradreg.autograd_graph(loss))
     assert len(plain.labels) == len(graph.nodes) and "module" not in plain.kinds
+
+
+def test_a_call_without_an_input_needs_two_parameters() -> None:
+    """A Conv2d of an input without grad: ConvolutionBackward0's successors are weight and bias
+    alone, and it is the call ``conv (Conv2d)`` (3 nodes, 2 boxes: Sum and the call). A bias-free
+    Linear's weight decay sum(w^2): Pow reaches the one weight and has no input, so it is no
+    call: Sum, Pow and the leaf ``fc.weight`` stay three boxes."""
+    net = nn.Module()
+    net.conv = nn.Conv2d(1, 2, 3)
+    net.fc = nn.Linear(2, 2, bias=False)
+    names = dict(net.named_parameters())
+    conv = gradreg.graph.collapse_module_calls(
+        gradreg.autograd_graph(net.conv(torch.randn(1, 1, 4, 4)).sum(), names), kinds_of(net))
+    assert (conv.labels, conv.kinds) == (["SumBackward0", "conv (Conv2d)"], ["forward", "module"])
+    decay = gradreg.graph.collapse_module_calls(
+        gradreg.autograd_graph(net.fc.weight.pow(2).sum(), names), kinds_of(net))
+    assert decay.labels == ["SumBackward0", "PowBackward0", "fc.weight"]
+    assert decay.kinds == ["forward", "forward", "parameter"]
