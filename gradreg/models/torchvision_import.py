@@ -83,19 +83,21 @@ def hide_unloadable_torchvision() -> None:
         _unloadable = (_version(), error)
         for name in [name for name in sys.modules if name.split(".")[0] == "torchvision"]:
             del sys.modules[name]  # the half-imported package and its submodules
+        # None in sys.modules: `import torchvision` raises ModuleNotFoundError and
+        # importlib.util.find_spec returns None (absent, for Lightning, torchmetrics and
+        # transformers alike) instead of raising
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
         sys.meta_path.insert(0, _HiddenTorchvision())
 
 
 class _HiddenTorchvision(MetaPathFinder):
-    """An import finder that answers "not found" for torchvision: its modules raise
-    ``ModuleNotFoundError`` (which ``find_spec`` callers take as absent) and its distribution's
-    metadata ``PackageNotFoundError`` (the finders' ``find_distributions`` results are searched
-    in order, so raising stops the search before the installed distribution is reached)."""
+    """A finder that answers "not found" for torchvision's distribution metadata
+    (``PackageNotFoundError``: the finders' ``find_distributions`` results are searched in
+    order, so raising stops the search before the installed distribution is reached); its
+    modules are hidden by ``sys.modules["torchvision"] = None``."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname.split(".")[0] == "torchvision":
-            raise ModuleNotFoundError(f"torchvision cannot load in this process: "
-                                      f"{_unloadable and _unloadable[1]}", name=fullname)
+        return None  # modules: left to the other finders (torchvision's stop at sys.modules)
 
     def find_distributions(self, context: Any = None) -> Iterable[metadata.Distribution]:
         name = getattr(context, "name", None)

@@ -6,6 +6,7 @@ there is no cluster, dashboards made for another kind of model, a damaged image.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -132,6 +133,14 @@ def test_slurm_launcher_off_a_cluster(tmp_path: Path, capsys: pytest.CaptureFixt
         pytest.skip("a SLURM node: the launcher can run here")
     err = refused(["-m", "hydra/launcher=submitit_slurm", "seed=0,1",
                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path / "run", capsys)
+    plugin_installed = (importlib.util.find_spec("hydra_plugins") is not None and importlib.util
+                        .find_spec("hydra_plugins.hydra_submitit_launcher") is not None)
+    if not plugin_installed:
+        # without the sweeps extra the plugin itself is missing, and that is the one line
+        assert err == ("error: hydra/launcher=submitit_slurm needs Hydra's plugin "
+                       "hydra-submitit-launcher, of the sweeps extra: pip install -e '.[sweeps]'"
+                       "  (HYDRA_FULL_ERROR=1 shows the traceback)\n")
+        return
     assert "error: hydra/launcher=submitit_slurm: " in err
     assert "not found on this machine" in err
     assert "hydra/launcher=submitit_local or hydra/launcher=joblib" in err

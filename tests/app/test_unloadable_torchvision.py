@@ -53,14 +53,16 @@ def test_resnet18_stops_with_one_line_naming_the_pair(unloadable_torchvision: Pa
 
 
 def test_hidden_from_imports_and_metadata_once_it_failed(unloadable_torchvision: Path) -> None:
-    """After hide_unloadable_torchvision: import and metadata both say not found (what Lightning
-    and torchmetrics take as absent), and import_torchvision still names the failure."""
+    """After hide_unloadable_torchvision: find_spec returns None, import and metadata say not
+    found (what Lightning, torchmetrics and transformers take as absent: transformers calls
+    find_spec and does not expect it to raise), and import_torchvision still names the failure."""
     program = """
 import importlib.metadata, importlib.util
 from gradreg.models.torchvision_import import hide_unloadable_torchvision, import_torchvision
 hide_unloadable_torchvision()
 import lightning
-for lookup in (lambda: importlib.util.find_spec("torchvision"),
+print(importlib.util.find_spec("torchvision"))
+for lookup in (lambda: __import__("torchvision"),
                lambda: importlib.metadata.version("torchvision")):
     try:
         lookup()
@@ -75,6 +77,6 @@ except ImportError as error:
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[:2] == ["ModuleNotFoundError", "PackageNotFoundError"]
-    assert lines[2].startswith("data=image_folder: torchvision 0.29.1 cannot load with torch ")
-    assert f"({MISMATCH})" in lines[2]
+    assert lines[:3] == ["None", "ModuleNotFoundError", "PackageNotFoundError"]
+    assert lines[3].startswith("data=image_folder: torchvision 0.29.1 cannot load with torch ")
+    assert f"({MISMATCH})" in lines[3]
