@@ -120,7 +120,7 @@ class PenaltyConfig:
             need ``outputs`` as a callable (:mod:`gradreg.penalties.kinds`).
         iterations: power-iteration steps of ``kind="spectral"``, >= 1.
 
-    Example:
+    Examples:
         >>> import dataclasses
         >>> from gradreg.penalties import GradientPenalty, PenaltyConfig
         >>> config = PenaltyConfig(target=1.0, points="interpolates")

@@ -16,7 +16,7 @@ def lazy_optimizer_kwargs(
     learning rate per minibatch and the moment decay per minibatch as without the extra steps.
     Not needed when the penalty is added to the task loss on the due step (one step either way).
 
-    Example:
+    Examples:
         StyleGAN2's discriminator, R1 every 16 minibatches (c = 16/17):
 
         >>> from gradreg.penalties import lazy_optimizer_kwargs

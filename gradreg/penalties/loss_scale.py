@@ -23,7 +23,7 @@ def unscaled(differentiate: Callable[[Tensor], Sequence[Tensor | None]], value: 
     r"""``differentiate(value)``, or under a loss scale :math:`s` the gradients
     ``differentiate(value * s)`` times :math:`1/s` (``None`` entries, unused inputs, kept).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties.loss_scale import unscaled
         >>> x = torch.tensor([3.0], requires_grad=True)

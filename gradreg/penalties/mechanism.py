@@ -118,7 +118,7 @@ def gradient_penalty(
     ``inputs``: tensor(s) requiring grad that ``outputs`` was computed from, batch first.
     ``reduction``: ``"mean"``, ``"sum"`` or ``"none"`` (per-sample values, shape [B]); q = power.
 
-    Example:
+    Examples:
         A linear critic :math:`f(x) = w \cdot x` has :math:`g_i = w`, :math:`\lVert w \rVert = 5`:
 
         >>> import torch
@@ -156,7 +156,7 @@ class GradientPenalty(nn.Module):
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
     current weight. ``last_value`` holds the detached unweighted penalty of the last call.
 
-    Example:
+    Examples:
         WGAN-GP's formula, :math:`10\,\mathrm{mean}_i (\lVert g_i \rVert - 1)^2`, of a critic
         :math:`D(x) = (w \cdot x)^2 / 2` whose gradient is :math:`(w \cdot x)\,w`:
 
@@ -250,7 +250,7 @@ class GradientPenalty(nn.Module):
         on a Python integer (no device sync on a GPU); the ``step`` buffer is written to, not
         read, and a loaded state dict sets the integer again.
 
-        Example:
+        Examples:
             >>> from gradreg.penalties import r1
             >>> penalty = r1(10.0, every=4)
             >>> [penalty.due() for _ in range(6)]

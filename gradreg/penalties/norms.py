@@ -30,7 +30,7 @@ def per_sample_norm(
     everything (shape []). A gradient of shape [B] (points of one scalar per sample) is one
     feature per sample: :math:`\lVert g_i \rVert_p = |g_i|`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties import per_sample_norm
         >>> g = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
@@ -102,7 +102,7 @@ class NormPenalty:
     of the penalty, holding the options and nothing of the module (it pickles, and calls
     nothing back).
 
-    Example:
+    Examples:
         WGAN-GP's formula of norms 3 and 2 (target 1), and R1's of a gradient (3, 4):
 
         >>> import torch

@@ -17,7 +17,7 @@ __all__ = ["as_points", "interpolate", "perturb_dragan"]
 def as_points(x: Tensor) -> Tensor:
     """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties import as_points
         >>> data = torch.ones(4, 3)
@@ -78,7 +78,7 @@ def interpolate(real: Tensor, fake: Tensor, alpha: float | Tensor | None = None,
     :math:`\alpha \sim U[0, 1)` per sample (from ``generator``); or a number in [0, 1], or one
     value per sample (shape ``[B]`` or ``[B, 1, ..., 1]``), to reproduce a script's own draws.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties import interpolate
         >>> real, fake = torch.zeros(2, 3), torch.ones(2, 3)
@@ -111,7 +111,7 @@ def perturb_dragan(real: Tensor, *, generator: torch.Generator | None = None) ->
     sample, as in the reference implementation (Kodali et al. 2017:
     ``X + 0.5 * X.std() * np.random.random(X.shape)`` on numpy arrays).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties import perturb_dragan
         >>> real = torch.tensor([[0.0, 2.0], [2.0, 0.0]])  # std 1 (divisor N)

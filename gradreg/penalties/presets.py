@@ -69,7 +69,7 @@ _OPTIONS = ("weight", *PenaltyConfig.options())
 def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
     r"""The preset ``name`` with ``overrides`` applied, e.g. ``make_penalty("r1", weight=1.0)``.
 
-    Example:
+    Examples:
         R1, :math:`\frac{\gamma}{2} \mathrm{mean}_i \lVert \nabla D(x_i) \rVert^2`, of a linear
         critic :math:`D(x) = w \cdot x` with :math:`\lVert w \rVert^2 = 25`:
 
@@ -114,7 +114,7 @@ def _preset(name: str) -> Callable[..., GradientPenalty]:
         f"The ``{name}`` preset: {FORMULAS[name]}.\n\n"
         f"``weight`` (default {default}) may be passed positionally; every other option of "
         f":class:`GradientPenalty` by keyword. Preset options: {PRESETS[name]}.\n\n"
-        f"Example:\n"
+        f"Examples:\n"
         f"    >>> from gradreg.penalties import {name}\n"
         f"    >>> {name}({layers[2:]})\n"
         f"    GradientPenalty(weight={default}, target={options['target']}, "

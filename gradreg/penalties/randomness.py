@@ -49,7 +49,7 @@ class GeneratorState:
     """The state of torch's global generators at one moment: the CPU's, and that of each
     accelerator device in ``devices`` (of type ``device_type``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from gradreg.penalties import GeneratorState
         >>> state = GeneratorState.capture()
@@ -115,7 +115,7 @@ class SharedForward:
     Pass it as a penalty's ``outputs`` (``penalty(shared, x)``), e.g.
     ``shared = SharedForward.run(critic, x)``, the task loss from ``shared.outputs``.
 
-    Example:
+    Examples:
         R1 without a double backward, sharing the critic's forward at the reals with the task
         loss (a linear critic: the estimate is exactly :math:`(\varepsilon \cdot w)^2`):
 

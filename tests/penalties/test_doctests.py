@@ -29,7 +29,7 @@ def test_the_examples_of_a_module_run_as_written(name: str) -> None:
 @pytest.mark.parametrize("name", PUBLIC)
 def test_every_public_class_and_function_has_an_example(name: str) -> None:
     doc = inspect.getdoc(getattr(gradreg.penalties, name)) or ""
-    assert "Example:" in doc and ">>>" in doc, f"gradreg.penalties.{name} has no Example: (>>>)"
+    assert "Examples:" in doc and ">>>" in doc, f"gradreg.penalties.{name} has no Examples: (>>>)"
 
 
 def test_the_package_docstring_is_an_example() -> None:
