@@ -174,6 +174,10 @@ class PreemptionCheckpoint(pl.Callback):
             note_sigterm(trainer)
 
         signal.signal(signal.SIGTERM, noted)  # Lightning restores the original at teardown
+        # restart system calls the signal interrupts: a DDP rank caught inside a collective (the
+        # step's broadcast of rank 0's flag) would otherwise see it fail, take the flag as 0
+        # and go on one step out of step with the others, which then wait for it forever
+        signal.siginterrupt(signal.SIGTERM, False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
