@@ -8,47 +8,17 @@ from __future__ import annotations
 import errno
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from .conftest import ROOT, SCRIPT
-from .helpers import TINY, run_in_process
+from .helpers import LONG, TINY, one_error_line, run_in_process, start, terminate_after
 
 QUICK = [*TINY, "logger=none"]
-# three epochs of the digits' 20 batches: long enough to be stopped in the middle
-LONG = ["trainer.max_epochs=3", "logger=none", "+trainer.limit_val_batches=1",
-        "+trainer.limit_test_batches=1", "trainer.enable_progress_bar=false"]
-
-
-def one_error_line(stderr: str) -> str:
-    """The last line of stderr, checked to be the run's only error and no traceback."""
-    assert "Traceback" not in stderr and stderr.count("error:") == 1, stderr[-3000:]
-    return stderr.splitlines()[-1]
-
-
-def start(*args: str) -> subprocess.Popen:
-    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
-
-
-def terminate_after(process: subprocess.Popen, pattern: str, folder: Path) -> str:
-    """Send SIGTERM once a file matching ``pattern`` exists under ``folder`` (training is then
-    past its first epoch); the process's stderr once it has ended."""
-    deadline = time.monotonic() + 240
-    while not any(folder.glob(pattern)):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the first epoch's checkpoint never appeared"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    return process.communicate(timeout=120)[1]
 
 
 def test_sigterm_saves_the_run_says_how_to_resume_and_the_resume_completes(

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import TINY, check_two_process_gan_run, run_script
+from .helpers import (
+    LONG,
+    TINY,
+    check_two_process_gan_run,
+    one_error_line,
+    run_script,
+    start,
+    terminate_after,
+)
 
 
 @pytest.mark.slow
@@ -41,8 +49,6 @@ def test_sigterm_under_ddp_saves_the_run_on_every_rank_and_exits_143(tmp_path: P
     """Before: Lightning's SIGTERM handler broadcast from inside the signal handler, in the middle
     of a checkpoint's barrier: the ranks aborted ("Connection closed by peer") or hung. Now both
     ranks stop at the same step and rank 0 saves it (10 steps per epoch on 2 ranks)."""
-    from .test_lost_runs import LONG, one_error_line, start, terminate_after
-
     process = start("trainer=ddp_cpu", *LONG, f"hydra.run.dir={tmp_path}")
     stderr = terminate_after(process, "checkpoints/epoch0-*.ckpt", tmp_path)
     assert process.returncode == 143, stderr[-3000:]
