@@ -14,6 +14,7 @@ from torch import nn
 import gradreg
 from gradreg import GradientError
 from gradreg.penalties import (
+    PRESETS,
     as_points,
     derivative,
     double_backprop,
@@ -23,6 +24,7 @@ from gradreg.penalties import (
     param_grad_norm,
     path_length,
     perturb_dragan,
+    presets,
     r1,
     wgan_gp,
 )
@@ -170,17 +172,36 @@ def test_interpolate_refuses_bad_coefficients(alpha, message: str) -> None:
 
 
 def test_presets_take_the_weight_positionally_and_say_their_signature() -> None:
-    """Before: wgan_gp(0.1) failed with 'make_penalty() takes 1 positional argument'."""
+    """wgan_gp(0.1) is wgan_gp(weight=0.1); a second positional argument or the weight twice is
+    refused by Python's own argument binding."""
     assert wgan_gp(0.1).weight == wgan_gp(weight=0.1).weight == 0.1
-    assert r1(2.0, every=4).every == 4 and r1().weight == 10.0
-    assert str(inspect.signature(wgan_gp)).startswith("(weight: float = 10.0, **options")
+    assert r1(2.0, every=4).config.every == 4 and r1().weight == 10.0
+    assert str(inspect.signature(wgan_gp)) == "(weight: 'float' = 10.0, **options: 'Any') -> " \
+                                              "'GradientPenalty'"
     assert wgan_gp.__name__ == "wgan_gp" and "Gulrajani" in wgan_gp.__doc__
-    with pytest.raises(TypeError, match=r"wgan_gp\(\) takes the weight as its only positional "
-                                        r"argument \(wgan_gp\(weight=10.0"):
+    with pytest.raises(TypeError, match=r"wgan_gp\(\) takes from 0 to 1 positional arguments but "
+                                        r"2 were given"):
         wgan_gp(0.1, 1.0)
-    with pytest.raises(TypeError, match="got the weight twice"):
+    with pytest.raises(TypeError, match="r1\\(\\) got multiple values for argument 'weight'"):
         r1(1.0, weight=2.0)
     assert make_penalty("r1", weight=3.0).weight == 3.0
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_preset_function_defaults_to_the_weight_of_its_preset(name: str) -> None:
+    function = getattr(presets, name)
+    assert inspect.signature(function).parameters["weight"].default == PRESETS[name]["weight"]
+    layers = {"layers": ["0"]} if name == "intermediate" else {}  # it has no default layers
+    assert function(**layers).weight == PRESETS[name]["weight"]
+
+
+def test_there_is_one_preset_function_per_preset_and_the_package_exports_each() -> None:
+    functions = {name for name, value in vars(presets).items()
+                 if inspect.isfunction(value) and value.__module__ == presets.__name__
+                 and not name.startswith("_")} - {"make_penalty"}
+    assert functions == set(PRESETS)
+    assert functions <= set(gradreg.penalties.__all__)
+    assert functions <= set(presets.__all__)
 
 
 def test_a_recorded_cuda_value_reports_the_first_cause() -> None:
