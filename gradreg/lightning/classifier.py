@@ -94,11 +94,12 @@ class Classifier(PenalizedModule):
         penalties = dict(penalties or {})
         check_penalties(penalties, backbone, CLASSIFIER_POINTS, "Classifier")
         for key, gp in penalties.items():
-            if gp.needs_callable and gp.points not in ("inputs", "parameters"):
+            if gp.needs_callable and gp.config.points not in ("inputs", "parameters"):
                 raise ValueError(
-                    f"penalty {key!r} (points={gp.points!r}) asks for its own forward pass "
-                    f"(subsample={gp.subsample}, chunks={gp.chunks}), which a Classifier runs at "
-                    "its inputs only: use subsample=1 and chunks=1 for this penalty"
+                    f"penalty {key!r} (points={gp.config.points!r}) asks for its own forward pass "
+                    f"(subsample={gp.config.subsample}, chunks={gp.config.chunks}), which a "
+                    "Classifier runs at its inputs only: use subsample=1 and chunks=1 for this "
+                    "penalty"
                 )
         self.save_hyperparameters(ignore=["backbone", "penalties", "optimizer"])
         self.backbone = backbone
@@ -131,9 +132,9 @@ class Classifier(PenalizedModule):
     def losses(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The mean task loss and the weighted penalties due at this step (``gp.due()``)."""
         due = {name: gp for name, gp in self.penalties.items() if gp.due()}
-        if any(gp.points == "inputs" for gp in due.values()):
+        if any(gp.config.points == "inputs" for gp in due.values()):
             x = as_points(x)
-        layers = sorted({layer for gp in due.values() for layer in gp.layers})
+        layers = sorted({layer for gp in due.values() for layer in gp.config.layers})
         # a penalty that differentiates this forward's graph twice needs attention with a
         # double backward; without one due, the task loss keeps the fused kernels
         shared = any(not gp.needs_callable for gp in due.values())
@@ -148,17 +149,17 @@ class Classifier(PenalizedModule):
         scale = loss_scale(trainer)  # fp16 GradScaler: PyTorch's penalty recipe
         accumulated = 1 if trainer is None else trainer.accumulate_grad_batches
         for name, gp in due.items():
-            if gp.points == "inputs":
+            if gp.config.points == "inputs":
                 outputs, fn_args = self._outputs(gp, x, logits, per_sample, y, state)
                 penalties[name] = gp(outputs, x, loss_scale=scale, fn_args=fn_args)
-            elif gp.points == "activations":
-                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.layers],
+            elif gp.config.points == "activations":
+                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.config.layers],
                                      loss_scale=scale)
             else:  # "parameters"
                 params = [p for p in self.backbone.parameters() if p.requires_grad]
                 at = LossAt(partial(self._mean_loss, x, y), loss) if gp.needs_callable else loss
                 penalties[name] = gp(at, params, loss_scale=scale)
-            if gp.reduction == "sum" and gp.config.per_sample and accumulated > 1:
+            if gp.config.reduction == "sum" and gp.config.per_sample and accumulated > 1:
                 # a sum over the accumulated batch, as a mean is the mean over it
                 penalties[name] = penalties[name] * accumulated
         return loss, penalties
@@ -167,8 +168,8 @@ class Classifier(PenalizedModule):
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
         state: GeneratorState,
     ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
-        """What an ``"inputs"`` penalty differentiates (``gp.of``: logits or per-sample losses),
-        and the callable's per-sample arguments besides the inputs (the labels).
+        """What an ``"inputs"`` penalty differentiates (``gp.config.of``: logits or per-sample
+        losses), and the callable's per-sample arguments besides the inputs (the labels).
 
         Double backward shares the task's forward pass, and so do ``finite_difference`` and
         ``perturbation`` at the points themselves (a :class:`~gradreg.penalties.SharedForward`
@@ -177,12 +178,12 @@ class Classifier(PenalizedModule):
         shifted points, ``compiled``, ``subsample``, ``chunks`` and
         the kinds other than the gradient norm run their own forward (``gp.needs_callable``).
         """
-        task_outputs = logits if gp.of == "outputs" else per_sample
+        task_outputs = logits if gp.config.of == "outputs" else per_sample
         if not gp.needs_callable:
             return task_outputs, ()
-        forward, fn_args = ((self.backbone, ()) if gp.of == "outputs"
+        forward, fn_args = ((self.backbone, ()) if gp.config.of == "outputs"
                             else (self._per_sample_loss, (y,)))
-        if gp.method in ("finite_difference", "perturbation"):
+        if gp.config.method in ("finite_difference", "perturbation"):
             return SharedForward(forward, x, task_outputs, state), fn_args
         return forward, fn_args
 
@@ -207,7 +208,7 @@ class Classifier(PenalizedModule):
         """Refuse per-sample ``reduction="sum"`` penalties on more than one rank: DDP averages
         the ranks' gradients, which makes a sum the mean of the ranks' sums."""
         summed = sorted(name for name, gp in self.penalties.items()
-                        if gp.reduction == "sum" and gp.config.per_sample)
+                        if gp.config.reduction == "sum" and gp.config.per_sample)
         if summed and self.trainer.world_size > 1:
             raise ValueError(
                 f"penalties {summed} sum over samples (reduction='sum'), but DDP averages the "

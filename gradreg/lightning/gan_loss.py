@@ -149,7 +149,8 @@ class GANLoss:
         return torch.randn(like.shape[0], self.latent_dim, dtype=like.dtype, device=like.device)
 
     def _due(self, points: Iterable[str]) -> dict[str, GradientPenalty]:
-        return {k: gp for k, gp in self.penalties.items() if gp.points in points and gp.due()}
+        return {k: gp for k, gp in self.penalties.items()
+                if gp.config.points in points and gp.due()}
 
     def critic_terms(self, real: Tensor, loss_scale: float | None = None
                      ) -> dict[str, Tensor]:
@@ -157,9 +158,9 @@ class GANLoss:
         due = self._due(CRITIC_POINTS)
 
         def shares_forward(gp: GradientPenalty) -> bool:  # R1/R2 by plain double backward
-            return gp.points in ("real", "fake") and not gp.needs_callable
+            return gp.config.points in ("real", "fake") and not gp.needs_callable
 
-        shared = {gp.points for gp in due.values() if shares_forward(gp)}
+        shared = {gp.config.points for gp in due.values() if shares_forward(gp)}
         samples = {"real": real, "fake": fake}
         samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
         scores, states = {}, {}
@@ -169,14 +170,15 @@ class GANLoss:
                 scores[k] = self.critic(v)
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
         for name, gp in due.items():
+            points = gp.config.points
             if shares_forward(gp):  # differentiate the adversarial forward's scores
-                terms[name] = gp(scores[gp.points], samples[gp.points], loss_scale=loss_scale)
-            elif gp.points in samples and gp.method == "perturbation":  # D(x) from the loss
-                at = samples[gp.points]
-                terms[name] = gp(SharedForward(self.critic, at, scores[gp.points],
-                                               states[gp.points]), at, loss_scale=loss_scale)
+                terms[name] = gp(scores[points], samples[points], loss_scale=loss_scale)
+            elif points in samples and gp.config.method == "perturbation":  # D(x) from the loss
+                at = samples[points]
+                terms[name] = gp(SharedForward(self.critic, at, scores[points], states[points]),
+                                 at, loss_scale=loss_scale)
             else:
-                terms[name] = gp(self.critic, CRITIC_POINTS[gp.points](real, fake),
+                terms[name] = gp(self.critic, CRITIC_POINTS[points](real, fake),
                                  loss_scale=loss_scale)
         return terms
 

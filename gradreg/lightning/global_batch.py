@@ -42,7 +42,7 @@ def check_splittable(penalties: Mapping[str, GradientPenalty], world: int) -> No
     if world < 2:
         return
     for name, penalty in penalties.items():
-        if penalty.points == "parameters":
+        if penalty.config.points == "parameters":
             raise ValueError(
                 f"penalty {name!r} (points='parameters') penalizes the norm of the batch's "
                 f"parameter gradient, which no rank of {world} holds under global_batch=True "

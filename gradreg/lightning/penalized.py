@@ -33,13 +33,14 @@ def check_penalties(
     """Raise ``ValueError`` naming the penalty and the valid values if ``kind`` cannot apply it."""
     names = [name for name, _ in module.named_modules() if name]
     for key, penalty in penalties.items():
-        if penalty.points not in supported:
+        if penalty.config.points not in supported:
             presets = [name for name, preset in PRESETS.items() if preset["points"] in supported]
             raise ValueError(
-                f"penalty {key!r} has points={penalty.points!r}, which a {kind} cannot evaluate; "
-                f"a {kind} supports points {list(supported)}, i.e. the presets {presets}"
+                f"penalty {key!r} has points={penalty.config.points!r}, which a {kind} cannot "
+                f"evaluate; a {kind} supports points {list(supported)}, i.e. the presets "
+                f"{presets}"
             )
-        unknown = [layer for layer in penalty.layers if layer not in names]
+        unknown = [layer for layer in penalty.config.layers if layer not in names]
         if unknown:
             raise ValueError(
                 f"penalty {key!r} has layers={unknown}, not submodules of the model; "
@@ -57,7 +58,7 @@ def checkpoint_identity(module: nn.Module) -> dict[str, Any]:
     penalties = getattr(module, "penalties", {})
     return {"schema": CHECKPOINT_SCHEMA,
             "module": f"{type(module).__module__}.{type(module).__qualname__}",
-            "penalties": {name: penalty.points for name, penalty in penalties.items()}}
+            "penalties": {name: penalty.config.points for name, penalty in penalties.items()}}
 
 
 def _describe(identity: Mapping[str, Any]) -> str:

@@ -97,8 +97,9 @@ from gradreg.penalties.projections import PROJECTIONS, gradient_norms
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
-#: The options read as attributes of the penalty. ``penalty.step`` is the lazy counter's buffer
-#: (a checkpoint key, ``<name>.step``); the step size is ``penalty.config.step``.
+#: The options, read as ``penalty.config.<option>`` only: as attributes of the penalty they are
+#: refused, read or set. ``penalty.step`` is the lazy counter's buffer (a checkpoint key,
+#: ``<name>.step``); the step size is ``penalty.config.step``.
 _OPTIONS = tuple(name for name in PenaltyConfig.options() if name != "step")
 
 
@@ -148,9 +149,8 @@ class GradientPenalty(nn.Module):
         config: what the penalty computes and how, a :class:`~gradreg.penalties.config
             .PenaltyConfig`; or leave it out and pass its options by keyword
             (``GradientPenalty(target=1.0, points="interpolates")``, as presets and Hydra
-            configs do). Read them as attributes (``penalty.points``) or as ``penalty.config``;
-            they do not change (``dataclasses.replace(penalty.config, ...)`` for another
-            penalty).
+            configs do). Read them as ``penalty.config.points``; they do not change
+            (``dataclasses.replace(penalty.config, ...)`` for another penalty).
         weight: the penalty coefficient (lambda, gamma), >= 0; may be changed between steps.
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
@@ -166,7 +166,7 @@ class GradientPenalty(nn.Module):
         >>> x = as_points(torch.tensor([[0.2, 0.0], [0.0, 0.1]]))  # w.x = 0.6, 0.4
         >>> gp = GradientPenalty(weight=10.0, target=1.0, points="interpolates")
         >>> penalty = gp((x @ w).square() / 2, x)  # norms 3 and 2: 10 * (2^2 + 1^2) / 2
-        >>> round(penalty.item(), 4), gp.points
+        >>> round(penalty.item(), 4), gp.config.points
         (25.0, 'interpolates')
         >>> penalty.backward()  # differentiable: the backward runs through the input gradient
     """
@@ -192,12 +192,12 @@ class GradientPenalty(nn.Module):
         self._through_sharded = False  # FSDP2 modules in the graph: checked on every call
 
     def __getattr__(self, name: str) -> Any:
-        config = self.__dict__.get("config")
-        if config is not None and name in _OPTIONS:
-            return getattr(config, name)
+        if name in _OPTIONS:
+            raise AttributeError(f"{name!r} is an option of the penalty's configuration: read "
+                                 f"penalty.config.{name}")
         if name in RENAMED:
             raise AttributeError(f"the option {name!r} was renamed {RENAMED[name]!r}: read "
-                                 f"penalty.{RENAMED[name]}")
+                                 f"penalty.config.{RENAMED[name]}")
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -217,8 +217,9 @@ class GradientPenalty(nn.Module):
         self._weight = finite_number("weight", value, minimum=0.0)
 
     def extra_repr(self) -> str:
-        return (f"weight={self.weight}, target={self.target}, points={self.points!r}, "
-                f"every={self.every}")
+        config = self.config
+        return (f"weight={self.weight}, target={config.target}, points={config.points!r}, "
+                f"every={config.every}")
 
     def get_extra_state(self) -> dict:
         return {"weight": self.weight}
@@ -256,7 +257,7 @@ class GradientPenalty(nn.Module):
             >>> [penalty.due() for _ in range(6)]
             [True, False, False, False, True, False]
         """
-        is_due = self._steps % self.every == 0
+        is_due = self._steps % self.config.every == 0
         self._steps += 1
         self.step.fill_(self._steps)
         self._due = is_due
@@ -266,14 +267,15 @@ class GradientPenalty(nn.Module):
         """Refuse a lazy penalty (``every > 1``) called without a ``due()`` that allowed it: it
         is scaled by ``every``, so computed on every step it would be ``every`` times too large
         (and ``every``² times with a loop's own lazy gain on top)."""
-        if self.every > 1 and not self._due:
+        every = self.config.every
+        if every > 1 and not self._due:
             raise GradientError(
-                f"this penalty has every={self.every}: its value is multiplied by "
-                f"{self.every} to stand for the {self.every} steps it skips, so it may only be "
-                "computed on the steps where penalty.due() returned True. Call due() once per "
-                "training step and the penalty only when it is True (`if penalty.due(): loss = "
-                "loss + penalty(outputs, points)`), without a gain of your own; or build the "
-                "penalty with every=1 to compute it on every step.")
+                f"this penalty has every={every}: its value is multiplied by {every} to stand "
+                f"for the {every} steps it skips, on the steps where "
+                "penalty.due() returned True. Call due() once per training step and the penalty "
+                "only when it is True (`if penalty.due(): loss = loss + penalty(outputs, "
+                "points)`), without a gain of your own; or build the penalty with every=1 to "
+                "compute it on every step.")
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         saved_ema = state_dict.get(prefix + "ema")
@@ -313,37 +315,37 @@ class GradientPenalty(nn.Module):
               loss_scale: float | Tensor | None,
               fn_args: tuple[Tensor, ...]) -> methods.PenaltyCall:
         """The call, checked, with the points (and ``fn_args``) subsampled."""
-        fn = None if isinstance(outputs, Tensor) else outputs
-        check_points(inputs, outputs if fn is None else None, per_sample=self.config.per_sample)
+        config, fn = self.config, None if isinstance(outputs, Tensor) else outputs
+        check_points(inputs, outputs if fn is None else None, per_sample=config.per_sample)
         require(fn is not None or not fn_args, "fn_args need outputs as a callable")
-        require(fn is not None or not self.needs_callable,
-                f"method={self.method!r}, kind={self.kind!r}, subsample={self.subsample} and "
-                f"chunks={self.chunks} need outputs as a callable fn(*inputs) -> outputs (e.g. "
+        require(fn is not None or not config.needs_callable,
+                f"method={config.method!r}, kind={config.kind!r}, subsample={config.subsample} and "
+                f"chunks={config.chunks} need outputs as a callable fn(*inputs) -> outputs (e.g. "
                 "the critic itself, called on the points), not a tensor")
-        require(loss_scale is None or (self.method == "double_backward"
-                                       and self.kind == "gradient_norm"),
+        require(loss_scale is None or (config.method == "double_backward"
+                                       and config.kind == "gradient_norm"),
                 f"loss_scale is only supported by method='double_backward' of the gradient norm "
-                f"(got method={self.method!r}, kind={self.kind!r}): run this penalty outside "
+                f"(got method={config.method!r}, kind={config.kind!r}): run this penalty outside "
                 "fp16 autocast, in float32")
         if fn is None:
             return methods.PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
-        both = subsample(inputs + fn_args, self.subsample)
+        both = subsample(inputs + fn_args, config.subsample)
         return methods.PenaltyCall(both[:len(inputs)], fn=fn, fn_args=both[len(inputs):],
                                    loss_scale=loss_scale)
 
     def _unsubsampled(self, value: Tensor, batch: Tensor, kept: Tensor) -> Tensor:
         """A sum over the subsample ``kept`` of ``batch``, rescaled to the whole batch (a mean
         needs nothing)."""
-        if self.reduction == "sum" and kept.ndim > 0 and kept.shape[0] < batch.shape[0]:
+        if self.config.reduction == "sum" and kept.ndim > 0 and kept.shape[0] < batch.shape[0]:
             return value * (batch.shape[0] / kept.shape[0])
         return value
 
     def _weighted(self, value: Tensor, call: methods.PenaltyCall) -> Tensor:
         """weight * every * gain * value; the value kept, and checked finite where asked."""
-        factor = self.weight * self.every * self.gain
+        factor = self.weight * self.config.every * self.config.gain
         weighted = value * factor
         self.last_value = value.detach()
-        if self.check_finite and call.loss_scale is None:
+        if self.config.check_finite and call.loss_scale is None:
             self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
@@ -351,18 +353,19 @@ class GradientPenalty(nn.Module):
     def _exact(self, outputs: Tensor, inputs: tuple[Tensor, ...],
                loss_scale: float | Tensor | None) -> Tensor:
         """The unweighted penalty, differentiable by double backward (``create_graph=True``)."""
-        if self.config.per_sample:
+        config = self.config
+        if config.per_sample:
             check_per_sample(outputs, inputs)
         if not self._first_call_checked or self._through_sharded:
             self._through_sharded = sharding.check_penalty_graph(outputs)
-        norms = PROJECTIONS[self.projection](outputs, inputs, self.config, loss_scale)
+        norms = PROJECTIONS[config.projection](outputs, inputs, config, loss_scale)
         if not self._first_call_checked:
             check_double_backward(norms, outputs)
-            if self.subsample < 1 or self.chunks > 1:
+            if config.subsample < 1 or config.chunks > 1:
                 check_independent_samples(
-                    outputs, inputs, f"subsample={self.subsample}, chunks={self.chunks}")
+                    outputs, inputs, f"subsample={config.subsample}, chunks={config.chunks}")
             self._first_call_checked = True
-        target = self._ema_target(norms) if self.target == "ema" else self.target
+        target = self._ema_target(norms) if config.target == "ema" else config.target
         return self._of_norms(norms, target)
 
     def _ema_target(self, norms: Tensor) -> Tensor:
@@ -380,7 +383,8 @@ class GradientPenalty(nn.Module):
         """
         self._promote_ema(norms.dtype)
         mean = norms.mean().to(self.ema.dtype)
-        ema = torch.where(torch.isfinite(mean), self.ema.lerp(mean, self.ema_decay), self.ema)
+        ema = torch.where(torch.isfinite(mean), self.ema.lerp(mean, self.config.ema_decay),
+                          self.ema)
         self.ema.copy_(ema.detach())
         return ema
 

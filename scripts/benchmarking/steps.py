@@ -86,7 +86,9 @@ def step_losses(case: Case, pens: dict[str, GradientPenalty]) -> dict[str, Calla
         if not pen.needs_callable:
             loss, out = case.task_with(p)
             return loss + pen(out, p)
-        if case.shared and pen.subsample == 1 and pen.chunks == 1 and pen.method != "compiled":
+        config = pen.config
+        if (case.shared and config.subsample == 1 and config.chunks == 1
+                and config.method != "compiled"):
             loss, out = case.task_with(p)
             return loss + pen(lambda q, *args: out if q is p else case.fn(q, *args), p,
                               fn_args=case.fn_args)

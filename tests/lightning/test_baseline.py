@@ -41,7 +41,7 @@ def test_the_baseline_is_the_penalty_the_run_would_have_had(options: dict, tmp_p
     x, y = data()
     x = as_points(x)
     logits = module(x)
-    gp(F.cross_entropy(logits, y, reduction="none") if gp.of == "loss" else logits, x)
+    gp(F.cross_entropy(logits, y, reduction="none") if gp.config.of == "loss" else logits, x)
     logged = events(run)
     values = [e.value for e in logged.Scalars(f"penalty/unweighted/penalties.{preset}")]
     assert values == [pytest.approx(float(gp.last_value), rel=1e-6)] * 3

@@ -32,7 +32,7 @@ Run = Callable[[GradientPenalty, nn.Module, dict[str, Tensor]], Tensor]
 def preset_case(name: str) -> tuple[nn.Module, Run]:
     """A model and a closure ``(penalty, model, params) -> penalty value`` that evaluates the model
     with ``params`` (``functional_call``, so gradcheck can vary them) on the points the preset asks
-    for (``penalty.points``), with all randomness seeded inside the closure."""
+    for (``penalty.config.points``), with all randomness seeded inside the closure."""
     torch.manual_seed(0)
     real, fake = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     labels = torch.tensor([0, 1, 2, 3, 1])
@@ -45,7 +45,7 @@ def preset_case(name: str) -> tuple[nn.Module, Run]:
             torch.manual_seed(1)
             points = {"real": as_points(real), "fake": as_points(fake),
                       "interpolates": interpolate(real, fake),
-                      "perturbed": perturb_dragan(real)}[penalty.points]
+                      "perturbed": perturb_dragan(real)}[penalty.config.points]
             return penalty(functional_call(critic, params, (points,)), points)
 
         return model, run
@@ -63,15 +63,15 @@ def preset_case(name: str) -> tuple[nn.Module, Run]:
     def run(penalty: GradientPenalty, classifier: nn.Module, params: dict) -> Tensor:
         torch.manual_seed(1)
         x = as_points(real)
-        if penalty.points == "activations":
-            with gradreg.capture(classifier, *penalty.layers) as acts:
+        if penalty.config.points == "activations":
+            with gradreg.capture(classifier, *penalty.config.layers) as acts:
                 logits = functional_call(classifier, params, (x,))
                 losses = F.cross_entropy(logits, labels, reduction="none")
             return penalty(losses, list(acts.values()))
         logits = functional_call(classifier, params, (x,))
-        if penalty.points == "parameters":
+        if penalty.config.points == "parameters":
             return penalty(F.cross_entropy(logits, labels), list(params.values()))
-        if penalty.of == "outputs":
+        if penalty.config.of == "outputs":
             return penalty(logits, x)
         return penalty(F.cross_entropy(logits, labels, reduction="none"), x)
 

@@ -42,17 +42,34 @@ def test_a_config_and_its_keyword_options_build_the_same_penalty() -> None:
 
 def test_the_config_does_not_change_but_the_weight_does() -> None:
     penalty = make_penalty("wgan_gp", layers=["a", "b"])
-    assert penalty.layers == ("a", "b")  # a config's list, frozen into a tuple
+    assert penalty.config.layers == ("a", "b")  # a config's list, frozen into a tuple
     with pytest.raises(dataclasses.FrozenInstanceError):
         penalty.config.target = 0.0
     with pytest.raises(AttributeError, match=r"target is part of the penalty's configuration.*"
                                              r"dataclasses.replace\(penalty.config, target="):
         penalty.target = 0.0
-    assert penalty.target == 1.0 and penalty.points == "interpolates"
+    assert penalty.config.target == 1.0 and penalty.config.points == "interpolates"
     penalty.weight = 3.0
     assert penalty.weight == 3.0 and penalty.state_dict()["_extra_state"] == {"weight": 3.0}
     other = GradientPenalty(dataclasses.replace(penalty.config, target=0.0), weight=1.0)
-    assert (other.target, other.points, penalty.target) == (0.0, "interpolates", 1.0)
+    assert (other.config.target, other.config.points, penalty.config.target) == (
+        0.0, "interpolates", 1.0)
+
+
+@pytest.mark.parametrize("option", [name for name in PenaltyConfig.options() if name != "step"])
+def test_an_option_is_read_from_the_config_only(option: str) -> None:
+    penalty = make_penalty("r1")
+    with pytest.raises(AttributeError, match=rf"^'{option}' is an option of the penalty's "
+                                             rf"configuration: read penalty\.config\.{option}$"):
+        getattr(penalty, option)
+    assert not hasattr(penalty, option)
+
+
+def test_the_step_attribute_is_the_lazy_counter_and_the_step_size_is_the_configs() -> None:
+    penalty = make_penalty("r1", every=2, method="finite_difference", step=0.01)
+    penalty.due()
+    assert (penalty.step.item(), penalty.config.step) == (1, 0.01)
+    assert list(penalty.state_dict()) == ["step", "ema", "_extra_state"]
 
 
 def test_the_mistakes_in_building_one_are_named() -> None:

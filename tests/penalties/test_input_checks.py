@@ -93,7 +93,8 @@ def test_a_batch_mean_output_is_refused_saying_what_to_pass(preset) -> None:
     per_sample = preset()(D(x), x, )
     (g_mean,) = torch.autograd.grad(D(x).mean(), x)
     assert per_sample.item() == pytest.approx(
-        256 * preset().gain * preset().weight * g_mean.square().sum(1).mean().item(), rel=1e-5)
+        256 * preset().config.gain * preset().weight * g_mean.square().sum(1).mean().item(),
+        rel=1e-5)
 
 
 def test_outputs_of_another_batch_size_are_refused() -> None:

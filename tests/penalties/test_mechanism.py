@@ -148,7 +148,7 @@ def test_intermediate_power_one_reproduces_seed_minimize_f() -> None:
         net[1].weight.fill_(2.0)
         net[1].bias.fill_(6.0)
     penalty = make_penalty("intermediate", weight=1.0, layers=["0"], power=1.0)
-    with gradreg.capture(net, *penalty.layers) as acts:
+    with gradreg.capture(net, *penalty.config.layers) as acts:
         y = net(torch.tensor([[4.0]])).pow(2)
     value = penalty(y, list(acts.values()))
     assert value.item() == 120.0

@@ -33,7 +33,8 @@ def test_an_old_option_name_is_refused_with_the_new_one(old: str, new: str, pres
         GradientPenalty(**{**presets.PRESETS[preset], **options, old: value})
     penalty = make_penalty(preset, **options, **{new: value})  # the new name takes it
     assert getattr(penalty.config, new) == value
-    with pytest.raises(AttributeError, match=f"'{old}' was renamed '{new}': read penalty.{new}"):
+    with pytest.raises(AttributeError,
+                       match=f"'{old}' was renamed '{new}': read penalty.config.{new}"):
         getattr(penalty, old)
 
 

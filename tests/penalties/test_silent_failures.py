@@ -433,7 +433,8 @@ def test_numeric_options_that_are_not_numbers_are_refused(options: dict, message
 
 def test_numpy_options_are_converted_to_floats() -> None:
     penalty = wgan_gp(target=np.float32(0.5), p=float("inf"))
-    assert penalty.target == 0.5 and type(penalty.target) is float and penalty.p == float("inf")
+    config = penalty.config
+    assert config.target == 0.5 and type(config.target) is float and config.p == float("inf")
 
 
 # --- the rest of an adversarial pass: what already held ---------------------------------------

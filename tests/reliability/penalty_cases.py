@@ -49,18 +49,18 @@ def task_loss(model: nn.Module, x: Tensor) -> Tensor:
 def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: object) -> Tensor:
     """``gp`` evaluated on ``model`` at the points its ``points`` names, made from batch ``x``;
     ``options`` go to ``gp.forward`` (``loss_scale``)."""
-    if gp.points == "parameters":
+    if gp.config.points == "parameters":
         return gp(task_loss(model, x), list(model.parameters()), **options)
-    if gp.points == "activations":
-        with capture(model, *gp.layers) as activations:
+    if gp.config.points == "activations":
+        with capture(model, *gp.config.layers) as activations:
             outputs = model(x)
-        return gp(outputs, [activations[layer] for layer in gp.layers], **options)
+        return gp(outputs, [activations[layer] for layer in gp.config.layers], **options)
     make_points = {
         "inputs": as_points, "real": as_points, "latents": as_points,
         "fake": lambda real: as_points(real + 0.5),
         "interpolates": lambda real: interpolate(real, real.flip(0) + 0.5),
         "perturbed": perturb_dragan,
-    }[gp.points]
+    }[gp.config.points]
     points = make_points(x)
     return gp(model if gp.needs_callable else model(points), points, **options)
 

@@ -57,13 +57,13 @@ def evaluate(name: str, model: nn.Module, device: torch.device, dtype: torch.dty
     model = copy.deepcopy(model).to(device, dtype)
     gp = penalty(name, **({"count": 2} if name == "jacobian" else {}), **overrides)
     x = batch(0).double()
-    if gp.points in ("parameters", "activations"):
+    if gp.config.points in ("parameters", "activations"):
         value = penalty_value(gp, model, x.to(device, dtype))
     else:
         torch.manual_seed(0)
         cpu_points = {"fake": lambda r: r + 0.5,
                       "interpolates": lambda r: interpolate(r, r.flip(0) + 0.5),
-                      "perturbed": perturb_dragan}.get(gp.points, lambda r: r)(x)
+                      "perturbed": perturb_dragan}.get(gp.config.points, lambda r: r)(x)
         points = as_points(cpu_points.to(device, dtype))
         value = gp(model(points), points)
     return value.item(), flat_grads(value, model)

@@ -28,7 +28,7 @@ def penalty_scalars(module: nn.Module) -> dict[str, Tensor | float]:
     for name, penalty in named_penalties(module).items():
         scalars[f"{PENALTY_WEIGHT}/{name}"] = float(penalty.weight)
         if penalty.last_value is not None:
-            factor = penalty.weight * penalty.every * penalty.gain
+            factor = penalty.weight * penalty.config.every * penalty.config.gain
             scalars[f"{PENALTY_UNWEIGHTED}/{name}"] = penalty.last_value
             scalars[f"{PENALTY_WEIGHTED}/{name}"] = penalty.last_value * factor
     return scalars

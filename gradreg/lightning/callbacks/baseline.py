@@ -56,15 +56,15 @@ class PenaltyBaseline(pl.Callback):
         elif name is None:
             raise ValueError("name the penalty of the baseline: PenaltyBaseline(penalty, "
                              "name='double_backprop').")
-        if not (penalty.points == "inputs" and penalty.kind == "gradient_norm"
+        if not (penalty.config.points == "inputs" and penalty.config.kind == "gradient_norm"
                 and penalty.config.projection == "sum" and penalty.config.order == 1
-                and not isinstance(penalty.target, str)):
+                and not isinstance(penalty.config.target, str)):
             raise ValueError(
                 f"PenaltyBaseline evaluates gradient-norm penalties at a classifier's inputs "
                 f"with a fixed target (points='inputs', kind='gradient_norm', order 1, "
                 f"projection 'sum', e.g. double_backprop); {name!r} has points="
-                f"{penalty.points!r}, kind={penalty.kind!r}, projection="
-                f"{penalty.config.projection!r}, target={penalty.target!r}.")
+                f"{penalty.config.points!r}, kind={penalty.config.kind!r}, projection="
+                f"{penalty.config.projection!r}, target={penalty.config.target!r}.")
         self.penalty, self.name = penalty, name
         self.every_n_steps = every_n_steps
 
@@ -90,10 +90,10 @@ class PenaltyBaseline(pl.Callback):
         with torch.enable_grad():
             x = as_points(inputs.detach().clone())
             logits = model(x)
-            outputs = (F.cross_entropy(logits, targets, reduction="none") if gp.of == "loss"
+            outputs = (F.cross_entropy(logits, targets, reduction="none") if gp.config.of == "loss"
                        else logits)
             grads = gradient(outputs.sum(), x, create_graph=False)
-        norms = per_sample_norm(grads, gp.p, squared=gp.config.squared)
-        return penalty_from_norms(norms, target=gp.target, one_sided=gp.one_sided,
-                                  power=gp.power, reduction=gp.reduction,
+        norms = per_sample_norm(grads, gp.config.p, squared=gp.config.squared)
+        return penalty_from_norms(norms, target=gp.config.target, one_sided=gp.config.one_sided,
+                                  power=gp.config.power, reduction=gp.config.reduction,
                                   squared=gp.config.squared).detach()

@@ -73,8 +73,9 @@ class InterpolatesGradientNorm(pl.Callback):
         for role, kind in (("critic", nn.Module), ("generator", nn.Module), ("latent_dim", int)):
             self._attribute(pl_module, role, kind)
         self.random = torch.Generator().manual_seed(self.seed)
-        targets = {penalty.target for penalty in named_penalties(pl_module).values()
-                   if penalty.points == "interpolates" and isinstance(penalty.target, int | float)}
+        configs = [penalty.config for penalty in named_penalties(pl_module).values()]
+        targets = {config.target for config in configs
+                   if config.points == "interpolates" and isinstance(config.target, int | float)}
         self._target = self.target if self.target is not None or len(targets) != 1 else (
             float(targets.pop()))
 
