@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["KINDS", "METHODS", "POINTS", "PROJECTION_NAMES", "REDUCTIONS", "RENAMED",
-           "PenaltyConfig", "finite_number", "require", "squared_norm_penalty"]
+__all__ = ["HESSIAN_REDUCTIONS", "KINDS", "KIND_METHODS", "METHODS", "POINTS", "PROJECTION_NAMES",
+           "REDUCTIONS", "RENAMED", "PenaltyConfig", "check_count", "check_hessian_options",
+           "check_iterations", "check_step", "finite_number", "require", "squared_norm_penalty"]
 
 #: The options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
 #: ``float`` at construction; ``target`` also takes ``"ema"``, ``step`` also ``None``.
@@ -44,6 +45,8 @@ KINDS = ("gradient_norm", "spectral", "hessian")
 #: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
 KIND_METHODS = {"spectral": ("double_backward",),
                 "hessian": ("finite_difference", "double_backward")}
+#: The reductions of the Hessian penalty over samples and output units.
+HESSIAN_REDUCTIONS = ("max", "mean")
 
 
 @dataclass(frozen=True)
@@ -218,8 +221,9 @@ class PenaltyConfig:
 
     def _check_perturbation(self) -> None:
         if self.method != "perturbation":
-            require(not self.central, f"central sets the perturbation estimate; it does nothing "
-                                      f"with method={self.method!r}: pass method='perturbation'")
+            require(self._at_defaults("central"),
+                    f"central sets the perturbation estimate; it does nothing with "
+                    f"method={self.method!r}: pass method='perturbation'")
             return
         require(self.kind == "gradient_norm" and self.squared and self.order == 1
                 and self.projection in ("sum", "orthonormal")
@@ -233,17 +237,16 @@ class PenaltyConfig:
 
     def _check_kind(self) -> None:
         require(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
-        require(isinstance(self.iterations, int) and self.iterations >= 1,
-                f"iterations must be an int >= 1 (power-iteration steps), got "
-                f"{self.iterations!r}")
-        require(self.kind == "spectral" or self.iterations == 10,
+        check_iterations(self.iterations)
+        require(self.kind == "spectral" or self._at_defaults("iterations"),
                 "iterations sets the power iteration of kind='spectral'; pass kind='spectral'")
         if self.kind == "gradient_norm":
             return
-        methods = KIND_METHODS[self.kind]
-        require(self.method in methods,
-                f"kind={self.kind!r} is computed by method {' or '.join(map(repr, methods))}, "
-                f"got method={self.method!r}")
+        if self.kind == "hessian":
+            check_hessian_options(count=self.count, step=self.step, reduction=self.reduction,
+                                  method=self.method)
+        else:
+            check_kind_method(self.kind, self.method)
         require(self.chunks == 1 and self.projection == "sum" and self.order == 1
                 and self.target != "ema" and self.points not in ("parameters", "activations"),
                 f"kind={self.kind!r} takes per-sample points other than 'activations', a "
@@ -251,36 +254,31 @@ class PenaltyConfig:
         if self.kind == "spectral":
             require(self.p == 2, f"kind='spectral' is the operator 2-norm; got p={self.p!r}")
         else:
-            require((self.target, self.one_sided, self.power, self.p) == (0, False, 2, 2),
+            require(self._at_defaults("target", "one_sided", "power", "p"),
                     "kind='hessian' penalizes a variance, not a norm: target, one_sided, power "
                     "and p do not apply; leave them at their defaults")
-            require(self.reduction in ("max", "mean"),
-                    f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
-                    f"reduction={self.reduction!r}")
 
     def _check_step_and_count(self) -> None:
         """``step`` and ``count`` where an estimate takes them (:attr:`uses_step`,
-        :attr:`uses_count`), of the right type and range; refused elsewhere."""
-        require(self.step is None or self.step > 0,
-                f"step (the estimate's step size) must be a number > 0 or None (its default), "
-                f"got {self.step!r}")
+        :attr:`uses_count`), of the right type and range (those of ``kind="hessian"`` by
+        :func:`check_hessian_options`); refused elsewhere."""
+        if self.kind != "hessian":
+            check_step(self.step)
+            check_count(self.count)
         require(self.step is None or self.uses_step,
                 f"step sets the step size of method='finite_difference', method='perturbation' "
                 f"and kind='hessian' by finite difference; it does nothing with "
                 f"method={self.method!r}, kind={self.kind!r}: leave it out")
-        least = 2 if self.kind == "hessian" else 1
-        why = (": the Hessian penalty is a variance over the directions, which needs two"
-               if least == 2 else "")
-        require(self.count is None or (isinstance(self.count, int)
-                                       and not isinstance(self.count, bool)
-                                       and self.count >= least),
-                f"count (random directions per sample) must be an int >= {least} or None (its "
-                f"default){why}; got {self.count!r}")
         require(self.count is None or self.uses_count,
                 f"count sets the random directions of projection='orthonormal', "
                 f"method='perturbation' (probes) and kind='hessian'; it does nothing with "
                 f"projection={self.projection!r}, method={self.method!r}, kind={self.kind!r}: "
                 "leave it out")
+
+    def _at_defaults(self, *names: str) -> bool:
+        """Whether the options ``names`` are left at their defaults (the fields' own)."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        return all(getattr(self, name) == defaults[name] for name in names)
 
     @property
     def uses_step(self) -> bool:
@@ -340,6 +338,52 @@ class PenaltyConfig:
         """Target 0, power 2, norm order 2: the penalty is the squared norm, taken without a
         root (whose derivative is infinite at a zero norm)."""
         return squared_norm_penalty(self.target, self.power, self.p)
+
+
+def check_step(step: float | None) -> None:
+    """Refuse a step size that is not a number > 0 (``None``: the estimate's default)."""
+    require(step is None or (isinstance(step, numbers.Real) and not isinstance(step, bool)
+                             and step > 0),
+            f"step (the estimate's step size) must be a number > 0 or None (its default), got "
+            f"{step!r}")
+
+
+def check_count(count: int | None, least: int = 1, why: str = "") -> None:
+    """Refuse a number of random directions that is not an int >= ``least`` (``None``: the
+    estimate's default); ``why`` says why where ``least`` is more than 1."""
+    require(count is None or (isinstance(count, int) and not isinstance(count, bool)
+                              and count >= least),
+            f"count (random directions per sample) must be an int >= {least} or None (its "
+            f"default){why}; got {count!r}")
+
+
+def check_iterations(iterations: int) -> None:
+    """Refuse a number of power-iteration steps that is not an int >= 1."""
+    require(isinstance(iterations, int) and not isinstance(iterations, bool) and iterations >= 1,
+            f"iterations must be an int >= 1 (power-iteration steps), got {iterations!r}")
+
+
+def check_kind_method(kind: str, method: str) -> None:
+    """Refuse a ``method`` that does not compute ``kind`` (:data:`KIND_METHODS`)."""
+    methods = KIND_METHODS[kind]
+    require(method in methods, f"kind={kind!r} is computed by method "
+                               f"{' or '.join(map(repr, methods))}, got method={method!r}")
+
+
+def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
+                          method: str) -> None:
+    """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
+    :func:`~gradreg.penalties.hessian_penalty.hessian_penalty`: ``count`` Rademacher
+    directions per sample, an int >= 2 (the penalty is a variance over them); ``step`` > 0;
+    ``reduction`` one of :data:`HESSIAN_REDUCTIONS`; ``method`` one of ``KIND_METHODS
+    ["hessian"]``. ``None`` leaves ``count`` or ``step`` at its default."""
+    check_kind_method("hessian", method)
+    require(reduction in HESSIAN_REDUCTIONS,
+            f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
+            f"reduction={reduction!r}")
+    check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
+                          "two")
+    check_step(step)
 
 
 def check_renamed(options: Any) -> None:

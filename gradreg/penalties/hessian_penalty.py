@@ -47,6 +47,7 @@ full batch's value; ``"max"`` over the batch is not the mean of the micro-batche
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -54,18 +55,17 @@ from torch.func import jvp
 
 from gradreg.autograd import GradientError
 from gradreg.penalties.checks import model_without_in_place_updates
+from gradreg.penalties.config import check_hessian_options
 from gradreg.penalties.precision import check_difference_rounding
 from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "HESSIAN_METHODS", "HESSIAN_REDUCTIONS",
-           "hessian_penalty", "rademacher", "second_directional_derivatives"]
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "HessianPenalty", "hessian_penalty", "rademacher",
+           "second_directional_derivatives"]
 
-HESSIAN_METHODS = ("finite_difference", "double_backward")
 #: The finite difference's step ε where ``step`` is left out (the authors' ``epsilon``).
 DEFAULT_STEP = 0.1
 #: Rademacher directions per sample where ``count`` is left out (the authors' ``k``).
 DEFAULT_COUNT = 2
-HESSIAN_REDUCTIONS = ("max", "mean")
 
 Outputs = Tensor | list[Tensor] | tuple[Tensor, ...]
 
@@ -129,8 +129,8 @@ def hessian_penalty(
     fn: Callable[[Tensor], Outputs],
     z: Tensor,
     *,
-    count: int = DEFAULT_COUNT,
-    step: float = DEFAULT_STEP,
+    count: int | None = None,
+    step: float | None = None,
     reduction: str = "max",
     method: str = "finite_difference",
     outputs: Outputs | None = None,
@@ -141,53 +141,68 @@ def hessian_penalty(
     r"""The Hessian penalty of ``fn`` at ``z`` (module docstring), a differentiable scalar.
 
     ``fn(z)``: a tensor or a list of tensors (layers), batch first; ``z``: the input, batch first.
-    ``count``: Rademacher directions per sample, >= 2 (a variance needs two); ``step`` > 0: the
-    finite-difference step ε; ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
-    ``method``: ``"finite_difference"`` or ``"double_backward"`` (exact). ``outputs``: ``fn(z)``
-    where the caller already computed it (finite difference: saves a forward), with
-    ``random_state`` the random state its forward began with (replayed by the shifted forwards;
-    needed where the model draws random numbers). ``directions``: the directions themselves,
-    shape [count, *z.shape] (to reproduce a draw); else drawn from ``generator``.
+    ``count``: Rademacher directions per sample, >= 2 (a variance needs two; ``None``:
+    :data:`DEFAULT_COUNT`); ``step`` > 0: the finite-difference step ε (``None``:
+    :data:`DEFAULT_STEP`); ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
+    ``method``: ``"finite_difference"`` or ``"double_backward"`` (exact). The options are
+    checked by :func:`~gradreg.penalties.config.check_hessian_options`, as ``kind="hessian"``'s
+    are. ``outputs``: ``fn(z)`` where the caller already computed it (finite difference: saves
+    a forward), with ``random_state`` the random state its forward began with (replayed by the
+    shifted forwards; needed where the model draws random numbers). ``directions``: the
+    directions themselves, shape [count, *z.shape] (to reproduce a draw); else drawn from
+    ``generator``.
     """
-    _check_options(count, step, reduction, method)
-    if not isinstance(z, Tensor) or not z.is_floating_point():
-        raise GradientError(
-            f"the Hessian penalty needs a floating-point input z, got "
-            f"{z.dtype if isinstance(z, Tensor) else type(z).__name__}."
-        )
-    if directions is None:
-        directions = rademacher((count, *z.shape), like=z, generator=generator)
-    elif tuple(directions.shape) != (count, *z.shape):
-        raise GradientError(
-            f"directions have shape {tuple(directions.shape)}; expected [count, *z.shape] = "
-            f"{[count, *z.shape]}."
-        )
-    forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, random_state),
-                        "the Hessian penalty")
-    if method == "double_backward":
-        per_direction = [second_directional_derivatives(forward, z, v, method="double_backward")
-                         for v in directions]
-    else:  # one forward at z and one rounding check, shared by the directions
-        at_z = _as_list(forward(z))
-        _check_rounding(at_z, step)
-        per_direction = [_second_difference(forward, z, v, step, at_z) for v in directions]
-    total = None
-    for layer in zip(*per_direction, strict=True):  # count tensors of one output's shape
-        variance = torch.stack(layer).var(dim=0, correction=1)
-        value = variance.amax() if reduction == "max" else variance.mean()
-        total = value if total is None else total + value
-    return total
+    check_hessian_options(count=count, step=step, reduction=reduction, method=method)
+    return HessianPenalty(count, step, reduction, method)(
+        fn, z, outputs=outputs, directions=directions, generator=generator,
+        random_state=random_state)
 
 
-def _check_options(count: int, step: float, reduction: str, method: str) -> None:
-    if not (isinstance(count, int) and count >= 2):
-        raise ValueError(
-            f"count (Rademacher directions per sample) must be an int >= 2: the penalty is a "
-            f"variance over the directions, which needs at least two; got {count!r}."
-        )
-    if not (isinstance(step, (int, float)) and step > 0):
-        raise ValueError(f"step (the finite-difference step) must be > 0, got {step!r}.")
-    if reduction not in HESSIAN_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {HESSIAN_REDUCTIONS}, got {reduction!r}.")
-    if method not in HESSIAN_METHODS:
-        raise ValueError(f"method must be one of {HESSIAN_METHODS}, got {method!r}.")
+@dataclass(frozen=True)
+class HessianPenalty:
+    """The Hessian penalty with its options, called as ``penalty(fn, z, ...)`` with the further
+    arguments of :func:`hessian_penalty`. The options are checked where they are given
+    (:func:`hessian_penalty`, or a :class:`~gradreg.penalties.config.PenaltyConfig` of
+    ``kind="hessian"``), not on every call; ``None`` leaves ``count`` or ``step`` at its
+    default."""
+
+    count: int | None = None
+    step: float | None = None
+    reduction: str = "max"
+    method: str = "finite_difference"
+
+    def __call__(self, fn: Callable[[Tensor], Outputs], z: Tensor, *,
+                 outputs: Outputs | None = None, directions: Tensor | None = None,
+                 generator: torch.Generator | None = None,
+                 random_state: GeneratorState | None = None) -> Tensor:
+        count = DEFAULT_COUNT if self.count is None else self.count
+        step = DEFAULT_STEP if self.step is None else self.step
+        if not isinstance(z, Tensor) or not z.is_floating_point():
+            raise GradientError(
+                f"the Hessian penalty needs a floating-point input z, got "
+                f"{z.dtype if isinstance(z, Tensor) else type(z).__name__}."
+            )
+        if directions is None:
+            directions = rademacher((count, *z.shape), like=z, generator=generator)
+        elif tuple(directions.shape) != (count, *z.shape):
+            raise GradientError(
+                f"directions have shape {tuple(directions.shape)}; expected [count, *z.shape] = "
+                f"{[count, *z.shape]}."
+            )
+        forward = Replaying(
+            fn if outputs is None else SharedForward(fn, z, outputs, random_state),
+            "the Hessian penalty")
+        if self.method == "double_backward":
+            per_direction = [
+                second_directional_derivatives(forward, z, v, method="double_backward")
+                for v in directions]
+        else:  # one forward at z and one rounding check, shared by the directions
+            at_z = _as_list(forward(z))
+            _check_rounding(at_z, step)
+            per_direction = [_second_difference(forward, z, v, step, at_z) for v in directions]
+        total = None
+        for layer in zip(*per_direction, strict=True):  # count tensors of one output's shape
+            variance = torch.stack(layer).var(dim=0, correction=1)
+            value = variance.amax() if self.reduction == "max" else variance.mean()
+            total = value if total is None else total + value
+        return total

@@ -33,7 +33,7 @@ from torch import Tensor
 from gradreg.autograd import GradientError
 from gradreg.penalties import methods
 from gradreg.penalties.coupling import probe_independent_samples
-from gradreg.penalties.hessian_penalty import DEFAULT_COUNT, DEFAULT_STEP, hessian_penalty
+from gradreg.penalties.hessian_penalty import HessianPenalty
 from gradreg.penalties.methods import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.spectral_norm import spectral_norms
 
@@ -69,10 +69,7 @@ class Hessian:
     first call (:func:`~gradreg.penalties.coupling.probe_independent_samples`)."""
 
     def __init__(self, config: PenaltyConfig) -> None:
-        self.options = {
-            "count": DEFAULT_COUNT if config.count is None else config.count,
-            "step": DEFAULT_STEP if config.step is None else config.step,
-            "reduction": config.reduction, "method": config.method}
+        self.penalty = HessianPenalty(config.count, config.step, config.reduction, config.method)
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -85,7 +82,7 @@ class Hessian:
         if not self._checked:
             probe_independent_samples(call.fn, call.inputs, "kind='hessian'", call.fn_args)
             self._checked = True
-        return hessian_penalty(call.forward(), call.inputs[0], **self.options)
+        return self.penalty(call.forward(), call.inputs[0])
 
 
 #: How each kind other than ``"gradient_norm"`` is built.

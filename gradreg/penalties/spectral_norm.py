@@ -39,6 +39,7 @@ from torch.func import jvp, vjp
 
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample, model_without_in_place_updates
+from gradreg.penalties.config import check_iterations
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.randomness import Replaying
 
@@ -57,9 +58,7 @@ def power_iteration(
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     r"""The unit vectors :math:`u_i` (outputs' shape) and :math:`v_i` (one per input, the inputs'
     shapes) after ``iterations`` steps of power iteration on :math:`J_i^\top J_i`, detached."""
-    if not (isinstance(iterations, int) and iterations >= 1):
-        raise ValueError(f"iterations must be an int >= 1 (power-iteration steps), got "
-                         f"{iterations!r}.")
+    check_iterations(iterations)
     points = tuple(x.detach() for x in as_tuple(inputs))
     if not isinstance(fn, Replaying):
         fn = Replaying(fn, "the spectral norm's power iteration")

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods, projections
 from gradreg.penalties import config as config_module
+from gradreg.penalties import hessian_penalty as hessian_penalty_module
+from gradreg.penalties.hessian_penalty import hessian_penalty
 from tests.penalties.parameter_gradients import value_and_grad
 
 
@@ -150,3 +152,55 @@ def test_the_names_the_configuration_accepts_are_those_the_methods_build() -> No
         tree = ast.parse(source.read())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not {name for name in imported if name and name.startswith("gradreg.penalties")}
+
+
+DEFAULTS = {field.name: field.default for field in dataclasses.fields(PenaltyConfig)}
+HESSIAN = {"kind": "hessian", "points": "latents", "method": "finite_difference",
+           "reduction": "max"}
+
+
+def test_an_option_of_another_kind_may_be_written_at_its_default_only() -> None:
+    """iterations (kind='spectral'), and target, one_sided, power and p (not of kind='hessian'),
+    compared with the fields' own defaults."""
+    assert PenaltyConfig(iterations=DEFAULTS["iterations"]).iterations == 10
+    with pytest.raises(ValueError, match="^iterations sets the power iteration of "
+                                         "kind='spectral'; pass kind='spectral'.$"):
+        PenaltyConfig(iterations=DEFAULTS["iterations"] + 1)
+    written = {name: DEFAULTS[name] for name in ("target", "one_sided", "power", "p")}
+    assert PenaltyConfig(**HESSIAN, **written) == PenaltyConfig(**HESSIAN)
+    for name, other in (("target", 1.0), ("one_sided", True), ("power", 1.0), ("p", 1.0)):
+        with pytest.raises(ValueError, match="penalizes a variance, not a norm"):
+            PenaltyConfig(**HESSIAN, **{name: other})
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"count": 1}, "count (random directions per sample) must be an int >= 2 or None (its "
+                   "default): the Hessian penalty is a variance over the directions, which needs "
+                   "two; got 1."),
+    ({"step": -0.5}, "step (the estimate's step size) must be a number > 0 or None (its "
+                     "default), got -0.5."),
+    ({"reduction": "sum"}, "kind='hessian' reduces by 'max' (the authors' default) or 'mean', "
+                           "got reduction='sum'."),
+    ({"method": "compiled"}, "kind='hessian' is computed by method 'finite_difference' or "
+                             "'double_backward', got method='compiled'.")])
+def test_the_hessian_options_are_refused_alike_by_the_config_and_the_function(
+        options: dict, message: str) -> None:
+    with pytest.raises(ValueError) as by_config:
+        PenaltyConfig(**{**HESSIAN, **options})
+    with pytest.raises(ValueError) as by_function:
+        hessian_penalty(lambda z: z.square(), torch.randn(3, 2), **options)
+    assert str(by_config.value) == str(by_function.value) == message
+
+
+def test_a_hessian_penalty_checks_its_options_when_built_not_when_called(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    penalty = make_penalty("hessian", count=3)
+
+    def refuse(**options: object) -> None:
+        raise AssertionError(f"options checked again: {options}")
+
+    monkeypatch.setattr(hessian_penalty_module, "check_hessian_options", refuse)
+    z = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    assert penalty(lambda q: (q[:, 0] * q[:, 1]).unsqueeze(1), z).item() >= 0
+    with pytest.raises(AssertionError, match="options checked again"):
+        hessian_penalty(lambda q: q.square(), z)
