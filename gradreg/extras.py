@@ -5,7 +5,8 @@
 (:mod:`gradreg.lightning`, :mod:`gradreg.data`) needs the packages of the ``lightning`` extra; its
 packages call :func:`require` when they are imported, so that a missing one is an
 ``ImportError`` naming the extra to install instead of a ``ModuleNotFoundError`` from deep inside
-a module; ``scripts/train.py`` checks the ``app`` extra (Hydra and the ``lightning`` extra) the
+a module; the app (:mod:`gradreg.app`) checks the ``app`` extra (Hydra and the ``lightning``
+extra) the
 same way. The check looks the packages up without importing them: ``import gradreg.lightning``
 stays cheap.
 """

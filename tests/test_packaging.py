@@ -93,7 +93,7 @@ def test_the_app_without_its_extra_is_one_line_and_status_2():
                     "runpy.run_path('scripts/train.py', run_name='__main__')", blocked=("hydra",))
     assert result.returncode == 2
     assert result.stderr == (
-        "error: scripts/train.py needs hydra-core, which is not installed: "
+        "error: python scripts/train.py needs hydra-core, which is not installed: "
         "pip install 'gradreg[app]' (in a checkout: pip install -e '.[app]')\n")
 
 
@@ -124,11 +124,13 @@ def names(requirements: list[str]) -> set[str]:
     return {requirement_name(requirement) for requirement in requirements}
 
 
-#: import name -> distribution name (PIL: Pillow, which torchvision installs)
-DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision"}
+#: import name -> distribution name (PIL: Pillow, which torchvision installs; omegaconf and yaml
+#: come with hydra-core)
+DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision", "hydra": "hydra-core",
+                "omegaconf": "hydra-core", "yaml": "hydra-core"}
 #: the extras of each package of gradreg ("": the top-level modules)
 LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": ("lightning",),
-          "data": ("lightning",)}
+          "data": ("lightning",), "app": ("app", "lightning")}
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
@@ -177,3 +179,35 @@ def test_license_version_and_citation_agree():
     assert "\nlicense: MIT\n" in citation
     assert gradreg.__version__ == PROJECT["version"]
     assert f"## [{PROJECT['version']}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_wheel_lists_every_package_and_every_config_group():
+    """pyproject.toml lists the packages (setuptools does not find gradreg/app/configs, which is
+    configs/ in a checkout): each folder of gradreg/ with an __init__.py, and configs/ with each
+    of its folders as gradreg.app.configs.<group>."""
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    code = {".".join(path.parent.relative_to(ROOT).parts)
+            for path in (ROOT / "gradreg").rglob("__init__.py")}
+    configs = {".".join(("gradreg", "app", *path.relative_to(ROOT).parts))
+               for path in (ROOT / "configs").rglob("*") if path.is_dir()}
+    assert listed == code | {"gradreg.app.configs"} | configs
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"gradreg.app.configs": "configs"}
+    assert PROJECT["scripts"] == {"gradreg-train": "gradreg.app:main"}
+
+
+def test_help_says_what_the_app_does_and_lists_the_groups_without_lightning():
+    """``gradreg-train --help``: the description, the usage, every config group with its options
+    (the yaml files of configs/<group>/), answered without importing Lightning."""
+    result = python("sys.argv = ['gradreg-train', '--help']\n"
+                    "from gradreg.app import main\n"
+                    "try:\n    main()\nexcept SystemExit:\n    pass\n"
+                    "print('lightning imported:', 'lightning' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.startswith("gradreg-train: train a model with gradient penalties")
+    assert "Usage: gradreg-train [group=option ...] [key=value ...]" in text
+    for group in sorted(path for path in (ROOT / "configs").iterdir()
+                        if path.is_dir() and path.name != "hydra"):
+        options = ", ".join(sorted(option.stem for option in group.glob("*.yaml")))
+        assert f"\n{group.name}: {options}\n" in text
+    assert text.rstrip().endswith("lightning imported: False")

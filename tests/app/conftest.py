@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import runpy
 from pathlib import Path
-from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -25,8 +23,3 @@ def compose_config(overrides: list[str], output_dir: Path) -> DictConfig:
     """configs/train.yaml with ``overrides``, composed as ``scripts/train.py`` would."""
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose("train", overrides=[f"paths.output_dir={output_dir}", *overrides])
-
-
-def train_script() -> dict[str, Any]:
-    """The globals of scripts/train.py, loaded without running it."""
-    return runpy.run_path(str(SCRIPT), run_name="train_script")

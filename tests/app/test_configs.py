@@ -13,18 +13,19 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from gradreg.app.checks import check_values
+from gradreg.app.sweeps import plugin_installed
+from gradreg.app.training import build
 from gradreg.lightning.classifier import CLASSIFIER_POINTS, Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.penalties import PRESETS
 from tests.data.images import write_image_folder
 
-from .conftest import compose_config, options, train_script
+from .conftest import compose_config, options
 
-BUILD = train_script()["build"]
-CHECK_VALUES = train_script()["check_values"]
 VISION = importlib.util.find_spec("torchvision") is not None
 # hparams_search=... selects Hydra's Optuna sweeper (the sweeps extra)
-SWEEPS = train_script()["sweeps"].plugin_installed("hydra_plugins.hydra_optuna_sweeper")
+SWEEPS = plugin_installed("hydra_plugins.hydra_optuna_sweeper")
 GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
 IMAGE_GAN_SETUP = ["model=dcgan", "data.shape=[1,16,16]", "penalty=r1"]
 MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",
@@ -69,12 +70,12 @@ CASES = [pytest.param(group, option, id=f"{group}={option}", marks=[
 def test_every_group_option_composes_and_builds(group: str, option: str, tmp_path: Path) -> None:
     """... and passes the app's checks (a shipped option is never refused)."""
     cfg = compose_config([*setup_for(group, option, tmp_path), f"{group}={option}"], tmp_path)
-    CHECK_VALUES(cfg)
+    check_values(cfg)
     if group == "trainer" and option == "gpu":
         assert (cfg.trainer.accelerator, cfg.trainer.devices) == ("gpu", 1)
         if not torch.cuda.is_available():
             cfg.trainer.accelerator = "cpu"  # build everything else on this machine
-    datamodule, model, trainer = BUILD(cfg)
+    datamodule, model, trainer = build(cfg)
     assert isinstance(trainer, L.Trainer)
     assert isinstance(model, GAN if cfg.model._target_.endswith("GAN") else Classifier)
     assert type(datamodule).__name__ == cfg.data._target_.rsplit(".", 1)[1]
@@ -82,12 +83,12 @@ def test_every_group_option_composes_and_builds(group: str, option: str, tmp_pat
     expected |= {name: node.weight for name, node in cfg.penalties.items()}
     assert {name: gp.weight for name, gp in model.penalties.items()} == expected
     if group == "penalty" and option in PRESETS:
-        assert model.penalties[option].points == PRESETS[option]["points"]
+        assert model.penalties[option].config.points == PRESETS[option]["points"]
 
 
 def test_defaults_are_the_digits_mlp_with_double_backprop(tmp_path: Path) -> None:
     cfg = compose_config([], tmp_path)
-    datamodule, model, trainer = BUILD(cfg)
+    datamodule, model, trainer = build(cfg)
     assert isinstance(model, Classifier) and list(model.penalties) == ["double_backprop"]
     assert model.penalties["double_backprop"].weight == 0.1
     assert datamodule.splits["train"].tensors[0].shape == (1257, 64)  # flat, for the MLP
@@ -100,7 +101,7 @@ def test_defaults_are_the_digits_mlp_with_double_backprop(tmp_path: Path) -> Non
 
 
 def test_the_cnn_gets_images(tmp_path: Path) -> None:
-    datamodule, model, _ = BUILD(compose_config(["model=cnn"], tmp_path))
+    datamodule, model, _ = build(compose_config(["model=cnn"], tmp_path))
     assert datamodule.splits["train"].tensors[0].shape == (1257, 1, 8, 8)
     assert model(datamodule.splits["train"].tensors[0][:5]).shape == (5, 10)
 
@@ -109,7 +110,7 @@ def test_the_cnn_gets_images(tmp_path: Path) -> None:
                                      "combo_double_backprop_intermediate"])
 def test_penalty_weight_on_the_command_line(penalty: str, tmp_path: Path) -> None:
     """``penalty.weight=...`` sets the selected penalty (and composes with penalty=none)."""
-    _, model, _ = BUILD(compose_config([f"penalty={penalty}", "penalty.weight=0.7"], tmp_path))
+    _, model, _ = build(compose_config([f"penalty={penalty}", "penalty.weight=0.7"], tmp_path))
     weights = {name: gp.weight for name, gp in model.penalties.items()}
     assert weights == {"none": {}, "double_backprop": {"double_backprop": 0.7},
                        "combo_double_backprop_intermediate": {"double_backprop": 0.7,
@@ -118,10 +119,10 @@ def test_penalty_weight_on_the_command_line(penalty: str, tmp_path: Path) -> Non
 
 def test_the_gan_experiment_values(tmp_path: Path) -> None:
     cfg = compose_config(["experiment=gan_25gaussians_r1"], tmp_path)
-    datamodule, model, _ = BUILD(cfg)
+    datamodule, model, _ = build(cfg)
     assert (model.n_critic, model.hparams.loss, datamodule.name) == (1, "nonsaturating",
                                                                        "25gaussians")
-    assert (model.penalties["r1"].weight, model.penalties["r1"].every) == (0.1, 16)
+    assert (model.penalties["r1"].weight, model.penalties["r1"].config.every) == (0.1, 16)
     assert model.mixture is not None and len(model.mixture[0]) == 25
 
 
@@ -131,8 +132,8 @@ def test_the_gan_experiment_values(tmp_path: Path) -> None:
                           ("+penalty.subsample=0.25", "subsample", 0.25)])
 def test_cost_options_not_in_the_preset_file_take_a_plus(override: str, attribute: str,
                                                          value: object, tmp_path: Path) -> None:
-    _, model, _ = BUILD(compose_config(["penalty=double_backprop", override], tmp_path))
-    assert getattr(model.penalties["double_backprop"], attribute) == value
+    _, model, _ = build(compose_config(["penalty=double_backprop", override], tmp_path))
+    assert getattr(model.penalties["double_backprop"].config, attribute) == value
 
 
 def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
@@ -146,7 +147,7 @@ def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
                           "data.num_classes=3", "~model.backbone",
                           "+model.backbone={_target_:torchvision.models.squeezenet1_1,"
                           "num_classes:3}"], tmp_path)
-    datamodule, model, _ = BUILD(cfg)
+    datamodule, model, _ = build(cfg)
     assert isinstance(model.backbone, SqueezeNet)
     x, _ = next(iter(datamodule.test_dataloader()))
     assert model(x).shape == (len(x), 3)

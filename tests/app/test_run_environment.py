@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import train_script
+from gradreg.app import runtime
+
 from .helpers import TINY, run_in_process, run_script
 
-ddp_strategy = train_script()["runtime"].ddp_strategy
+ddp_strategy = runtime.ddp_strategy
 
 
 def test_a_run_logged_to_a_file_has_no_progress_bars_tips_or_internal_warnings(
@@ -26,6 +27,18 @@ def test_a_run_logged_to_a_file_has_no_progress_bars_tips_or_internal_warnings(
     assert "it/s]" not in output and "Epoch 0:" not in output
     assert "💡" not in output and "LeafSpec" not in output
     assert "final metrics:" in result.stdout
+    # train.log holds what the console showed (but the model summary's table): Lightning's
+    # messages, once each on the console, the callbacks' lines and the app's own
+    logged = [line.split("] - ", 1)[1] for line in
+              (tmp_path / "train.log").read_text().splitlines()]
+    lightning = [line.removeprefix("INFO: ") for line in output.splitlines()
+                 if line.startswith("INFO: ")]
+    assert "GPU available: False, used: False" in lightning
+    assert sorted(set(lightning)) == sorted(lightning)
+    app = result.stdout[result.stdout.index("final metrics:"):].splitlines()
+    assert [line for line in logged if line in lightning] == lightning
+    assert logged[-len(app):] == app
+    assert app[-1] == f"metrics:          {tmp_path / 'metrics.json'}"
 
 
 def test_precision_64_trains_in_float64(tmp_path: Path) -> None:

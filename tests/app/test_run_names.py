@@ -1,5 +1,5 @@
 """Run folder names: the penalty and its weight first, one folder per run even when two runs
-start in the same second with the same overrides (scripts/train_app/run_names.py)."""
+start in the same second with the same overrides (gradreg/app/run_names.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import train_script
-from .helpers import TINY, run_script
+from gradreg.app import run_names
 
-run_names = train_script()["run_names"]
+from .helpers import TINY, run_script
 
 
 @pytest.mark.parametrize(("name", "weight", "penalties", "label"), [

@@ -19,10 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from .conftest import CONFIGS, train_script
-from .helpers import TINY, hparams, run_in_process, run_script
+from gradreg.app import sweeps
 
-sweeps = train_script()["sweeps"]
+from .conftest import CONFIGS, ROOT
+from .helpers import TINY, hparams, run_in_process, run_script
 
 PLUGINS = ("hydra_plugins.hydra_optuna_sweeper", "hydra_plugins.hydra_joblib_launcher",
            "hydra_plugins.hydra_submitit_launcher")
@@ -296,10 +296,14 @@ def test_swept_keys_come_from_the_command_line_or_the_environment(
     monkeypatch.delenv(sweeps.SWEPT_KEYS_VARIABLE, raising=False)
     assert sweeps.swept_keys(argv) == {"penalty", "penalty.weight"}
     assert sweeps.swept_keys(["train.py", "-m", "penalty=["]) == set()  # Hydra says why
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     with sweeps.jobs_environment(argv):
         assert sweeps.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
             "penalty", "penalty.weight"}
-    assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ
+        # the checkout's root, whose gradreg the jobs import; no folder of gradreg's own (its
+        # gradreg/lightning would hide the lightning package from a DDP rank or a job)
+        assert os.environ["PYTHONPATH"] == str(ROOT)
+    assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ and "PYTHONPATH" not in os.environ
 
 
 def test_the_summary_has_one_row_per_setting_with_mean_and_spread_over_seeds() -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from gradreg.app import run_names
 from tests.data.images import write_image_folder
 
-from .conftest import options, train_script
+from .conftest import options
 from .helpers import TINY, run_in_process, run_script
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
@@ -271,7 +272,7 @@ def test_multirun_refuses_a_launcher_that_reruns_the_script(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: trainer: strategy {strategy} (trainer={trainer}) re-launches "
-                          "scripts/train.py for each extra rank")
+                          "the command line for each extra rank")
     assert fix in err
     assert not (tmp_path / "0" / "metrics.json").exists()
 
@@ -288,11 +289,10 @@ def test_run_folders_are_named_after_the_overrides(tmp_path: Path) -> None:
 
 def test_run_folder_names_keep_whole_overrides_and_no_slashes(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    runtime = train_script()["runtime"]
-    suffix = runtime.run_folder_suffix
-    monkeypatch.setattr(runtime.sys, "argv", ["train.py", "-m", "penalty=none,r1", "seed=1",
+    suffix = run_names.run_folder_suffix
+    monkeypatch.setattr(run_names.sys, "argv", ["train.py", "-m", "penalty=none,r1", "seed=1",
                                               "+x=range(2)"])
-    assert runtime.swept_keys(runtime.sys.argv) == {"penalty", "x"}
+    assert run_names.swept_keys(run_names.sys.argv) == {"penalty", "x"}
     assert suffix("penalty:r1+seed:1++x:0", only_swept=True) == "_penalty:r1+x:0"
     assert suffix("seed:1", only_swept=True) == ""
     assert suffix("") == ""

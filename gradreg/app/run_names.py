@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from .runtime import run_folder_suffix
-from .sweeps import short_number
+from .sweeps import short_number, swept_keys
 
 #: the overrides a run's label already states
 LABELLED_KEYS = ("penalty", "penalty.weight")
@@ -40,6 +40,30 @@ def penalty_label(name: str, weight: Any, penalties: Mapping[str, Any] | None = 
               for key, node in (penalties or {}).items()]
     return "+".join(key if value is None else f"{key}:{short_number(str(value))}"
                     for key, value in named) or "none"
+
+
+def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:
+    """``_<overrides>`` for a run folder, from Hydra's ``override_dirname`` (``key:value`` joined
+    by ``+``, configs/train.yaml; sorted by key). ``only_swept``: just the keys the command line
+    sweeps (the folder of a sweep's job: what tells it from its siblings; the sweep's own folder
+    is the time it started). ``/`` and ``,`` inside values become ``_`` (a folder name, and a
+    value ``ckpt_path=`` accepts without quotes), floats longer than 4 significant digits are
+    shortened to 4 (a sampler's values); whole overrides past ``limit`` characters are left out
+    (``+...``); ``""`` without overrides."""
+    safe = overrides.replace("/", "_").replace(",", "_")
+    # split at each "+" that joins two overrides, not at the sign of an exponent (lr:1e+20)
+    items = [item for item in re.split(r"\+(?![0-9])", safe) if item]
+    items = [f"{key}:{short_number(value)}" if sep else key
+             for key, sep, value in (item.partition(":") for item in items)]
+    if only_swept:
+        keys = swept_keys(sys.argv)
+        items = [item for item in items if item.split(":", 1)[0] in keys]
+    kept = ""
+    for item in items:
+        if len(kept) + len(item) + 1 > limit:
+            return f"_{kept}+..."
+        kept = f"{kept}+{item}" if kept else item
+    return f"_{kept}" if kept else ""
 
 
 def other_swept(overrides: str, limit: int = 80) -> str:
@@ -83,3 +107,4 @@ OmegaConf.register_new_resolver("penalty_label", penalty_label, replace=True)
 OmegaConf.register_new_resolver("other_swept", other_swept, replace=True)
 OmegaConf.register_new_resolver("run_folder", run_folder, replace=True, use_cache=True)
 OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True, use_cache=True)
+OmegaConf.register_new_resolver("run_folder_suffix", run_folder_suffix, replace=True)

@@ -4,8 +4,9 @@ a search's best trial.
 A sweeper (Hydra's Optuna sweeper, ``configs/hparams_search/``) optimizes the value the task
 function returns: the metric named by ``optimized_metric`` (:func:`objective`). Launchers that
 run each job in a process of its own (``hydra/launcher=joblib``, ``submitit_local``,
-``submitit_slurm``) unpickle the task function there, which imports this package: the jobs get
-its folder on their ``PYTHONPATH``, and the keys the command line sweeps (which name each job's
+``submitit_slurm``) unpickle the task function there, which imports this package: from a
+checkout, the jobs get its root on their ``PYTHONPATH`` (an installed package needs nothing),
+and the keys the command line sweeps (which name each job's
 folder, :func:`swept_keys`) in ``GRADREG_SWEPT_KEYS`` (:func:`jobs_environment`). At the end of
 a search :class:`SearchReport` prints its best parameters in one line and saves that line in the
 sweep's folder (``best_trial.txt``, next to the sweeper's ``optimization_results.yaml``). At
@@ -42,13 +43,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from . import command
 from .checks import ConfigError
+from .console import say
 from .hydra_compat import command_line_parser
 
 #: the environment variable that hands the swept keys to jobs in other processes
 SWEPT_KEYS_VARIABLE = "GRADREG_SWEPT_KEYS"
-#: where the app's modules (scripts/) and a checkout's package (its root) are
-APP_PATHS = (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2])
+#: the folder that holds the gradreg package the app runs from
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def objective(metrics: Mapping[str, float], name: str | None) -> float | None:
@@ -88,7 +91,7 @@ def check_search_mode() -> None:
     if recipe is not None and hydra_config.mode == RunMode.RUN:
         raise ConfigError(
             f"hparams_search: {recipe} is a search of several runs, which Hydra starts with -m: "
-            f"python scripts/train.py -m hparams_search={recipe}"
+            f"{' '.join(command())} -m hparams_search={recipe}"
         )
 
 
@@ -154,11 +157,13 @@ def swept_keys(argv: list[str]) -> set[str]:
 
 @contextmanager
 def jobs_environment(argv: list[str]) -> Iterator[None]:
-    """While the app runs: the environment its jobs inherit in processes of their own (the
-    app's folders first on ``PYTHONPATH``, the command line's swept keys); restored after."""
+    """While the app runs: the environment its jobs inherit in processes of their own (a
+    checkout's root first on ``PYTHONPATH``, so that they import the same gradreg; the command
+    line's swept keys); restored after."""
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", SWEPT_KEYS_VARIABLE)}
-    paths = [str(path) for path in APP_PATHS] + [p for p in [saved["PYTHONPATH"]] if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    if (PACKAGE_ROOT / "pyproject.toml").is_file():  # a checkout, not site-packages
+        paths = [str(PACKAGE_ROOT)] + [p for p in [saved["PYTHONPATH"]] if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     os.environ[SWEPT_KEYS_VARIABLE] = ",".join(sorted(command_line_sweeps(argv)))
     try:
         yield
@@ -194,7 +199,7 @@ class SearchReport(Callback):
         try:
             check_storage(config.hydra.sweeper.get("storage"))
         except ConfigError as error:  # Hydra turns a callback's exceptions into warnings
-            print(f"error: {error}", file=sys.stderr)
+            say(f"error: {error}", sys.stderr)
             sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -208,7 +213,7 @@ class SearchReport(Callback):
         line = best_trial_line(results.best_params, results.best_value,
                                config.get("optimized_metric"), config.hydra.sweeper.direction,
                                trial_folder(sweep_dir, results.best_params))
-        print(line, flush=True)
+        say(line)
         (sweep_dir / "best_trial.txt").write_text(line + "\n")
 
 
@@ -364,8 +369,8 @@ class SweepSummary(Callback):
                 "setting; the best of each metric in bold ((max): larger is better, (min): "
                 "smaller)\n\n" + summary_table(jobs, optimized, direction))
         (sweep_dir / "summary.md").write_text(text)
-        print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n"
-              f"{summary_table(jobs, optimized, direction)}", flush=True)
+        say(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n"
+            f"{summary_table(jobs, optimized, direction)}")
         from gradreg.lightning.callbacks.hparams import declare_folder
 
         declare_folder(sweep_dir, first=optimized)

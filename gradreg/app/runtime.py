@@ -10,7 +10,6 @@ took 170 s with torch's 2 threads and 15 s with one. ``threads`` (default 1) set
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -20,13 +19,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import DDPStrategy
-from omegaconf import OmegaConf
 
 from gradreg.lightning.compat import relaunches_script
 from gradreg.lightning.global_batch import GlobalBatchDDPStrategy, check_splittable
 from gradreg.penalties import GradientPenalty
 
-from .sweeps import short_number, swept_keys
+from . import command
+from .console import route_lightning
 
 #: Warnings that say nothing about the run: library internals, and facts the app documents.
 IGNORED_WARNINGS = (
@@ -44,16 +43,14 @@ class _NoTips(logging.Filter):
 
 
 def configure(threads: int | None) -> None:
-    """Set torch's CPU threads (None: torch's default) and silence what does not concern the
-    run."""
+    """Set torch's CPU threads (None: torch's default), silence what does not concern the run,
+    and send Lightning's messages to the console once and to the run's log file
+    (:func:`~gradreg.app.console.route_lightning`)."""
     if threads is not None:
         torch.set_num_threads(threads)
     for message in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
-    for target in [*loggers, *loggers[0].handlers]:  # records logged there, or passed on to it
-        if not any(isinstance(f, _NoTips) for f in target.filters):
-            target.addFilter(_NoTips())
+    route_lightning(_NoTips())
 
 
 def progress_bar(configured: bool | None) -> bool:
@@ -104,7 +101,7 @@ def check_launcher(trainer: L.Trainer) -> None:
         return
     chosen = HydraConfig.get().runtime.choices.get("trainer")
     strategy = type(trainer.strategy).__name__
-    problem = (f"strategy {strategy} (trainer={chosen}) re-launches scripts/train.py for each "
+    problem = (f"strategy {strategy} (trainer={chosen}) re-launches the command line for each "
                "extra rank, which inside a multirun (-m) re-runs the whole sweep with its own "
                "output directories; ")
     if isinstance(trainer.strategy, DDPStrategy):
@@ -113,35 +110,6 @@ def check_launcher(trainer: L.Trainer) -> None:
             "processes of each job), or run each job without -m")
     raise ValueError(
         problem + f"{strategy} has no launcher that starts the ranks inside the job, so run "
-        f"each job without -m, one command per value (e.g. python scripts/train.py "
+        f"each job without -m, one command per value (e.g. {' '.join(command())} "
         f"trainer={chosen} seed=0, then seed=1), or sweep with trainer=ddp_spawn_cpu, which "
         "does not shard (every rank holds every parameter)")
-
-
-def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:
-    """``_<overrides>`` for a run folder, from Hydra's ``override_dirname`` (``key:value`` joined
-    by ``+``, configs/train.yaml; sorted by key). ``only_swept``: just the keys the command line
-    sweeps (the folder of a sweep's job: what tells it from its siblings; the sweep's own folder
-    is the time it started). ``/`` and ``,`` inside values become ``_`` (a folder name, and a
-    value ``ckpt_path=`` accepts without quotes), floats longer than 4 significant digits are
-    shortened to 4 (a sampler's values); whole overrides past ``limit`` characters are left out
-    (``+...``); ``""`` without overrides."""
-    safe = overrides.replace("/", "_").replace(",", "_")
-    # split at each "+" that joins two overrides, not at the sign of an exponent (lr:1e+20)
-    items = [item for item in re.split(r"\+(?![0-9])", safe) if item]
-    items = [f"{key}:{short_number(value)}" if sep else key
-             for key, sep, value in (item.partition(":") for item in items)]
-    if only_swept:
-        keys = swept_keys(sys.argv)
-        items = [item for item in items if item.split(":", 1)[0] in keys]
-    kept = ""
-    for item in items:
-        if len(kept) + len(item) + 1 > limit:
-            return f"_{kept}+..."
-        kept = f"{kept}+{item}" if kept else item
-    return f"_{kept}" if kept else ""
-
-
-# registered where it is defined: a job unpickled in a process of its own (submitit) imports
-# this module with the task function, before Hydra names the job's folder
-OmegaConf.register_new_resolver("run_folder_suffix", run_folder_suffix, replace=True)

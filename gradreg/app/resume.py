@@ -26,7 +26,9 @@ from torch import nn
 from gradreg.lightning.checkpoint import PreemptionCheckpoint
 from gradreg.lightning.penalized import checkpoint_mismatch
 
+from . import command
 from .checks import ConfigError, resolve_checkpoint
+from .console import say
 
 #: the exit status of a run stopped by SIGTERM (128 + 15, what a shell reports for it)
 PREEMPTED_STATUS = 143
@@ -62,13 +64,12 @@ class ResumedWeights(pl.Callback):
                 continue
             if name in self.explicit:
                 if trainer.is_global_zero:
-                    print(f"resume: penalty {name!r} weight {weight} from the command line "
-                          f"(the checkpoint had {penalty.weight})", flush=True)
+                    say(f"resume: penalty {name!r} weight {weight} from the command line "
+                        f"(the checkpoint had {penalty.weight})")
                 penalty.weight = weight
             elif trainer.is_global_zero:
-                print(f"resume: penalty {name!r} weight {penalty.weight} from the checkpoint "
-                      f"(the config says {weight}; set it on the command line to change it)",
-                      flush=True)
+                say(f"resume: penalty {name!r} weight {penalty.weight} from the checkpoint "
+                    f"(the config says {weight}; set it on the command line to change it)")
 
 
 def check_fresh_output(output_dir: Path, resuming: bool) -> None:
@@ -132,7 +133,7 @@ def _load(path: Path) -> dict:
 def resume_command(overrides: Iterable[str], checkpoint: Path) -> str:
     """The command line that continues a run started with ``overrides`` from ``checkpoint``."""
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
-    return shlex.join(["python", "scripts/train.py", *kept, f"ckpt_path={checkpoint}"])
+    return shlex.join([*command(), *kept, f"ckpt_path={checkpoint}"])
 
 
 def exit_preempted(trainer: pl.Trainer, overrides: Iterable[str]) -> NoReturn:
@@ -147,6 +148,6 @@ def exit_preempted(trainer: pl.Trainer, overrides: Iterable[str]) -> NoReturn:
     if trainer.is_global_zero:
         where = (f"saved {saved}; resume with: {resume_command(overrides, saved)}" if saved
                  else "no checkpoint was saved")
-        print(f"error: stopped by SIGTERM at epoch {trainer.current_epoch} step "
-              f"{trainer.global_step}: {where}", file=sys.stderr, flush=True)
+        say(f"error: stopped by SIGTERM at epoch {trainer.current_epoch} step "
+            f"{trainer.global_step}: {where}", sys.stderr)
     sys.exit(PREEMPTED_STATUS)

@@ -2,8 +2,8 @@
 checkpoint it cannot load, callbacks made for another kind of model; and what it makes of the
 errors Hydra meets before the run (an override or a config file that does not parse, a run
 folder it cannot create, a launcher this machine cannot run). Each failure is a
-:class:`ConfigError` whose message starts with the config key, so that ``train.py`` prints it as
-one line and exits with status 2."""
+:class:`ConfigError` whose message starts with the config key, so that :func:`exit_with` prints it
+as one line and exits with status 2."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import difflib
 import math
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from hydra.core.override_parser.types import Override
@@ -29,9 +30,22 @@ from hydra.errors import (
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from .console import say
+
 
 class ConfigError(Exception):
     """A part of the configuration cannot be used; the message starts with its key."""
+
+
+def exit_with(error: Exception) -> NoReturn:
+    """End the run with status 2 and one line on stderr: the :class:`ConfigError`'s message,
+    or ``training: <error>`` for an error met while training (``HYDRA_FULL_ERROR=1``: raise it,
+    with its traceback)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    where = "" if isinstance(error, ConfigError) else "training: "
+    say(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", sys.stderr)
+    sys.exit(2)
 
 
 @contextmanager
