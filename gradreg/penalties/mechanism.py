@@ -36,15 +36,18 @@ The per-sample norms are computed by :mod:`gradreg.penalties.projections`; the o
 validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
 
 **Adding a method.** How the parameter gradient is computed is chosen once, when the penalty is
-built (:func:`~gradreg.penalties.methods.choose`); :meth:`GradientPenalty.forward` checks the
-call, subsamples, hands one :class:`~gradreg.penalties.methods.PenaltyCall` to the chosen method
-and weights what it returns. A new method needs no change here:
+built (:func:`~gradreg.penalties.methods.choose`); :meth:`GradientPenalty.forward` checks that
+the penalty is due, builds one checked :class:`~gradreg.penalties.methods.PenaltyCall` (the
+points subsampled), calls the chosen method once with it, rescales a sum over a subsample to
+the whole batch and weights the result. A new method needs no change here:
 
 1. write it as a callable from a ``PenaltyCall`` to the unweighted penalty, built from the
    penalty's :class:`~gradreg.penalties.methods.PenaltyFunctions` (``exact``: the penalty of
-   per-sample outputs by double backward; ``of_gradients``: the penalty as a function of the
-   per-sample input gradients), whose parameter gradient is the method's (a value computed
-   ahead of the caller's backward reaches it through
+   per-sample outputs by double backward, an :class:`~gradreg.penalties.exact.ExactPenalty`
+   that holds its own first-call checks and the running mean of ``target="ema"``;
+   ``of_gradients``: the penalty as a function of the per-sample input gradients, and
+   ``of_norms`` of the norms, which hold nothing of the module), whose parameter gradient is
+   the method's (a value computed ahead of the caller's backward reaches it through
    :func:`~gradreg.penalties.chunks.with_gradients` or a zero-valued surrogate); a method that
    runs the model more than once per call runs every forward through one
    :class:`~gradreg.penalties.randomness.Replaying` of ``call.forward()`` (one set of random
@@ -77,8 +80,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradreg import sharding
-from gradreg.autograd import GradientError, as_tuple, check_double_backward
+from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties import kinds, methods
 from gradreg.penalties.checks import check_per_sample, check_points
 from gradreg.penalties.chunks import subsample
@@ -90,10 +92,10 @@ from gradreg.penalties.config import (
     require,
     squared_norm_penalty,
 )
-from gradreg.penalties.coupling import check_independent_samples
+from gradreg.penalties.exact import ExactPenalty, RunningMean
 from gradreg.penalties.finite import FiniteCheck
 from gradreg.penalties.norms import NormPenalty, penalty_from_norms, per_sample_norm
-from gradreg.penalties.projections import PROJECTIONS, gradient_norms
+from gradreg.penalties.projections import gradient_norms
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
@@ -177,19 +179,19 @@ class GradientPenalty(nn.Module):
         self.config = PenaltyConfig.from_options(config, options)
         self.weight = weight
         config = self.config
-        self._of_norms = NormPenalty(
-            target=0.0 if config.target == "ema" else config.target, one_sided=config.one_sided,
-            power=config.power, p=config.p, reduction=config.reduction, squared=config.squared)
-        self._method = kinds.choose(config, methods.PenaltyFunctions(
-            self._exact, self._of_norms.of_gradients, self._of_norms))
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self._due = False  # what the latest due() returned: whether a lazy penalty may be called
         self.register_buffer("ema", torch.zeros(()))
+        self._running_mean = RunningMean(self._buffers, "ema", config.ema_decay)
+        self._of_norms = NormPenalty(
+            target=0.0 if config.target == "ema" else config.target, one_sided=config.one_sided,
+            power=config.power, p=config.p, reduction=config.reduction, squared=config.squared)
+        self._exact = ExactPenalty(config, self._of_norms, self._running_mean)
+        self._method = kinds.choose(config, methods.PenaltyFunctions(
+            self._exact, self._of_norms.of_gradients, self._of_norms))
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
-        self._first_call_checked = False
-        self._through_sharded = False  # FSDP2 modules in the graph: checked on every call
 
     def __getattr__(self, name: str) -> Any:
         if name in _OPTIONS:
@@ -280,7 +282,7 @@ class GradientPenalty(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         saved_ema = state_dict.get(prefix + "ema")
         if isinstance(saved_ema, Tensor):  # a float64 running mean is restored in float64
-            self._promote_ema(saved_ema.dtype)
+            self._running_mean.promote(saved_ema.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args)
         self._steps = int(self.step)
 
@@ -308,7 +310,8 @@ class GradientPenalty(nn.Module):
         self._check_due()
         inputs = as_tuple(inputs)
         call = self._call(outputs, inputs, loss_scale, tuple(fn_args))
-        value = self._unsubsampled(self._method(call), inputs[0], call.inputs[0])
+        value = self._method(call)
+        value = self._unsubsampled(value, inputs[0], call.inputs[0])
         return self._weighted(value, call)
 
     def _call(self, outputs: Tensor | Callable[..., Tensor], inputs: tuple[Tensor, ...],
@@ -349,48 +352,3 @@ class GradientPenalty(nn.Module):
             self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
-
-    def _exact(self, outputs: Tensor, inputs: tuple[Tensor, ...],
-               loss_scale: float | Tensor | None) -> Tensor:
-        """The unweighted penalty, differentiable by double backward (``create_graph=True``)."""
-        config = self.config
-        if config.per_sample:
-            check_per_sample(outputs, inputs)
-        if not self._first_call_checked or self._through_sharded:
-            self._through_sharded = sharding.check_penalty_graph(outputs)
-        norms = PROJECTIONS[config.projection](outputs, inputs, config, loss_scale)
-        if not self._first_call_checked:
-            check_double_backward(norms, outputs)
-            if config.subsample < 1 or config.chunks > 1:
-                check_independent_samples(
-                    outputs, inputs, f"subsample={config.subsample}, chunks={config.chunks}")
-            self._first_call_checked = True
-        target = self._ema_target(norms) if config.target == "ema" else config.target
-        return self._of_norms(norms, target)
-
-    def _ema_target(self, norms: Tensor) -> Tensor:
-        """StyleGAN2: a <- a + decay * (mean norm - a); the penalty uses the updated a, whose
-        current-batch term keeps its gradient exactly as in the reference code.
-
-        The running mean is kept and updated in at least float32 and in the norms' dtype where
-        that is wider: a float64 run promotes the buffer to float64 (in place, so optimizers,
-        DDP and checkpoints keep the same tensor), a bf16 run does not lose the small updates
-        to bf16 rounding.
-
-        A batch whose mean norm is NaN or Inf leaves the running mean as it was (``torch.where``,
-        no host sync): its penalty is not finite (refused by ``check_finite``), and the next
-        finite batch goes on from the last finite mean.
-        """
-        self._promote_ema(norms.dtype)
-        mean = norms.mean().to(self.ema.dtype)
-        ema = torch.where(torch.isfinite(mean), self.ema.lerp(mean, self.config.ema_decay),
-                          self.ema)
-        self.ema.copy_(ema.detach())
-        return ema
-
-    def _promote_ema(self, dtype: torch.dtype) -> None:
-        """Widen the running mean's buffer to ``dtype`` where that is wider, in place."""
-        wider = torch.promote_types(dtype, self.ema.dtype)
-        if wider != self.ema.dtype:
-            self.ema.data = self.ema.data.to(wider)
-

@@ -140,7 +140,8 @@ class PenaltyCall:
 @dataclass(frozen=True)
 class PenaltyFunctions:
     """What a method is given of the penalty: ``exact(outputs, points, loss_scale)``, the
-    unweighted penalty of per-sample outputs built for double backward (``create_graph=True``),
+    unweighted penalty of per-sample outputs built for double backward (``create_graph=True``;
+    an :class:`~gradreg.penalties.exact.ExactPenalty`, which runs its own first-call checks),
     ``of_gradients(grads)``, the unweighted penalty as a function of the per-sample input
     gradients alone (differentiable in them), and ``of_norms(norms)``, as a function of the
     per-sample norms (squared where the configuration's ``squared`` says so)."""

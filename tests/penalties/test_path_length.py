@@ -67,7 +67,7 @@ def test_float64_running_mean_has_no_float32_drift() -> None:
     expected = torch.zeros((), dtype=torch.float64)
     for step in range(50):
         norms = torch.rand(8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
-        penalty._ema_target(norms)
+        penalty._running_mean.update(norms)
         expected = expected + 0.01 * (norms.mean() - expected)
     assert penalty.ema.dtype == torch.float64
     assert penalty.ema.item() == pytest.approx(expected.item(), rel=1e-15)
@@ -76,12 +76,24 @@ def test_float64_running_mean_has_no_float32_drift() -> None:
     assert restored.ema.dtype == torch.float64 and restored.ema.item() == penalty.ema.item()
 
 
+def test_the_running_mean_updates_the_registered_buffer_after_it_is_replaced() -> None:
+    """module.double() and load_state_dict(assign=True) put another tensor in the ``ema``
+    buffer; the updates go to that one: 0 + 0.01 * (1 - 0), then 0.5 + 0.01 * (1 - 0.5)."""
+    penalty = path_length().double()
+    penalty._running_mean.update(torch.ones(4, dtype=torch.float64))
+    assert penalty.ema.dtype == torch.float64 and penalty.ema.item() == pytest.approx(0.01)
+    saved = {**penalty.state_dict(), "ema": torch.tensor(0.5, dtype=torch.float64)}
+    penalty.load_state_dict(saved, assign=True)
+    penalty._running_mean.update(torch.ones(4, dtype=torch.float64))
+    assert penalty.state_dict()["ema"].item() == pytest.approx(0.505)
+
+
 def test_bf16_norms_update_a_float32_running_mean() -> None:
     """Norms of 1 in bf16: after 300 updates the mean is 1 - 0.99**300 = 0.951 (float32
     arithmetic); updated in bf16 it would stall where 0.01 * (1 - a) falls below bf16's spacing."""
     penalty = path_length()
     for _ in range(300):
-        penalty._ema_target(torch.ones(4, dtype=torch.bfloat16))
+        penalty._running_mean.update(torch.ones(4, dtype=torch.bfloat16))
     assert penalty.ema.dtype == torch.float32
     assert penalty.ema.item() == pytest.approx(1 - 0.99**300, rel=1e-5)
 

@@ -148,6 +148,7 @@ def test_every_preset_pickles_and_copies_with_its_own_state(name: str) -> None:
         method = copied._method
         functions = getattr(method, "penalty", None)
         if isinstance(functions, PenaltyFunctions):
-            assert functions.exact.__self__ is copied  # the copy's own first-call checks
+            assert functions.exact is copied._exact  # the copy's own first-call checks
+            assert functions.exact.running_mean.value is copied.ema  # and running mean
             assert functions.of_norms is copied._of_norms  # a pure function of the norms
             assert functions.of_gradients.__self__ is copied._of_norms
