@@ -18,8 +18,17 @@ boolean mask or ``is_causal`` forbids a key):
     \bar S = P \odot (\bar P - \operatorname{rowsum}(\bar O \odot O)), \quad
     \bar Q = s\,\bar S K, \quad \bar K = s\,\bar S^\top Q, \quad \bar M = \bar S,
 
-where :math:`P` is recomputed from :math:`Q, K` in the backward (a row whose keys are all masked
-has :math:`P = 0` where the kernel's output there is 0, as on torch 2.13 and 2.14, and
+and the forward-mode derivative (a Jacobian-vector product, for the spectral norm and the exact
+Hessian penalty) for tangents :math:`\dot Q, \dot K, \dot V, \dot M`:
+
+.. math::
+
+    \dot S = s(\dot Q K^\top + Q \dot K^\top) + \dot M, \quad
+    \dot P = P \odot (\dot S - \operatorname{rowsum}(P \odot \dot S)), \quad
+    \dot O = \dot P V + P \dot V,
+
+where :math:`P` is recomputed from :math:`Q, K` in the backward and the JVP (a row whose keys are
+all masked has :math:`P = 0` where the kernel's output there is 0, as on torch 2.13 and 2.14, and
 :math:`P =` NaN where it is NaN, as on torch 2.4: the backward is that of the forward that ran);
 a backward with ``create_graph=True`` keeps it for the later backward of the same forward (the
 task loss's), as the gradient's graph holds it until then anyway. The forward keeps the fused
@@ -98,19 +107,41 @@ def _attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor
             grad_v.sum_to_size(v.shape), grad_mask)
 
 
+def _attention_jvp(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None,
+                   tangents: tuple[Tensor | None, ...], scale: float) -> Tensor:
+    r""":math:`\dot O` of the module docstring from the probabilities ``p`` and the tangents
+    :math:`(\dot Q, \dot K, \dot V, \dot M)` (None: zero), in differentiable ops."""
+    dq, dk, dv, dmask = tangents
+    ds = torch.zeros_like(p)
+    if dq is not None:
+        ds = ds + torch.matmul(dq * scale, k.transpose(-2, -1))
+    if dk is not None:
+        ds = ds + torch.matmul(q * scale, dk.transpose(-2, -1))
+    if dmask is not None and mask is not None and mask.dtype != torch.bool:
+        ds = ds + dmask
+    dp = p * (ds - (p * ds).sum(dim=-1, keepdim=True))
+    dout = torch.matmul(dp, v)
+    return dout if dv is None else dout + torch.matmul(p, dv)
+
+
 class _Attention(torch.autograd.Function):
-    """Fused forward; backward in differentiable ops (:func:`_attention_backward`)."""
+    """Fused forward; backward and forward-mode derivative (JVP) in differentiable ops
+    (:func:`_attention_backward`, :func:`_attention_jvp`)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                is_causal: bool, scale: float | None) -> Tensor:
-        out = _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-        ctx.save_for_backward(q, k, v, mask, out)
-        # the kernels' default, 1 / sqrt(E), computed as they compute it
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                scale: float | None) -> Tensor:
+        return _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        q, k, v, mask, is_causal, scale = inputs
+        ctx.save_for_backward(q, k, v, mask, output)
+        ctx.save_for_forward(q, k, v, mask, output)
         ctx.is_causal = is_causal
+        # the kernels' default, 1 / sqrt(E), computed as they compute it
         ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         ctx.probabilities = None
-        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
@@ -123,6 +154,13 @@ class _Attention(torch.autograd.Function):
                 # too, so the backward of the forward graph (the task loss's) reuses it
                 ctx.probabilities = p
         return (*_attention_backward(q, k, v, p, mask, out, grad_out, ctx.scale), None, None)
+
+    @staticmethod
+    def jvp(ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
+            dmask: Tensor | None, *_: Any) -> Tensor:
+        q, k, v, mask, out = ctx.saved_tensors
+        p = _scores(q, k, mask, ctx.is_causal, ctx.scale, out)
+        return _attention_jvp(q, k, v, p, mask, (dq, dk, dv, dmask), ctx.scale)
 
 
 def scaled_dot_product_attention(

@@ -70,8 +70,11 @@ def test_gradcheck_and_gradgradcheck(options: dict) -> None:
         extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
         return scaled_dot_product_attention(*xs[:3], **options, **extra)
 
-    assert gradcheck(attention, inputs)
+    assert gradcheck(attention, inputs, check_forward_ad=True)
     assert gradgradcheck(attention, inputs)
+    # the JVP's own gradient (the spectral norm and the exact Hessian penalty differentiate it)
+    tangents = tuple(torch.randn_like(x) for x in inputs)
+    assert gradcheck(lambda *xs: torch.func.jvp(attention, xs, tangents)[1], inputs)
 
 
 def test_causal_with_more_queries_than_keys_is_top_left_aligned() -> None:
@@ -201,6 +204,32 @@ def test_a_penalty_that_runs_the_critic_routes_the_attention_itself(chunks: int)
     value, grads = r1_gradients(critic, x, torch.enable_grad, own_forward=True, chunks=chunks)
     expected_value, expected = r1_gradients(critic, x, math_backend)
     torch.testing.assert_close(value, expected_value)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("preset", ["spectral", "hessian"])
+def test_forward_mode_penalties_through_attention_equal_the_math_backend(preset: str) -> None:
+    """The spectral norm (JVPs, differentiated) and the exact Hessian penalty (a JVP of a JVP,
+    differentiated) run the critic themselves, through gradreg's attention: before, torch's
+    "forward AD ... _scaled_dot_product_flash_attention_for_cpu ... not implemented"."""
+    critic = transformer_critic()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    options = {"method": "double_backward"} if preset == "hessian" else {}
+
+    def penalty_and_gradients(context) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        critic.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the random start of the power iteration, the directions
+        with context():
+            value = getattr(presets, preset)(1.0, **options)(critic, x.clone().requires_grad_())
+        value.backward()
+        return value.detach(), [torch.zeros_like(p) if p.grad is None else p.grad
+                                for p in critic.parameters()]
+
+    value, grads = penalty_and_gradients(torch.enable_grad)
+    expected_value, expected = penalty_and_gradients(math_backend)
+    torch.testing.assert_close(value, expected_value)
+    assert sum(bool(g.any()) for g in expected) > len(expected) // 2
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want)
 

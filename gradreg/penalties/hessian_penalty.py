@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 from torch.func import jvp
 
+from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError
 from gradreg.penalties.checks import model_without_in_place_updates
 from gradreg.penalties.config import check_hessian_options
@@ -95,7 +96,10 @@ def second_directional_derivatives(
     if method == "double_backward":
         def tangent(q: Tensor) -> Outputs:
             return jvp(fn, (q,), (direction,))[1]
-        with model_without_in_place_updates("kind='hessian' with the exact method"):
+        # fused attention kernels have no forward-mode derivative: the model's attention runs
+        # through gradreg's, whose JVP is written in differentiable ops
+        with (model_without_in_place_updates("kind='hessian' with the exact method"),
+              differentiable_attention()):
             return _as_list(jvp(tangent, (z,), (direction,))[1])
     forward = Replaying(fn if outputs is None else SharedForward(fn, z, outputs, None),
                         "the Hessian penalty")

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.func import jvp, vjp
 
+from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.checks import check_per_sample, model_without_in_place_updates
 from gradreg.penalties.config import check_iterations
@@ -93,7 +94,9 @@ def spectral_norms(
         )
     inputs = as_tuple(inputs)
     fn = Replaying(fn, "kind='spectral'")
-    with model_without_in_place_updates("kind='spectral'"):
+    # fused attention kernels have no forward-mode derivative: the model's attention runs through
+    # gradreg's, whose JVP and its backward are written in differentiable ops
+    with model_without_in_place_updates("kind='spectral'"), differentiable_attention():
         u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
         stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
     return (u * stretched).reshape(u.shape[0], -1).sum(1)
