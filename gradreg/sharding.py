@@ -53,7 +53,9 @@ below). :func:`supports_exact_step` says whether this torch runs the step.
 Layouts not supported (refused on entering, before any computation): torch older than 2.6
 (FSDP2's ``fully_shard`` is public from 2.6), hybrid sharding (a 2-D mesh) and CPU offload
 (not verified). On those, or to keep the parameters sharded during the step, use a method with no
-double backward, which FSDP2 supports as it is: ``method="finite_difference"``.
+double backward, which FSDP2 supports as it is: ``method="finite_difference"`` at the points
+(not ``param_grad_norm``'s, which shifts the parameters themselves: it runs inside the step, on
+the unsharded parameters the step holds, :func:`held_unsharded`).
 
 Outside the step, :func:`check_penalty_graph` refuses a penalty whose graph runs through an
 FSDP2 module that no :func:`penalty_step` holds, before anything is differentiated; every
@@ -80,8 +82,8 @@ from gradreg import torch_compat as compat
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
 
-__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "is_sharded", "penalty_step",
-           "sharded_modules", "supports_exact_step"]
+__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "held_unsharded", "is_sharded",
+           "penalty_step", "sharded_modules", "supports_exact_step"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
@@ -219,6 +221,33 @@ def penalty_step(module: nn.Module) -> Iterator[None]:
         held.reduce()
     finally:
         held.release()
+
+
+def held_unsharded(params: tuple[Tensor, ...], needed_by: str) -> tuple[Tensor, ...]:
+    """``params`` with each FSDP2-sharded parameter (a DTensor) replaced by the unsharded
+    parameter the module computes with, which :func:`penalty_step` holds gathered: a method
+    that shifts the parameters and differentiates w.r.t. them (``needed_by``) works on these,
+    as in one process, and the gradient it gives them is reduced when the step ends. Raises
+    where a sharded parameter is not held gathered (outside :func:`penalty_step`, or before the
+    step's forward)."""
+    sharded = compat.dtensor_type()
+    if sharded is None or not any(isinstance(p, sharded) for p in params):
+        return params
+    held = {id(compat.fsdp_sharded_param(fp)): fp
+            for group in list(_HELD) for fp in compat.fsdp_group_params(group)}
+    unsharded = []
+    for param in params:
+        fsdp_param = held.get(id(param)) if isinstance(param, sharded) else None
+        full = None if fsdp_param is None else compat.fsdp_unsharded_param(fsdp_param)
+        if isinstance(param, sharded) and full is None:
+            raise GradientError(
+                f"{needed_by} on fully_shard parameters works on the parameters "
+                "gradreg.sharding.penalty_step holds gathered: run the forward, the penalty and "
+                "backward() inside `with gradreg.sharding.penalty_step(module):` (a sharded "
+                f"parameter of shape {tuple(param.shape)} is "
+                f"{'not held' if fsdp_param is None else 'not gathered: run the forward first'}).")
+        unsharded.append(param if full is None else full)
+    return tuple(unsharded)
 
 
 def check_penalty_graph(outputs: Tensor) -> bool:

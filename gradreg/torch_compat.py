@@ -51,6 +51,7 @@ __all__ = [
     "fsdp_param_received_gradient",
     "fsdp_sharded_param",
     "fsdp_step_settings",
+    "fsdp_unsharded_param",
     "once_differentiable_function",
     "run_fsdp_post_backward",
 ]
@@ -243,6 +244,14 @@ def fsdp_sharded_param(fsdp_param: Any) -> nn.Parameter:
     """The module's (sharded) parameter of an FSDP parameter: the optimizer's, where the
     reduced gradient lands in ``.grad``."""
     return fsdp_param.sharded_param
+
+
+def fsdp_unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
+    """The unsharded parameter of an FSDP parameter (the one the module computes with, whose
+    ``.grad`` the post-backward reduces), or None where it is not gathered now."""
+    if getattr(fsdp_param.sharded_state, "name", None) != "UNSHARDED":
+        return None
+    return getattr(fsdp_param, "_unsharded_param", None)
 
 
 def fsdp_param_name(fsdp_param: Any) -> str:

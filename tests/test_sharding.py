@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from gradreg import GradientError, sharding
-from gradreg.penalties import as_points, r1
+from gradreg.penalties import as_points, param_grad_norm, r1
+from gradreg.penalties.param_gradient import LossAt
 from tests.one_rank_fsdp import one_rank, shard
 
 
@@ -70,3 +71,38 @@ def test_a_module_sharded_by_an_older_torchs_fsdp2_is_refused_before_the_step() 
         assert sharding.is_sharded(model)
         with pytest.raises(GradientError, match=r"need torch >= 2\.6.*method='finite_difference'"):
             r1_grads(model, step=True)
+
+
+def gnp_grads(model: nn.Module, step: bool) -> list[torch.Tensor]:
+    """The gradients of a classifier's task loss + param_grad_norm by finite difference (the
+    GNP form: the Hessian-vector product from the gradient at shifted parameters)."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(6, 1, generator=torch.Generator().manual_seed(1))
+    penalty = param_grad_norm(0.1, method="finite_difference", step=1e-3)
+
+    def task() -> torch.Tensor:
+        return nn.functional.mse_loss(model(x), y)
+
+    with sharding.penalty_step(model) if step else torch.enable_grad():
+        loss = task()
+        (loss + penalty(LossAt(task, loss), list(model.parameters()))).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.skipif(not sharding.supports_exact_step(), reason="FSDP2 is public from torch 2.6")
+def test_the_gnp_form_on_a_module_sharded_over_one_rank_is_the_unsharded_ones() -> None:
+    """param_grad_norm by finite difference shifts and differentiates the unsharded parameters
+    that penalty_step holds (one rank: the reduction divides by 1, so the step's gradients are
+    the unsharded module's); outside the step it names penalty_step."""
+    expected = gnp_grads(critic(), step=False)
+    with one_rank() as mesh:
+        model = shard(critic(), mesh)
+        with pytest.raises(GradientError, match="inside `with gradreg.sharding.penalty_step"):
+            gnp_grads(model, step=False)
+        model.zero_grad()
+        parameters = [p.detach().full_tensor().clone() for p in model.parameters()]
+        grads = [g.full_tensor() for g in gnp_grads(model, step=True)]
+        assert all(torch.equal(p.detach().full_tensor(), q)  # restored after the shift
+                   for p, q in zip(model.parameters(), parameters, strict=True))
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.equal(got, want)

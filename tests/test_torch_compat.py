@@ -38,6 +38,7 @@ from gradreg.torch_compat import (
     fsdp_param_received_gradient,
     fsdp_sharded_param,
     fsdp_step_settings,
+    fsdp_unsharded_param,
     once_differentiable_function,
     run_fsdp_post_backward,
 )
@@ -206,10 +207,14 @@ def test_fsdp2s_post_backward_reduces_a_held_gradient(sharded: dict) -> None:
         params = [p for g in groups for p in fsdp_group_params(g)]
         assert all(fsdp_param_received_gradient(p) for p in params)
         assert all(fsdp_sharded_param(p).grad is None for p in params)  # not reduced yet
+        # held gathered: the unsharded parameters the module computes with, full-sized
+        assert all(fsdp_unsharded_param(p).shape == fsdp_sharded_param(p).shape
+                   and fsdp_unsharded_param(p).grad is not None for p in params)
     finally:
         for each in settings:
             each.restore()
     run_fsdp_post_backward(model, groups)
+    assert all(fsdp_unsharded_param(p) is None for p in params)  # resharded
     expected = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     expected.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
     expected(x.detach().requires_grad_()).sum().backward()

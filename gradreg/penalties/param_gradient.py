@@ -19,9 +19,12 @@ Hessian-vector product is a forward difference of gradients along :math:`\hat v 
 paper's :math:`(1-\alpha)\nabla L(\theta) + \alpha \nabla L(\theta + r \hat g)`. It costs one
 forward and backward at the shifted parameters, and the backward of :math:`g` at
 :math:`\theta` (kept for the caller's backward of the task loss), no double backward: it runs on
-fused attention kernels and on compiled models (``torch.compile``; their loss at
+fused attention kernels, on compiled models (``torch.compile``; their loss at
 :math:`\theta` is computed again rather than shared, as their backward cannot retain its
-graph). Where :math:`L` is piecewise linear (ReLU), :math:`H` is zero almost everywhere and the
+graph) and on FSDP2-sharded modules inside :func:`gradreg.sharding.penalty_step` (it shifts and
+differentiates the unsharded parameters the step holds: each rank's penalty is that of its own
+batch's gradient, as for the exact form, and the step reduces the gradients as FSDP does).
+Where :math:`L` is piecewise linear (ReLU), :math:`H` is zero almost everywhere and the
 difference measures the kinks crossed within :math:`r`, as in the paper; the exact form
 (``method="double_backward"``) gives :math:`H v` without them.
 
@@ -42,12 +45,12 @@ from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.torch_compat import dtensor_type
+from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
 
-__all__ = ["LossAt", "ParameterFiniteDifference", "check_unsharded"]
+__all__ = ["LossAt", "ParameterFiniteDifference"]
 
 
 class LossAt:
@@ -67,17 +70,6 @@ class LossAt:
         return self.fn()
 
 
-def check_unsharded(params: tuple[Tensor, ...]) -> None:
-    """Refuse FSDP2-sharded parameters (DTensors): their shift and the norm of their gradient
-    would need the shards' collectives."""
-    sharded = dtensor_type()
-    if sharded is not None and any(isinstance(p, sharded) for p in params):
-        raise GradientError(
-            "param_grad_norm by method='finite_difference' is not offered on FSDP2-sharded "
-            "(fully_shard) parameters. Use method='double_backward' (exact) inside "
-            "`with gradreg.sharding.penalty_step(module):`.")
-
-
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -94,9 +86,9 @@ class ParameterFiniteDifference:
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        params = call.inputs
-        if self._shares is None:
-            check_unsharded(params)
+        # FSDP2-sharded parameters: the unsharded ones penalty_step holds (their gradients are
+        # reduced when the step ends)
+        params = held_unsharded(call.inputs, "param_grad_norm by method='finite_difference'")
         loss = getattr(call.fn, "loss", None)
         if loss is not None and self._shares is None:
             # a compiled region's backward donates its buffers (no retain_graph): its loss is

@@ -25,6 +25,9 @@ EXACT_PRESETS = ("wgan_gp", "wgan_lp", "r1", "r2", "dragan", "double_backprop", 
                  "jacobian", "derivative", "path_length", "param_grad_norm")
 #: presets run by finite differences (smooth model): at the points of the critic's outputs
 FD_PRESETS = ("wgan_gp", "r1", "r2")
+#: param_grad_norm by finite difference (the GNP form): first order, on the parameters that
+#: penalty_step holds gathered (refused without the step)
+GNP = {"method": "finite_difference", "step": 1e-3}
 #: presets with no double backward of their own (method="perturbation"), called with the critic
 PERTURBATION_PRESETS = ("approx_r1", "approx_r2")
 
@@ -45,9 +48,10 @@ class Case:
 
     @property
     def first_order(self) -> bool:
-        """No double backward: finite differences or a perturbation estimate."""
-        return (self.options.get("method") == "finite_difference"
-                or self.preset in PERTURBATION_PRESETS)
+        """No double backward, on the sharded parameters as they are (without the step):
+        finite differences at the points or a perturbation estimate."""
+        return ((self.options.get("method") == "finite_difference"
+                 and self.preset != "param_grad_norm") or self.preset in PERTURBATION_PRESETS)
 
 
 CASES = [
@@ -58,6 +62,8 @@ CASES = [
     *(Case(p, dtype, layout, callable_outputs=True) for p in PERTURBATION_PRESETS
       for dtype in (torch.float32, torch.float64) for layout in LAYOUTS),
     *(Case("r1", torch.float32, layout, {"chunks": 2}, True) for layout in LAYOUTS),
+    *(Case("param_grad_norm", dtype, layout, GNP) for dtype in (torch.float32, torch.float64)
+      for layout in LAYOUTS),
     *(Case(p, torch.float32, layout, mixed=True) for p in ("wgan_gp", "r1", "double_backprop")
       for layout in LAYOUTS),
 ]

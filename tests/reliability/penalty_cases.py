@@ -21,6 +21,7 @@ from gradreg.penalties import (
     make_penalty,
     perturb_dragan,
 )
+from gradreg.penalties.param_gradient import LossAt
 
 FEATURES, HIDDEN, OUTPUTS = 4, 16, 2
 # options a preset needs on this model (the submodule whose output "intermediate" penalizes)
@@ -49,6 +50,9 @@ def task_loss(model: nn.Module, x: Tensor) -> Tensor:
 def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: object) -> Tensor:
     """``gp`` evaluated on ``model`` at the points its ``points`` names, made from batch ``x``;
     ``options`` go to ``gp.forward`` (``loss_scale``)."""
+    if gp.config.points == "parameters" and gp.config.method == "finite_difference":
+        loss = task_loss(model, x)  # the GNP form: the loss as a closure, its value shared
+        return gp(LossAt(lambda: task_loss(model, x), loss), list(model.parameters()), **options)
     if gp.config.points == "parameters":
         return gp(task_loss(model, x), list(model.parameters()), **options)
     if gp.config.points == "activations":
