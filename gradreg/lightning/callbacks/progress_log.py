@@ -39,7 +39,7 @@ class ProgressLog(pl.Callback):
 
     The lines go to this module's logger (``logging``), so an app that configures logging puts
     them where its other records go: under Hydra, the console and the run folder's log file
-    (``train.log`` of ``scripts/train.py``). Where no handler would receive them (logging not
+    (``train.log`` of the app). Where no handler would receive them (logging not
     configured), they are printed to stdout.
 
     Args:
