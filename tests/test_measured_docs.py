@@ -1,0 +1,56 @@
+"""The numbers the documentation quotes are those ``scripts/measure_app.py`` measured: each
+measured block of README.md and docs/app.md is the rendering of docs/measured/app.json, and the
+recorded runs, sweeps and test tiers are those of the script, with the same arguments, on one
+torch release."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("measure_app", ROOT / "scripts" / "measure_app.py")
+measure_app = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(measure_app)
+RECORD = json.loads(measure_app.RECORD.read_text())
+
+
+def test_every_run_of_the_script_is_recorded_with_its_overrides() -> None:
+    assert {name: run["overrides"] for name, run in RECORD["runs"].items()} == measure_app.RUNS
+    assert {name: sweep["overrides"] for name, sweep in RECORD["sweeps"].items()} == \
+        measure_app.SWEEPS
+    assert {name: tier["arguments"] for name, tier in RECORD["tests"].items()} == \
+        measure_app.TESTS
+    measured = [*RECORD["runs"].values(), *RECORD["sweeps"].values(),
+                *RECORD["tests"].values()]
+    assert {run["torch"] for run in measured} == {RECORD["machine"]["torch"]}
+
+
+@pytest.mark.parametrize("page", measure_app.PAGES, ids=lambda page: page.name)
+def test_the_measured_blocks_are_the_recorded_numbers(page: Path) -> None:
+    text = page.read_text()
+    assert measure_app.blocks(text), f"{page.name} has no measured block"
+    assert measure_app.blocks(text) == measure_app.blocks(measure_app.render(text, RECORD)), (
+        f"{page.name} differs from docs/measured/app.json: python scripts/measure_app.py "
+        "--render")
+
+
+def test_every_table_is_shown_once() -> None:
+    shown = [name for page in measure_app.PAGES for name in measure_app.blocks(page.read_text())]
+    assert sorted(shown) == sorted(measure_app.TABLES)
+
+
+def test_a_block_is_replaced_whole() -> None:
+    text = "a\n<!-- measured:default_run -->\nold\nlines\n<!-- /measured:default_run -->\nb\n"
+    record = {"runs": {}, "machine": {}}
+    tables = dict(measure_app.TABLES)
+    try:
+        measure_app.TABLES["default_run"] = lambda record: "new"
+        assert measure_app.render(text, record) == (
+            "a\n<!-- measured:default_run -->\nnew\n<!-- /measured:default_run -->\nb\n")
+    finally:
+        measure_app.TABLES.clear()
+        measure_app.TABLES.update(tables)
