@@ -149,9 +149,13 @@ class PreemptionCheckpoint(pl.Callback):
     Lightning's own handling stops a single process only at the end of the epoch, and its
     handler starts a broadcast inside the signal handler, which aborts DDP ranks caught in
     another collective. From the start of training this replaces it with a handler that only
-    notes the signal (:func:`~gradreg.lightning.compat.note_sigterm`) and passes it on to the
-    ranks the launcher started; one process then stops after the current batch, DDP ranks at the
-    next step, where Lightning broadcasts rank 0's flag. On every rank, before the trainer tears
+    records the signal and passes it on to the ranks the launcher started. At the end of each
+    training batch the ranks agree on it (a maximum over the ranks of whether each received
+    it, one all-reduce per step under DDP) before Lightning sees it
+    (:func:`~gradreg.lightning.compat.note_sigterm`), so every rank stops after the same batch.
+    Noted on one rank alone, Lightning's flag stops that rank after its batch while another,
+    a step ahead, waits in the next step's broadcast: the ranks wait for each other forever
+    (a checkpoint's barrier against a broadcast). On every rank, before the trainer tears
     down, the state of that step (parameters, optimizer, loops, callbacks such as
     :class:`RandomState`) is saved with ``trainer.save_checkpoint``, which writes from rank 0 only.
     Resumed from it, a run continues from the step it reached; the interrupted epoch's remaining
@@ -163,15 +167,16 @@ class PreemptionCheckpoint(pl.Callback):
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.saved: Path | None = None
+        self._received = False  # a SIGTERM reached this process, not yet agreed by the ranks
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set there (as Lightning's own)
 
         def noted(signum: int, frame: FrameType | None) -> None:
-            if not trainer.received_sigterm and trainer.strategy.launcher is not None:
+            if not self._received and trainer.strategy.launcher is not None:
                 trainer.strategy.launcher.kill(signum)
-            note_sigterm(trainer)
+            self._received = True
 
         signal.signal(signal.SIGTERM, noted)  # Lightning restores the original at teardown
         # restart system calls the signal interrupts: a DDP rank caught inside a collective (the
@@ -181,8 +186,24 @@ class PreemptionCheckpoint(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.received_sigterm and trainer.world_size == 1:
+        if self._agreed(trainer) and trainer.world_size == 1:
             raise SIGTERMException
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._agreed(trainer)  # a signal during the epoch's validation: Lightning stops here
+
+    def _agreed(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank received the signal, asked of every rank at the same point (the
+        end of a batch or an epoch: one all-reduce under DDP); where one did, Lightning's flag
+        is set on every rank, which stops them all at the same step."""
+        received = self._received
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            flag = torch.tensor([int(received)], device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            received = bool(flag.item())
+        if received:
+            note_sigterm(trainer)
+        return received
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
