@@ -139,14 +139,23 @@ def timed(name: str, command: list[str]) -> tuple[dict[str, object], str]:
             "date": datetime.date.today().isoformat()}, output
 
 
+def app_command(*arguments: str) -> list[str]:
+    """``python scripts/train.py <arguments>``, without the progress bar."""
+    return [sys.executable, str(ROOT / "scripts" / "train.py"), *arguments,
+            "trainer.enable_progress_bar=false"]
+
+
+def folder_of(name: str, folder: Path) -> Path:
+    """The output folder of the run or sweep ``name`` in ``folder``: a value Hydra parses."""
+    return folder / name.replace("/", "__").replace("=", "-")
+
+
 def measure(name: str, overrides: list[str], folder: Path) -> dict[str, object]:
     """Run ``python scripts/train.py <overrides>`` once (its own run folder, one thread unless
     the overrides set ``threads``): :func:`timed`'s numbers and its test metrics."""
-    run_dir = folder / name.replace("/", "__").replace("=", "-")  # a value Hydra parses
+    run_dir = folder_of(name, folder)
     threads = [] if any(o.startswith("threads=") for o in overrides) else ["threads=1"]
-    result, _ = timed(name, [sys.executable, str(ROOT / "scripts" / "train.py"), *overrides,
-                             *threads, f"hydra.run.dir={run_dir}",
-                             "trainer.enable_progress_bar=false"])
+    result, _ = timed(name, app_command(*overrides, *threads, f"hydra.run.dir={run_dir}"))
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {"overrides": overrides, **result,
             "metrics": {key: round(value, 6) for key, value in sorted(metrics.items())
@@ -159,10 +168,9 @@ def measure_sweep(name: str, overrides: list[str], folder: Path) -> dict[str, ob
     test metrics, in job order."""
     from gradreg.app.sweeps import job_results  # the app's reading of a sweep folder
 
-    sweep_dir = folder / name.replace("/", "__")
-    result, _ = timed(name, [sys.executable, str(ROOT / "scripts" / "train.py"), "-m",
-                             *overrides, "threads=1", f"hydra.sweep.dir={sweep_dir}",
-                             "trainer.enable_progress_bar=false"])
+    sweep_dir = folder_of(name, folder)
+    result, _ = timed(name, app_command("-m", *overrides, "threads=1",
+                                        f"hydra.sweep.dir={sweep_dir}"))
     jobs = [{"overrides": job, "metrics": {key: round(value, 6) for key, value in
                                            sorted((metrics or {}).items())
                                            if key.startswith(("val/", "test/"))}}
@@ -280,14 +288,19 @@ EXPERIMENTS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
 }
 
 
-def footer(record: dict, names: Iterable[str]) -> str:
+def measured_on(record: dict) -> str:
+    """``python scripts/measure_app.py`` on <date>: <cpu>, <cores> CPU cores, torch <release>."""
     m = record["machine"]
+    return (f"`python scripts/measure_app.py` on {m['date']}: {m['cpu']}, {m['cores']} CPU "
+            f"cores, torch {m['torch']}")
+
+
+def footer(record: dict, names: Iterable[str]) -> str:
     loads = [record["runs"][name]["load"] for name in names]
-    return (f"Measured by `python scripts/measure_app.py` on {m['date']}: {m['cpu']}, "
-            f"{m['cores']} CPU cores, torch {m['torch']}, Python {m['python']}, one thread per "
-            f"run, load average {min(loads):g}-{max(loads):g} during the runs (CPU time is the "
-            "comparable figure where the load is above 1). Seed 0 unless a row says otherwise; "
-            "metrics on the test split.")
+    return (f"Measured by {measured_on(record)}, Python {record['machine']['python']}, one "
+            f"thread per run, load average {min(loads):g}-{max(loads):g} during the runs (CPU "
+            "time is the comparable figure where the load is above 1). Seed 0 unless a row says "
+            "otherwise; metrics on the test split.")
 
 
 def experiments_table(record: dict) -> str:
@@ -337,7 +350,6 @@ def default_run(record: dict) -> str:
 
 def test_tiers(record: dict) -> str:
     fast, slow = record["tests"]["fast"], record["tests"]["slow"]
-    m = record["machine"]
     return (f"`python -m pytest -m \"not slow\"` runs the fast tier: {fast['passed']} tests "
             f"({fast['skipped']} skipped) in {seconds(fast['wall_s'])} of wall time and "
             f"{seconds(fast['cpu_s'])} of CPU time (timed without tests/{MEASURED_TEST}, "
@@ -345,8 +357,7 @@ def test_tiers(record: dict) -> str:
             f"{slow['passed']} tests marked `slow` ({slow['skipped']} skipped) in "
             f"{seconds(slow['wall_s'])} of wall time and {seconds(slow['cpu_s'])} of CPU time "
             "(the app, DDP and FSDP processes it starts included). "
-            f"Measured by `python scripts/measure_app.py` on {m['date']}: {m['cpu']}, "
-            f"{m['cores']} CPU cores, torch {m['torch']}, load average {fast['load']:g} and "
+            f"Measured by {measured_on(record)}, load average {fast['load']:g} and "
             f"{slow['load']:g}.")
 
 
@@ -358,10 +369,9 @@ def mean_std(values: list[float], digits: int = 3) -> str:
 
 
 def sweep_footer(record: dict, name: str, what: str) -> str:
-    sweep, m = record["sweeps"][name], record["machine"]
+    sweep = record["sweeps"][name]
     return (f"{what}: {seconds(sweep['wall_s'])} of wall time, {seconds(sweep['cpu_s'])} of CPU "
-            f"time, one thread per job. Measured by `python scripts/measure_app.py` on "
-            f"{m['date']}: {m['cpu']}, {m['cores']} CPU cores, torch {m['torch']}, load average "
+            f"time, one thread per job. Measured by {measured_on(record)}, load average "
             f"{sweep['load']:g}.")
 
 
@@ -426,7 +436,7 @@ def gan_quality_table(record: dict) -> str:
 
 
 def launchers(record: dict) -> str:
-    sweeps, m = record["sweeps"], record["machine"]
+    sweeps = record["sweeps"]
     load = max(sweeps[name]["load"] for name in ("weights", "weights/joblib", "gan_quality_2",
                                                  "gan_quality_2/joblib"))
     joblib_gain = sweeps["weights"]["wall_s"] / sweeps["weights/joblib"]["wall_s"]
@@ -438,9 +448,8 @@ def launchers(record: dict) -> str:
             "10-epoch jobs of `penalty.weight=0.03,0.1,0.3,1` took "
             f"{seconds(sweeps['weights']['wall_s'])} in the sweep's process and "
             f"{seconds(sweeps['weights/joblib']['wall_s'])} with joblib, whose worker processes "
-            "first import torch and Lightning. By `python scripts/measure_app.py` on "
-            f"{m['date']}: {m['cpu']}, {m['cores']} CPU cores, torch {m['torch']}, load average "
-            f"up to {load:g} (the wall time of 2 workers on 2 cores depends on what else runs).")
+            f"first import torch and Lightning. By {measured_on(record)}, load average up to "
+            f"{load:g} (the wall time of 2 workers on 2 cores depends on what else runs).")
 
 
 #: the blocks of the documentation and how each is rendered from the recorded file

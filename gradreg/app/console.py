@@ -34,10 +34,11 @@ def say(text: str, stream: TextIO | None = None) -> None:
     stream = sys.stdout if stream is None else stream
     print(text, file=stream, flush=True)
     level = logging.ERROR if stream is sys.stderr else logging.INFO
+    files = log_files()
     for line in text.splitlines():
         if line.strip():
             record = LINES.makeRecord(LINES.name, level, __file__, 0, line, None, None)
-            for handler in log_files():
+            for handler in files:
                 handler.handle(record)
 
 
