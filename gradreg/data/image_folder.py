@@ -115,9 +115,6 @@ class ImageFolderDataModule(SplitDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers,
                          global_batch=global_batch, shuffle_seed=seed)
-        channels, *size = (int(s) for s in shape)
-        if channels not in (1, 3) or len(size) != 2 or size[0] != size[1]:
-            raise ValueError(f"data.shape={list(shape)} must be [1 or 3, S, S]")
         if root is None:
             raise ValueError("data.root is not set; give the folder of class sub-folders of "
                              "images: data=image_folder data.root=<folder>")
@@ -125,6 +122,13 @@ class ImageFolderDataModule(SplitDataModule):
         if not path.is_dir():
             raise ValueError(f"data.root={str(root)!r} is not a folder; give a folder of class "
                              "sub-folders of images (root/<class>/<image>.png)")
+        channels, *size = (int(s) for s in shape)
+        if channels not in (1, 3) or len(size) != 2 or size[0] != size[1]:
+            raise ValueError(
+                f"data.shape={list(shape)} must be [1 or 3, S, S] for the images of "
+                f"{str(root)!r}; it is the model's input shape (model.input_shape): choose a "
+                "model for images, model=resnet18 ([3, 32, 32]) or model=cnn, or set "
+                "model.input_shape=[C, S, S] for a model of your own")
         class_dirs = sorted(d.name for d in path.iterdir() if d.is_dir())
         if not class_dirs:
             raise ValueError(f"data.root={str(root)!r} has no class sub-folders; put the images "

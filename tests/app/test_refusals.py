@@ -76,13 +76,16 @@ REFUSED = {
 
 
 def refused(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    """stderr of a run of ``args`` that must end with status 2 and one line, no traceback."""
+    """stderr of a run of ``args`` that must end with status 2 and one line, no traceback
+    (Lightning's ``Seed set to N`` aside: a run refused while its objects are built prints it
+    first, where Lightning's loggers still have their own console handler)."""
     with pytest.raises(SystemExit) as exit_info:
         run_in_process(*args, tmp_path=tmp_path)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    lines = [line for line in err.splitlines() if not line.startswith("Seed set to ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0] + "\n"
 
 
 @pytest.mark.parametrize(("args", "messages"), REFUSED.values(), ids=REFUSED)
@@ -159,6 +162,27 @@ def test_a_truncated_jpeg_in_an_image_folder(tmp_path: Path,
                    "data.num_classes=3"], tmp_path / "run", capsys)
     assert err.startswith(f"error: data: {cut}: the image cannot be decoded (image file is "
                           "truncated")
+
+
+def test_an_image_folder_with_the_default_model(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing folder is named first; an existing one with the default MLP (model.input_shape
+    [64]) names the folder, model.input_shape and the models for images (checked before
+    torchvision is imported). Before: only ``data.shape=[64] must be [1 or 3, S, S]``."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    missing = tmp_path / "nowhere"
+    err = refused(["data=image_folder", f"data.root={missing}"], tmp_path / "run", capsys)
+    assert err == (f"error: data: data.root={str(missing)!r} is not a folder; give a folder of "
+                   "class sub-folders of images (root/<class>/<image>.png)  "
+                   "(HYDRA_FULL_ERROR=1 shows the traceback)\n")
+    root = write_image_folder(tmp_path / "images", per_class=1)
+    err = refused(["data=image_folder", f"data.root={root}"], tmp_path / "run", capsys)
+    assert err == (f"error: data: data.shape=[64] must be [1 or 3, S, S] for the images of "
+                   f"{str(root)!r}; it is the model's input shape (model.input_shape): choose a "
+                   "model for images, model=resnet18 ([3, 32, 32]) or model=cnn, or set "
+                   "model.input_shape=[C, S, S] for a model of your own  "
+                   "(HYDRA_FULL_ERROR=1 shows the traceback)\n")
 
 
 @pytest.mark.parametrize("key", ["paths.runs", "hydra.run.dir"])
