@@ -3,7 +3,11 @@
 A per-sample penalty needs the outputs of each sample, ``[B]`` or ``[B, ...]`` for ``B`` points:
 the gradient of a batch *mean* w.r.t. sample :math:`x_i` is :math:`\\frac1B \\nabla f(x_i)`, so a
 squared-norm penalty of it is :math:`B^2` times too small, and a target of 1 (WGAN-GP) pulls the
-wrong norm. Nothing in the numbers shows it; only the shapes do.
+wrong norm; the gradient of a batch *sum* is each sample's own only where the samples do not
+interact, which a scalar does not let the penalty check. A penalty of per-sample *losses*
+(``of="loss"``: double backprop, ``intermediate``) needs one loss per sample, ``[B]``: given
+logits ``[B, C]`` it would penalize the gradient of the summed logits, not of the loss. Nothing in
+the numbers shows either; only the shapes do.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 
-__all__ = ["check_per_sample", "check_points", "model_without_in_place_updates"]
+__all__ = ["check_per_sample", "check_per_sample_losses", "check_points",
+           "model_without_in_place_updates"]
 
 
 @contextmanager
@@ -91,12 +96,33 @@ def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:
             f"{batch} samples: pass the outputs computed from these points, one row per sample "
             f"([{batch}] or [{batch}, ...])."
         )
-    if batch > 1 and (outputs.ndim == 0 or outputs.shape[0] != batch):
+    if batch > 1 and outputs.ndim == 0:
+        raise GradientError(
+            f"the outputs are a scalar, but the points are a batch of {batch} samples: pass the "
+            f"per-sample outputs, one row per sample ([{batch}] or [{batch}, ...]), e.g. D(x) "
+            "rather than D(x).mean() or D(x).sum(), and per-sample losses "
+            "(F.cross_entropy(..., reduction='none')) rather than their mean or sum. The "
+            f"gradient of a batch mean is 1/{batch} of each sample's, so the penalty would be "
+            f"{batch}² times too small; that of a batch sum is each sample's own only where the "
+            "samples do not interact, which the penalty checks on per-sample outputs only."
+        )
+    if batch > 1 and outputs.shape[0] != batch:
         raise GradientError(
             f"the outputs have shape {tuple(outputs.shape)}, but the points are a batch of "
             f"{batch} samples: pass the per-sample outputs, one row per sample ([{batch}] or "
-            f"[{batch}, ...]), e.g. D(x) rather than D(x).mean(), and per-sample losses "
-            "(F.cross_entropy(..., reduction='none')) rather than their mean. The gradient of a "
-            f"batch mean is 1/{batch} of each sample's, so the penalty would be {batch}² times "
-            "too small."
+            f"[{batch}, ...]), e.g. D(x) rather than D(x).mean()."
+        )
+
+
+def check_per_sample_losses(outputs: Tensor) -> None:
+    """Raise :class:`~gradreg.GradientError` for the outputs of a penalty of per-sample losses
+    (``of="loss"``) that hold more than one value per sample, such as logits ``[B, C]``: the
+    penalty would differentiate their sum over the classes, not the loss."""
+    if outputs.ndim > 1 and outputs[0].numel() > 1:
+        raise GradientError(
+            f"the outputs have shape {tuple(outputs.shape)}, but this penalty is of per-sample "
+            f"losses (of='loss'), one per sample ([{outputs.shape[0]}]): given logits or other "
+            "outputs it would penalize the gradient of their sum, not of the loss. Pass the "
+            "per-sample losses, e.g. F.cross_entropy(logits, labels, reduction='none'), or "
+            "reduce a loss per sample first (losses.flatten(1).mean(1))."
         )

@@ -19,6 +19,8 @@ samples do not interact (:func:`~gradreg.penalties.coupling.check_independent_sa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from gradreg import sharding
 from gradreg.autograd import check_double_backward
-from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.loss_scale import LossScale
 from gradreg.penalties.norms import NormPenalty
@@ -53,7 +55,8 @@ class RunningMean:
     The mean is kept and updated in at least float32 and in the norms' dtype where that is
     wider: a float64 run promotes the buffer to float64 (its ``.data``, in place, so optimizers,
     DDP and checkpoints keep the same tensor), a bf16 run does not lose the small updates to
-    bf16 rounding.
+    bf16 rounding, and a buffer cast to bf16 or float16 (``module.to(torch.bfloat16)``,
+    Lightning's ``precision="bf16-true"``) is widened back to float32 before its next update.
 
     Examples:
         >>> import torch
@@ -89,10 +92,24 @@ class RunningMean:
         ema.copy_(updated.detach())
         return updated
 
+    @contextmanager
+    def kept_wide(self) -> Iterator[None]:
+        """Around a cast of the module (``Module._apply``: ``.to``, ``.half()``,
+        ``.bfloat16()``): a mean cast to a dtype narrower than float32 is put back as the mean
+        before the cast, on the new device, in at least float32 (not rounded to the new
+        dtype)."""
+        before = self.value
+        yield
+        after = self.value
+        if after is not before and after.is_floating_point() and after.element_size() < 4:
+            self.buffers[self.name] = before.detach().to(
+                device=after.device, dtype=torch.promote_types(before.dtype, torch.float32))
+
     def promote(self, dtype: torch.dtype) -> None:
-        """Widen the buffer to ``dtype`` where that is wider, in place."""
+        """Widen the buffer to ``dtype``, and to at least float32, where that is wider, in
+        place."""
         ema = self.value
-        wider = torch.promote_types(dtype, ema.dtype)
+        wider = torch.promote_types(torch.promote_types(dtype, ema.dtype), torch.float32)
         if wider != ema.dtype:
             ema.data = ema.data.to(wider)
 
@@ -131,6 +148,8 @@ class ExactPenalty:
         config = self.config
         if config.per_sample:
             check_per_sample(outputs, inputs)
+            if config.of == "loss":
+                check_per_sample_losses(outputs)
         if not self._checked or self._through_sharded:
             self._through_sharded = sharding.check_penalty_graph(outputs)
         norms = PROJECTIONS[config.projection](outputs, inputs, config, loss_scale)

@@ -279,6 +279,10 @@ class GradientPenalty(nn.Module):
                 "points)`), without a gain of your own; or build the penalty with every=1 to "
                 "compute it on every step.")
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> GradientPenalty:
+        with self._running_mean.kept_wide():  # the running mean stays in float32 or wider
+            return super()._apply(fn, recurse)
+
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object) -> None:
         saved_ema = state_dict.get(prefix + "ema")
         if isinstance(saved_ema, Tensor):  # a float64 running mean is restored in float64

@@ -1,7 +1,11 @@
 """Where a penalty is evaluated: detached copies of data that require grad.
 
 Each function returns a new leaf (``requires_grad=True``, no history), so the penalty's gradient
-w.r.t. the points never flows back into a generator or a data pipeline.
+w.r.t. the points never flows back into a generator or a data pipeline. ``as_points`` takes data
+without a graph; a tensor that carries one (a generator's fakes, a model's embeddings) is refused
+rather than cut silently: cutting it would also cut the task loss's gradient to whatever computed
+the tensor. A tensor inside a model is a point as it is (it requires grad already, and the penalty
+differentiates w.r.t. it with its graph kept); R2's fakes are ``as_points(fakes.detach())``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ __all__ = ["as_points", "interpolate", "perturb_dragan"]
 
 
 def as_points(x: Tensor) -> Tensor:
-    """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs).
+    """``x`` itself as evaluation points (R1 on reals, R2 on fakes, double backprop on inputs): a
+    detached copy that requires grad.
+
+    ``x`` must carry no graph (``x.grad_fn is None``): data, or fakes detached from their
+    generator. A tensor computed with a graph is refused, since the copy would cut that graph
+    and with it the task loss's gradient to what computed ``x`` (an embedding matrix); such a
+    tensor is a point as it is: pass ``x`` itself to the penalty.
 
     Examples:
         >>> import torch
@@ -26,6 +36,15 @@ def as_points(x: Tensor) -> Tensor:
         (True, True, False)
     """
     _require_floating("as_points", x)
+    if x.grad_fn is not None:
+        raise GradientError(
+            f"as_points got a tensor with a graph (grad_fn={type(x.grad_fn).__name__}): its "
+            "detached copy would cut that graph, and the loss's gradient to what computed it "
+            "(e.g. an embedding matrix) would be lost. To penalize at an intermediate tensor "
+            "such as embeddings, pass the tensor itself as the points (it already requires "
+            "grad); for points that must not carry a gradient back (R2's fakes), detach "
+            "explicitly: as_points(fakes.detach())."
+        )
     return x.detach().requires_grad_()
 
 

@@ -87,14 +87,51 @@ def test_a_batch_mean_output_is_refused_saying_what_to_pass(preset) -> None:
     B = 16. The per-sample value below is that factor times the mean's, by hand."""
     D = critic()
     x = as_points(torch.randn(16, 4))
-    with pytest.raises(GradientError, match=r"shape \(\), but the points are a batch of 16 .* "
-                                            r"D\(x\) rather than D\(x\)\.mean\(\).* 16² times"):
+    with pytest.raises(GradientError, match=r"outputs are a scalar, but the points are a batch of "
+                                            r"16 .* D\(x\) rather than D\(x\)\.mean\(\) or "
+                                            r"D\(x\)\.sum\(\).* 16² times too small"):
         preset()(D(x).mean(), x)
     per_sample = preset()(D(x), x, )
     (g_mean,) = torch.autograd.grad(D(x).mean(), x)
     assert per_sample.item() == pytest.approx(
         256 * preset().config.gain * preset().weight * g_mean.square().sum(1).mean().item(),
         rel=1e-5)
+
+
+def test_a_batch_sum_output_is_refused_naming_the_sum() -> None:
+    """gigagan-pytorch passes D(x).sum(): its gradient is each sample's only where the samples do
+    not interact, which a scalar does not let the penalty check; the message names the sum and
+    what to pass, not only a mean's B² factor."""
+    D = critic()
+    x = as_points(torch.randn(16, 4))
+    with pytest.raises(GradientError, match=r"D\(x\)\.sum\(\).* that of a batch sum is each "
+                                            r"sample's own only where the samples do not interact"):
+        r1()(D(x).sum(), x)
+
+
+@pytest.mark.parametrize("build", [lambda: double_backprop(0.1),
+                                   lambda: double_backprop(0.1, chunks=2),
+                                   lambda: make_penalty("intermediate", layers=("0",))],
+                         ids=["double_backprop", "chunks", "intermediate"])
+def test_logits_given_to_a_penalty_of_per_sample_losses_are_refused(build) -> None:
+    """double_backprop(0.1)(logits [B, C], x) penalized the gradient of the summed logits, not of
+    the loss; the per-sample losses [B] (and [B, 1]) are taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = as_points(torch.randn(6, 4)), torch.tensor([0, 1, 2, 0, 1, 2])
+    gp = build()
+    outputs = model if gp.needs_callable else model(x)
+    # with chunks=2 the check sees each chunk of 3 samples
+    with pytest.raises(GradientError, match=r"shape \([36], 3\), but this penalty is of "
+                                            r"per-sample losses \(of='loss'\), one per sample "
+                                            r"\(\[[36]\]\).*reduction='none'"):
+        gp(outputs, x)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    (g,) = torch.autograd.grad(losses.sum(), x, create_graph=True)
+    expected = 0.1 * g.square().sum(1).mean()  # 0.1 mean_i |d l_i / d x_i|^2, by hand
+    assert double_backprop(0.1)(losses, x).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert double_backprop(0.1)(losses[:, None], x).item() == pytest.approx(expected.item(),
+                                                                            rel=1e-6)
 
 
 def test_outputs_of_another_batch_size_are_refused() -> None:
@@ -214,3 +251,40 @@ def test_a_recorded_cuda_value_reports_the_first_cause() -> None:
                                      lambda: True, lambda: None))
     with pytest.raises(GradientError, match="outputs of call 1 contain NaN or Inf"):
         check.settle(wait=False)
+
+
+def test_as_points_refuses_a_tensor_with_a_graph_naming_both_fixes() -> None:
+    """as_points(embedding(ids)) detached the embeddings, so the embedding matrix silently got
+    no task gradient; a tensor with a graph is refused, data and detached fakes are taken."""
+    embedding = nn.Embedding(5, 3)
+    with pytest.raises(GradientError, match=r"as_points got a tensor with a graph "
+                                            r"\(grad_fn=EmbeddingBackward0\).*pass the tensor "
+                                            r"itself.*as_points\(fakes\.detach\(\)\)"):
+        as_points(embedding(torch.tensor([[0, 1]])))
+    fakes = embedding(torch.tensor([[0, 1]]))
+    points = as_points(fakes.detach())
+    assert points.is_leaf and points.requires_grad and torch.equal(points, fakes)
+
+
+def test_the_embeddings_as_points_keep_the_embedding_matrix_gradient() -> None:
+    """Double backprop at an embedding layer's output, passed to the penalty as it is: the
+    embedding matrix gets the task loss's gradient and the penalty's, equal to both written out
+    by autograd (float64)."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(6, 4).double()
+    head = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(8, 3)).double()
+    ids, labels = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([0, 1, 2])
+
+    def loss_terms() -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = embedding(ids)
+        return F.cross_entropy(head(embeds), labels, reduction="none"), embeds
+
+    losses, embeds = loss_terms()
+    (losses.mean() + double_backprop(0.1)(losses, embeds)).backward()
+    got = embedding.weight.grad.clone()
+    losses, embeds = loss_terms()
+    (g,) = torch.autograd.grad(losses.sum(), embeds, create_graph=True)
+    reference = losses.mean() + 0.1 * g.square().sum((1, 2)).mean()
+    (expected,) = torch.autograd.grad(reference, embedding.weight)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)

@@ -112,3 +112,36 @@ def test_random_projections_do_not_depend_on_the_autocast_dtype(make: object) ->
             torch.manual_seed(3)
             values.append(make(weight=1.0)(model(points), points).float().item())
     assert values[1] == pytest.approx(values[0], rel=2e-2)
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(),
+                                  lambda m: m.bfloat16()], ids=["to_bf16", "half", "bfloat16"])
+def test_a_module_cast_to_half_precision_keeps_a_float32_running_mean(cast) -> None:
+    """module.to(torch.bfloat16) (Lightning's precision="bf16-true") cast the buffer to bf16,
+    whose updates of 0.01 * (1.5 - a) round away: after 400 steps it stalled near 1.17. In
+    float32 the mean of norms of 1.5 after 400 steps is 1.5 (1 - 0.99**400) = 1.47307, and a cast
+    in the middle of the run keeps the mean as it was (not rounded to bf16)."""
+    penalty = cast(path_length())
+    assert penalty.ema.dtype == torch.float32
+    for step in range(400):
+        if step == 200:
+            before = penalty.ema.item()
+            penalty = cast(penalty)
+            assert penalty.ema.dtype == torch.float32 and penalty.ema.item() == before
+        penalty._running_mean.update(torch.full((4,), 1.5, dtype=torch.bfloat16))
+    assert penalty.ema.dtype == torch.float32
+    assert penalty.ema.item() == pytest.approx(1.5 * (1 - 0.99**400), rel=1e-5)
+
+
+def test_path_length_of_a_bf16_generator_is_that_of_a_float32_penalty() -> None:
+    """The whole call on a bf16 generator: a penalty cast to bf16 gives the running mean and the
+    value of one that was never cast (float32 buffer), bit for bit, over 5 steps."""
+    generator = WPlusGenerator().to(torch.bfloat16)
+    ws = torch.randn(B, NUM_WS, W_DIM, dtype=torch.bfloat16)
+    results = []
+    for penalty in (path_length(), path_length().to(torch.bfloat16)):
+        torch.manual_seed(1)
+        values = [penalty(generator, ws.clone().requires_grad_()).item() for _ in range(5)]
+        results.append((values, penalty.ema.dtype, penalty.ema.item()))
+    assert results[0] == results[1]
+    assert results[1][1] == torch.float32 and results[1][2] > 0
