@@ -63,6 +63,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from gradreg import blockwise_attention as blockwise
 from gradreg.autograd import GradientError
 from gradreg.torch_compat import attention_in_functional
 
@@ -90,43 +91,109 @@ def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: f
     return torch.where(dead, fill, torch.softmax(s.masked_fill(dead, 0.0), dim=-1))
 
 
-def _attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None,
-                        out: Tensor, grad_out: Tensor, scale: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """:math:`(\\bar Q, \\bar K, \\bar V, \\bar M)` of the module docstring from the
-    probabilities ``p``, in differentiable ops (``create_graph=True`` records them)."""
-    grad_v = torch.matmul(p.transpose(-2, -1), grad_out)
-    grad_p = torch.matmul(grad_out, v.transpose(-2, -1))
-    grad_s = p * (grad_p - (grad_out * out).sum(dim=-1, keepdim=True))
-    grad_q = torch.matmul(grad_s, k) * scale
-    grad_k = torch.matmul(grad_s.transpose(-2, -1), q) * scale
+def _reference_vjp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Tensor,
+                   out: Tensor, is_causal: bool, scale: float) -> tuple[Tensor | None, ...]:
+    r""":math:`(\bar Q, \bar K, \bar V, \bar M)` of the module docstring in differentiable ops
+    on :math:`L \times S` tensors: the derivatives of third order differentiate it."""
+    p = _scores(q, k, mask, is_causal, scale, out)
+    grad_s = p * (torch.matmul(g, v.transpose(-2, -1)) - (g * out).sum(dim=-1, keepdim=True))
     grad_mask = None
-    if mask is not None and mask.dtype != torch.bool and mask.requires_grad:
+    if mask is not None and mask.dtype != torch.bool:
         grad_mask = grad_s.sum_to_size(mask.shape)
-    return (grad_q.sum_to_size(q.shape), grad_k.sum_to_size(k.shape),
-            grad_v.sum_to_size(v.shape), grad_mask)
+    return (torch.matmul(grad_s, k) * scale, torch.matmul(grad_s.transpose(-2, -1), q) * scale,
+            torch.matmul(p.transpose(-2, -1), g), grad_mask)
 
 
-def _attention_jvp(q: Tensor, k: Tensor, v: Tensor, p: Tensor, mask: Tensor | None,
-                   tangents: tuple[Tensor | None, ...], scale: float) -> Tensor:
-    r""":math:`\dot O` of the module docstring from the probabilities ``p`` and the tangents
-    :math:`(\dot Q, \dot K, \dot V, \dot M)` (None: zero), in differentiable ops."""
-    dq, dk, dv, dmask = tangents
-    ds = torch.zeros_like(p)
-    if dq is not None:
-        ds = ds + torch.matmul(dq * scale, k.transpose(-2, -1))
+def _tangent_scores(q: Tensor, k: Tensor, tangents: tuple[Tensor | None, ...], scale: float
+                    ) -> Tensor | None:
+    r""":math:`\dot S = s(\dot Q K^\top + Q \dot K^\top) + \dot M` (None: zero)."""
+    dq, dk, _, dm = tangents
+    ds = None if dq is None else torch.matmul(dq * scale, k.transpose(-2, -1))
     if dk is not None:
-        ds = ds + torch.matmul(q * scale, dk.transpose(-2, -1))
-    if dmask is not None and mask is not None and mask.dtype != torch.bool:
-        ds = ds + dmask
-    dp = p * (ds - (p * ds).sum(dim=-1, keepdim=True))
-    dout = torch.matmul(dp, v)
-    return dout if dv is None else dout + torch.matmul(p, dv)
+        ds = _add(ds, torch.matmul(q * scale, dk.transpose(-2, -1)))
+    return _add(ds, dm)
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def _softmax_jvp(p: Tensor, ds: Tensor | None) -> Tensor | None:
+    r""":math:`\dot P = P \odot (\dot S - \operatorname{rowsum}(P \odot \dot S))`."""
+    return None if ds is None else p * (ds - (p * ds).sum(dim=-1, keepdim=True))
+
+
+def _matmul(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return None if a is None or b is None else torch.matmul(a, b)
+
+
+def _reference_jvp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
+                   tangents: tuple[Tensor | None, ...], is_causal: bool, scale: float) -> Tensor:
+    r""":math:`\dot O = \dot P V + P \dot V` in differentiable ops on :math:`L \times S`
+    tensors (the third-order derivatives differentiate it)."""
+    p = _scores(q, k, mask, is_causal, scale, out)
+    dout = _add(_matmul(_softmax_jvp(p, _tangent_scores(q, k, tangents, scale)), v),
+                _matmul(p, tangents[2]))
+    return torch.zeros_like(out) if dout is None else dout
+
+
+def _jvp_of_jvp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
+                tangents: tuple[Tensor | None, ...], second: tuple[Tensor | None, ...],
+                of_tangents: tuple[Tensor | None, ...], is_causal: bool, scale: float) -> Tensor:
+    r"""The derivative of :math:`\dot O(x; \dot x)` along :math:`(\tilde x, \tilde{\dot x})`
+    (``second``, ``of_tangents``): :math:`\dot O(x; \tilde{\dot x}) + \ddot P V + \dot P
+    \tilde V + \tilde P \dot V` with :math:`\ddot P = \tilde P \odot (\dot S - \rho) + P \odot
+    (\ddot S - \operatorname{rowsum}(\tilde P \odot \dot S + P \odot \ddot S))`, :math:`\ddot S
+    = s(\dot Q \tilde K^\top + \tilde Q \dot K^\top)`; in differentiable ops on
+    :math:`L \times S` tensors (the exact Hessian penalty differentiates it)."""
+    p = _scores(q, k, mask, is_causal, scale, out)
+    dq, dk, dv, _ = tangents
+    s_dot, s_tilde = _tangent_scores(q, k, tangents, scale), _tangent_scores(q, k, second, scale)
+    s_ddot = None
+    if dq is not None and second[1] is not None:
+        s_ddot = torch.matmul(dq * scale, second[1].transpose(-2, -1))
+    if dk is not None and second[0] is not None:
+        s_ddot = _add(s_ddot, torch.matmul(second[0] * scale, dk.transpose(-2, -1)))
+    p_dot, p_tilde = _softmax_jvp(p, s_dot), _softmax_jvp(p, s_tilde)
+    p_ddot = _softmax_jvp(p, s_ddot)
+    if p_tilde is not None and s_dot is not None:
+        cross = p_tilde * s_dot
+        p_ddot = _add(p_ddot, p_tilde * (s_dot - (p * s_dot).sum(dim=-1, keepdim=True))
+                      - p * cross.sum(dim=-1, keepdim=True))
+    result = _reference_jvp(q, k, v, mask, out, of_tangents, is_causal, scale)
+    for a, b in ((p_ddot, v), (p_dot, second[2]), (p_tilde, dv)):
+        product = _matmul(a, b)
+        if product is not None:
+            result = result + product
+    return result
+
+
+def _differentiate(fn: Callable[..., tuple[Tensor | None, ...]], inputs: tuple,
+                   cotangents: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+    """The gradients of :math:`\\sum_i \\langle fn(inputs)_i, cotangents_i\rangle` w.r.t. the
+    tensors of ``inputs`` that require grad (None for the rest), with their graph."""
+    wanted = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
+    with torch.enable_grad():
+        pairs = [(o, c) for o, c in zip(fn(*inputs), cotangents, strict=True)
+                 if o is not None and c is not None and o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                    [c for _, c in pairs], create_graph=True,
+                                    allow_unused=True) if pairs and wanted else ()
+    result: list[Tensor | None] = [None] * len(inputs)
+    for i, grad in zip(wanted, grads, strict=False):
+        result[i] = grad
+    return result
+
+
+def _learned(mask: Tensor | None) -> bool:
+    return mask is not None and mask.dtype != torch.bool
 
 
 class _Attention(torch.autograd.Function):
-    """Fused forward; backward and forward-mode derivative (JVP) in differentiable ops
-    (:func:`_attention_backward`, :func:`_attention_jvp`)."""
+    """Fused forward; backward (:class:`_AttentionGrad`) and forward-mode derivative
+    (:class:`_AttentionJvp`) blockwise (:mod:`gradreg.blockwise_attention`)."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -141,26 +208,124 @@ class _Attention(torch.autograd.Function):
         ctx.is_causal = is_causal
         # the kernels' default, 1 / sqrt(E), computed as they compute it
         ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        ctx.probabilities = None
+        ctx.lse = None
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, mask, out = ctx.saved_tensors
-        p = ctx.probabilities
-        if p is None:
-            p = _scores(q, k, mask, ctx.is_causal, ctx.scale, out)
-            if torch.is_grad_enabled():
-                # create_graph: the gradient's graph holds p until the forward graph is freed
-                # too, so the backward of the forward graph (the task loss's) reuses it
-                ctx.probabilities = p
-        return (*_attention_backward(q, k, v, p, mask, out, grad_out, ctx.scale), None, None)
+        lse = _log_sum_exp(ctx, q, k, v, mask, out)
+        mask_grad = _learned(mask) and ctx.needs_input_grad[3]
+        if torch.is_grad_enabled():  # create_graph: a Function whose backward is blockwise
+            grads = _AttentionGrad.apply(q, k, v, mask, grad_out, out, lse, ctx.is_causal,
+                                         ctx.scale, mask_grad)
+        else:
+            problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
+            grads = blockwise.vjp(problem, lse, out, grad_out, mask_grad)
+        return (*grads[:3], grads[3] if mask_grad else None, None, None)
 
     @staticmethod
     def jvp(ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
             dmask: Tensor | None, *_: Any) -> Tensor:
         q, k, v, mask, out = ctx.saved_tensors
-        p = _scores(q, k, mask, ctx.is_causal, ctx.scale, out)
-        return _attention_jvp(q, k, v, p, mask, (dq, dk, dv, dmask), ctx.scale)
+        lse = _log_sum_exp(ctx, q, k, v, mask, out)
+        return _AttentionJvp.apply(q, k, v, mask, out, lse, ctx.is_causal, ctx.scale, dq, dk, dv,
+                                   dmask if _learned(mask) else None)
+
+
+def _log_sum_exp(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor
+                 ) -> Tensor:
+    """The forward's log-sum-exp per query, computed once per forward (blockwise)."""
+    if ctx.lse is None:
+        with torch.no_grad():
+            problem = blockwise.Attention(q.detach(), k.detach(), v.detach(), None if mask is None
+                                          else mask.detach(), ctx.is_causal, ctx.scale)
+            ctx.lse = blockwise.log_sum_exp(problem, out.detach())
+    return ctx.lse
+
+
+class _AttentionGrad(torch.autograd.Function):
+    """:math:`(\bar Q, \bar K, \bar V[, \bar M])` of :math:`(Q, K, V, M, \bar O)`
+    (:func:`blockwise_attention.vjp`); its backward is :func:`blockwise_attention.second_order`
+    (the double backward; in differentiable ops on :math:`L \times S` tensors where that
+    backward is itself differentiated)."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Tensor, out: Tensor,
+                lse: Tensor, is_causal: bool, scale: float, mask_grad: bool) -> tuple[Tensor, ...]:
+        grads = blockwise.vjp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out, g,
+                              mask_grad)
+        return grads if mask_grad else grads[:3]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        q, k, v, mask, g, out, lse, is_causal, scale, _ = inputs
+        ctx.save_for_backward(q, k, v, mask, g, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, mask, g, out, lse = ctx.saved_tensors
+        cotangents = (*cotangents, None)[:4]
+        if torch.is_grad_enabled():
+            grads = _differentiate(
+                lambda *x: _reference_vjp(*x, out, ctx.is_causal, ctx.scale),
+                (q, k, v, mask, g), cotangents)
+            return (*grads, None, None, None, None, None)
+        mask_grad = _learned(mask) and ctx.needs_input_grad[3]
+        problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
+        (fq, fk, fv, fm), fg, _ = blockwise.second_order(problem, lse, out, g, cotangents,
+                                                         mask_grad, with_vjp=False)
+        return fq, fk, fv, fm, fg, None, None, None, None, None
+
+
+class _AttentionJvp(torch.autograd.Function):
+    r""":math:`\dot O` of :math:`(Q, K, V, M)` and tangents :math:`(\dot Q, \dot K, \dot V,
+    \dot M)` (:func:`blockwise_attention.jvp`); its backward is
+    :func:`blockwise_attention.second_order` with :func:`blockwise_attention.vjp` for the
+    tangents, its own JVP (the exact Hessian penalty's JVP of a JVP) :func:`_jvp_of_jvp`."""
+
+    @staticmethod
+    def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
+                is_causal: bool, scale: float, *tangents: Tensor | None) -> Tensor:
+        return blockwise.jvp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out,
+                             *tangents)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        q, k, v, mask, out, lse, is_causal, scale, *tangents = inputs
+        ctx.save_for_backward(q, k, v, mask, out, lse, *tangents)
+        ctx.save_for_forward(q, k, v, mask, out, *tangents)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, y: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, mask, out, lse, *tangents = ctx.saved_tensors
+        if y is None:
+            return (None,) * 12
+        if torch.is_grad_enabled():
+            grads = _differentiate(
+                lambda q, k, v, mask, *t: (_reference_jvp(q, k, v, mask, out, t, ctx.is_causal,
+                                                          ctx.scale),),
+                (q, k, v, mask, *tangents), (y,))
+            return (*grads[:4], None, None, None, None, *grads[4:])
+        need = ctx.needs_input_grad
+        problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
+        mask_grad = _learned(mask) and (need[3] or need[11])
+        (fq, fk, fv, fm), _, first = blockwise.second_order(
+            problem, lse, out, y, tuple(tangents), mask_grad, with_vjp=any(need[8:]))
+        first = first or (None,) * 4
+        return (fq, fk, fv, fm if need[3] else None, None, None, None, None,
+                *(f if n else None for f, n in zip(first, need[8:], strict=True)))
+
+    @staticmethod
+    def jvp(ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
+            dmask: Tensor | None, _out: Any, _lse: Any, _causal: Any, _scale: Any,
+            *of_tangents: Tensor | None) -> Tensor:
+        q, k, v, mask, out, *tangents = ctx.saved_tensors
+        return _jvp_of_jvp(q, k, v, mask, out, tuple(tangents), (dq, dk, dv, dmask),
+                           tuple(of_tangents), ctx.is_causal, ctx.scale)
 
 
 def scaled_dot_product_attention(

@@ -11,6 +11,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradreg import GradientError, differentiable_attention
+from gradreg import blockwise_attention as blockwise
 from gradreg.attention import scaled_dot_product_attention
 from gradreg.graph import walk_backward_graph
 from gradreg.penalties import presets
@@ -321,3 +322,123 @@ def test_a_direct_call_of_the_functional_attention_is_routed(kind: str) -> None:
     assert len(grads) == len(expected) > 0
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+MASKS = ["none", "bool", "bool_2d", "float", "float_key_row", "causal", "causal_and_bool"]
+
+
+def attention_case(kind: str, lq: int, lk: int) -> tuple[dict, tuple[torch.Tensor, ...]]:
+    """Options and the differentiated inputs (q, k, v[, a learned additive mask]) of one mask
+    kind: a boolean mask per batch and head, one of queries x keys broadcast over both, an
+    additive mask per batch, one additive row over keys, causal, causal with a boolean mask."""
+    g = torch.Generator().manual_seed(3)
+    inputs = qkv(lq=lq, lk=lk)
+    allowed = torch.rand(2, 3, lq, lk, generator=g) > 0.3
+    allowed[..., 0] = True
+    options: dict = {}
+    if kind in ("bool", "causal_and_bool"):
+        options["attn_mask"] = allowed
+    if kind == "bool_2d":
+        options["attn_mask"] = allowed[0, 0]
+    if kind.startswith("causal"):
+        options["is_causal"] = kind == "causal"
+        if kind == "causal_and_bool":  # a boolean mask and causal together: one mask
+            options["attn_mask"] = allowed & torch.ones(lq, lk, dtype=torch.bool).tril()
+    if kind.startswith("float"):
+        shape = (2, 1, lq, lk) if kind == "float" else (1, lk)
+        inputs += (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True),)
+    return options, inputs
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 2 queries x 4 keys: several query and key blocks, a causal block skipped."""
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 2)
+    monkeypatch.setattr(blockwise, "KEY_BLOCK", 4)
+
+
+def math_derivatives(attention, inputs: tuple[torch.Tensor, ...], seed: int = 4
+                     ) -> list[torch.Tensor]:
+    """The value, the gradient of <out, G>, the double backward of that gradient for random
+    cotangents (w.r.t. the inputs and G), the JVP for random tangents and the JVP's gradient,
+    of ``attention``, all concatenated."""
+    g = torch.Generator().manual_seed(seed)
+    out = attention(*inputs)
+    weight = torch.randn(out.shape, generator=g, dtype=torch.float64, requires_grad=True)
+    grads = torch.autograd.grad(out, inputs, weight, create_graph=True)
+    cotangents = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs]
+    second = torch.autograd.grad(grads, (*inputs, weight), cotangents, allow_unused=True)
+    tangents = tuple(torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs)
+    dout = torch.func.jvp(attention, inputs, tangents)[1]
+    of_jvp = torch.autograd.grad(dout, inputs, weight.detach())
+    return [out, *grads, *second, dout, *of_jvp]
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("lq", [5, 7])
+def test_blockwise_derivatives_equal_the_math_backends(kind: str, lq: int,
+                                                       small_blocks: None) -> None:
+    """Several query and key blocks, every mask kind: the gradient, the double backward (w.r.t.
+    q, k, v, a learned mask and the output cotangent), the JVP and its gradient equal those of
+    the MATH backend in float64."""
+    options, inputs = attention_case(kind, lq, 6)
+
+    def ours(*xs: torch.Tensor) -> torch.Tensor:
+        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
+        return scaled_dot_product_attention(*xs[:3], **options, **extra)
+
+    got = math_derivatives(ours, inputs)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
+            {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        if b is None:
+            assert a is None or not a.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["float", "causal_and_bool"])
+def test_blockwise_gradgradcheck(kind: str, small_blocks: None) -> None:
+    """Finite differences: the blockwise gradient, double backward, JVP and JVP's gradient."""
+    options, inputs = attention_case(kind, 5, 6)
+
+    def attention(*xs: torch.Tensor) -> torch.Tensor:
+        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
+        return scaled_dot_product_attention(*xs[:3], **options, **extra)
+
+    assert gradcheck(attention, inputs, check_forward_ad=True)
+    assert gradgradcheck(attention, inputs)
+    tangents = tuple(torch.randn_like(x) for x in inputs)
+    assert gradcheck(lambda *xs: torch.func.jvp(attention, xs, tangents)[1], inputs)
+
+
+def test_third_order_derivatives(small_blocks: None) -> None:
+    """The double backward's own backward (in differentiable ops), checked by finite
+    differences; the JVP of the JVP (the exact Hessian penalty's) and its gradient equal the
+    MATH backend's."""
+    q, k, v = qkv(lq=5, lk=6)
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(2, 3, 5, 3, generator=g, dtype=torch.float64)
+
+    def gradient(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = scaled_dot_product_attention(*xs, is_causal=True)
+        return torch.autograd.grad(out, xs, weight, create_graph=True)
+
+    assert gradgradcheck(gradient, (q, k, v))
+    first, second = ([torch.randn(x.shape, generator=g, dtype=torch.float64) for x in (q, k, v)]
+                     for _ in range(2))
+
+    def jvp_of_jvp(attention) -> list[torch.Tensor]:
+        def jvp(*xs: torch.Tensor) -> torch.Tensor:
+            return torch.func.jvp(lambda *ys: attention(*ys, is_causal=True), xs, tuple(first))[1]
+
+        value = torch.func.jvp(jvp, (q, k, v), tuple(second))[1]
+        return [value, *torch.autograd.grad(value, (q, k, v), weight)]
+
+    got = jvp_of_jvp(scaled_dot_product_attention)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = jvp_of_jvp(FUSED)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
