@@ -9,6 +9,7 @@ installed (``import name`` then raises ``ModuleNotFoundError``, ``find_spec`` fi
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,24 @@ def test_a_missing_extra_is_one_line_naming_it(module: str, missing: str, messag
     assert result.stderr.splitlines()[-1] == (
         f"ImportError: {message}, which is not installed: pip install 'gradreg[lightning]' "
         "(in a checkout: pip install -e '.[lightning]')")
+
+
+def test_the_readme_shows_the_error_of_a_missing_extra_as_python_prints_it():
+    """``python -c "import gradreg.lightning"`` without Lightning: a traceback of two frames
+    (the import, the package raising the error; none of a helper's) and the one line the README
+    shows."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys\nsys.modules['lightning'] = None\n"
+                               "import gradreg.lightning"],
+        cwd=ROOT, text=True, capture_output=True, timeout=120)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1
+    assert len(lines) == 5, result.stderr
+    assert lines[0] == "Traceback (most recent call last):"
+    assert re.fullmatch(r'  File ".*gradreg.lightning.__init__\.py", line \d+, in <module>',
+                        lines[2]), lines[2]
+    assert lines[3] == "    raise ImportError(missing)"
+    assert f"```text\n{lines[4]}\n```" in (ROOT / "README.md").read_text()
 
 
 def test_several_missing_packages_are_named_together():

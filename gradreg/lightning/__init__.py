@@ -6,6 +6,8 @@ this package only looks up the packages of the ``lightning`` extra, without impo
 with one line naming the extra.
 """
 
-from gradreg.extras import require
+from gradreg.extras import missing_extra
 
-require("lightning", "gradreg.lightning", "lightning", "tensorboard", "matplotlib", "numpy")
+if (missing := missing_extra("lightning", "gradreg.lightning", "lightning", "tensorboard",
+                             "matplotlib", "numpy")) is not None:
+    raise ImportError(missing)
