@@ -26,9 +26,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from importlib import metadata
 from importlib.util import find_spec
@@ -47,6 +46,7 @@ from . import command
 from .checks import ConfigError
 from .console import say
 from .hydra_compat import command_line_parser
+from .sweep_results import job_number
 
 #: the environment variable that hands the swept keys to jobs in other processes
 SWEPT_KEYS_VARIABLE = "GRADREG_SWEPT_KEYS"
@@ -263,114 +263,14 @@ def _same(text: str, value: Any) -> bool:
     return text == str(value)
 
 
-#: metrics where a larger value is better (name contains one of these) and where a smaller is
-HIGHER_IS_BETTER = ("acc", "modes", "high_quality")
-LOWER_IS_BETTER = ("loss", "energy_distance", "kl", "input_grad_norm")
-
-
 def job_results(sweep_dir: Path) -> list[tuple[dict[str, str], dict[str, float] | None]]:
     """Each job of a sweep, in job order: its overrides (``.hydra/overrides.yaml``) and its
     ``metrics.json`` (None where the job saved none: it failed or diverged)."""
     jobs = []
     for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"),
-                                 key=lambda path: _job_number(path.parents[1].name)):
+                                 key=lambda path: job_number(path.parents[1].name)):
         overrides = dict(item.split("=", 1) for item in OmegaConf.load(overrides_file))
         metrics_file = overrides_file.parents[1] / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
         jobs.append((overrides, metrics))
     return jobs
-
-
-def _job_number(name: str) -> tuple[int, str]:
-    """A job folder's number (``12_none`` -> 12) to sort by, then its name."""
-    number = name.split("_", 1)[0]
-    return (int(number) if number.isdigit() else sys.maxsize, name)
-
-
-def better(metric: str, optimized: str | None = None, direction: str | None = None
-           ) -> str | None:
-    """``"max"`` or ``"min"``: which value of ``metric`` is best (the sweeper's ``direction``
-    for the optimized metric, else read off its name); None where the name does not say."""
-    if metric == optimized and direction in ("maximize", "minimize"):
-        return direction[:3]
-    name = metric.rsplit("/", 1)[-1]
-    if any(word in name for word in LOWER_IS_BETTER):
-        return "min"
-    if any(word in name for word in HIGHER_IS_BETTER):
-        return "max"
-    return None
-
-
-def summary_table(jobs: Sequence[tuple[Mapping[str, str], Mapping[str, float] | None]],
-                  optimized: str | None = None, direction: str | None = None) -> str:
-    """A Markdown table of a sweep: one row per setting of the overrides that differ between
-    jobs (``seed`` left out), the number of its jobs that finished, and per validation and test
-    metric the mean ± standard deviation (sample, n - 1) over those jobs; the best mean of each
-    metric (:func:`better`) in bold. ``optimized`` is the first metric column."""
-    keys = sorted({key for overrides, _ in jobs for key in overrides})
-    varying = [key for key in keys if key != "seed"
-               and len({overrides.get(key) for overrides, _ in jobs}) > 1]
-    groups: dict[str, list[Mapping[str, float] | None]] = {}
-    for overrides, metrics in jobs:
-        label = " ".join(f"{key}={overrides.get(key, '')}" for key in varying) or "(all jobs)"
-        groups.setdefault(label, []).append(metrics)
-    names = sorted({name for _, metrics in jobs for name in metrics or {}
-                    if name.startswith(("val/", "test/"))})
-    if optimized in names:
-        names = [optimized, *(name for name in names if name != optimized)]
-    cells: dict[str, dict[str, tuple[float, float | None]]] = {}
-    for label, results in groups.items():
-        done = [metrics for metrics in results if metrics is not None]
-        cells[label] = {}
-        for name in names:
-            values = [metrics[name] for metrics in done if name in metrics]
-            if values:
-                spread = statistics.stdev(values) if len(values) > 1 else None
-                cells[label][name] = (statistics.fmean(values), spread)
-    best = {}
-    for name in names:
-        rule = better(name, optimized, direction)
-        means = [cells[label][name][0] for label in cells if name in cells[label]]
-        if rule is not None and len(means) > 1:
-            best[name] = max(means) if rule == "max" else min(means)
-    header = ["setting", "runs", *(f"{name} ({better(name, optimized, direction) or '?'})"
-                                   for name in names)]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, results in groups.items():
-        finished = sum(metrics is not None for metrics in results)
-        row = [label, f"{finished}/{len(results)}"]
-        for name in names:
-            if name not in cells[label]:
-                row.append("")
-                continue
-            mean, spread = cells[label][name]
-            text = f"{mean:.4g}" + (f" ± {spread:.2g}" if spread is not None else "")
-            row.append(f"**{text}**" if best.get(name) == mean else text)
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-class SweepSummary(Callback):
-    """Hydra callback: at the end of a sweep, ``summary.md`` in its folder (:func:`summary_table`
-    of its jobs, headed by the command's sweep), also printed; and the HParams declaration of
-    the sweep folder (:func:`gradreg.lightning.callbacks.hparams.declare_folder`), so that its
-    table has the columns that vary between the jobs and their metrics, the optimized one
-    first. A sweep without a finished job: nothing."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        jobs = job_results(sweep_dir)
-        if not any(metrics is not None for _, metrics in jobs):
-            return
-        optimized = config.get("optimized_metric")
-        direction = config.hydra.sweeper.get("direction")
-        direction = direction if isinstance(direction, str) else None
-        text = (f"# sweep {sweep_dir}\n\nmean ± standard deviation over the jobs of each "
-                "setting; the best of each metric in bold ((max): larger is better, (min): "
-                "smaller)\n\n" + summary_table(jobs, optimized, direction))
-        (sweep_dir / "summary.md").write_text(text)
-        say(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n"
-            f"{summary_table(jobs, optimized, direction)}")
-        from gradreg.lightning.callbacks.hparams import declare_folder
-
-        declare_folder(sweep_dir, first=optimized)

@@ -7,6 +7,7 @@ batches per trial, one thread."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -19,7 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from gradreg.app import sweeps
+from gradreg.app import sweep_table, sweeps
+from gradreg.app.sweep_figure import metric_vs_weight_figure
+from gradreg.app.sweep_results import read_jobs
+from gradreg.app.sweep_summary import SweepSummary
 
 from .conftest import CONFIGS, ROOT
 from .helpers import TINY, hparams, run_in_process, run_script
@@ -37,13 +41,12 @@ GAN_TRIAL = [*TINY, "threads=1"]
 
 
 def trials(sweep_dir: Path) -> dict[Path, tuple[dict[str, str], dict[str, float]]]:
-    """Each trial's run folder -> (its overrides, as in .hydra/overrides.yaml; its metrics.json)."""
+    """Each trial's run folder (in job order) -> (its overrides, as in .hydra/overrides.yaml;
+    its metrics.json)."""
     return {folder: (dict(item.split("=", 1)
                           for item in OmegaConf.load(folder / ".hydra" / "overrides.yaml")),
                      json.loads((folder / "metrics.json").read_text()))
-            for folder in sorted((path for path in sweep_dir.iterdir()
-                                  if path.is_dir() and not path.name.startswith(".")),
-                                 key=lambda path: int(path.name.split("_", 1)[0]))}
+            for folder in sorted(path.parent for path in sweep_dir.glob("*/.hydra"))}
 
 
 def check_study(result: subprocess.CompletedProcess, sweep_dir: Path, metric: str,
@@ -87,8 +90,8 @@ def test_a_diverged_trial_fails_alone_and_the_study_goes_on(tmp_path: Path) -> N
     result = run_script("-m", "hparams_search=classifier_robustness", space,
                         "hydra.sweeper.n_trials=4", *TRIAL, f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    folders = sorted(path.name for path in tmp_path.iterdir() if path.is_dir())
-    assert folders == [f"{index}_double_backprop:0.1_model.optimizer.lr:{lr}" for index, lr in
+    folders = sorted(path.parent.name for path in tmp_path.glob("*/.hydra"))
+    assert folders == [f"{index:03d}_double_backprop:0.1_model.optimizer.lr:{lr}" for index, lr in
                        enumerate(["1e+20", "0.001", "1e+20", "1e+20"])]
     assert [(tmp_path / name / "metrics.json").is_file() for name in folders] == [
         False, True, False, False]
@@ -120,15 +123,15 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         assert 0 <= metrics["val/acc_pgd"] <= 1
         row = hparams(folder / "tensorboard")
         assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
-    # the study's folder has one HParams declaration: the optimized metric first, the swept
-    # weight and lr as the columns that differ
-    assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
-    content = EventAccumulator(str(tmp_path)).Reload().PluginTagToContent("hparams")
+    # the study's folder has one HParams declaration, in its summary run: the optimized metric
+    # first, the swept weight and lr as the columns that differ
+    assert len(list(tmp_path.rglob("events.out.tfevents.*_hparams_folder"))) == 1
+    content = EventAccumulator(str(tmp_path / "summary")).Reload().PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
     assert experiment.metric_infos[0].name.tag == "val/acc_pgd"
     differ = {info.name for info in experiment.hparam_infos if info.differs}
-    assert {"weight", "lr"} <= differ and "seed" not in differ
+    assert {"weight", "lr", "log10_weight", "log10_lr"} <= differ and "seed" not in differ
     assert not list(tmp_path.rglob("*_hparams_run"))
     assert (tmp_path / "summary.md").is_file()
 
@@ -164,7 +167,8 @@ def test_submitit_local_runs_each_job_as_a_submitted_process(tmp_path: Path) -> 
                         f"hydra.sweep.dir={tmp_path / 'submitit'}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = trials(tmp_path / "submitit")
-    assert [folder.name for folder in runs] == ["0_double_backprop:0.03", "1_double_backprop:0.3"]
+    assert [folder.name for folder in runs] == ["000_double_backprop:0.03",
+                                                "001_double_backprop:0.3"]
     assert all(metrics["train/penalty/double_backprop"] > 0 for _, metrics in runs.values())
     logs = sorted((tmp_path / "submitit").glob(".submitit/*/*_0_log.out"))
     assert len(logs) == 2
@@ -306,49 +310,167 @@ def test_swept_keys_come_from_the_command_line_or_the_environment(
     assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ and "PYTHONPATH" not in os.environ
 
 
-def test_the_summary_has_one_row_per_setting_with_mean_and_spread_over_seeds() -> None:
-    """Two weights, two seeds each; the second seed of weight 1 failed (no metrics.json)."""
-    jobs = [({"penalty.weight": "0.1", "seed": "0", "trainer.max_epochs": "1"},
-             {"val/acc": 0.5, "val/loss": 1.0, "train/loss": 3.0}),
-            ({"penalty.weight": "0.1", "seed": "1", "trainer.max_epochs": "1"},
-             {"val/acc": 0.7, "val/loss": 0.8, "train/loss": 3.0}),
-            ({"penalty.weight": "1", "seed": "0", "trainer.max_epochs": "1"},
-             {"val/acc": 0.9, "val/loss": 0.95}),
-            ({"penalty.weight": "1", "seed": "1", "trainer.max_epochs": "1"}, None)]
-    table = sweeps.summary_table(jobs, optimized="val/loss", direction="minimize")
-    # mean 0.6, sample standard deviation sqrt(0.02) = 0.1414; val/loss: 0.9 ± 0.1414
-    assert table == (
-        "| setting | runs | val/loss (min) | val/acc (max) |\n"
-        "|---|---|---|---|\n"
-        "| penalty.weight=0.1 | 2/2 | **0.9 ± 0.14** | 0.6 ± 0.14 |\n"
-        "| penalty.weight=1 | 1/2 | 0.95 | **0.9** |\n")
-    assert sweeps.better("val/energy_distance") == "min"
-    assert sweeps.better("test/modes") == "max"
-    assert sweeps.better("test/wasserstein") is None
-    assert sweeps.better("test/wasserstein", "test/wasserstein", "maximize") == "max"
+# a sweep of penalty=none,double_backprop penalty.weight=0.1,1 seed=0,1,2 (none ignores the
+# weight: its two jobs per seed measure the same), plus a 4th seed of weight 1 that failed
+ACC_PGD = {("none", 0): 0.50, ("none", 1): 0.52, ("none", 2): 0.48,
+           ("0.1", 0): 0.60, ("0.1", 1): 0.64, ("0.1", 2): 0.62,
+           ("1", 0): 0.55, ("1", 1): 0.45, ("1", 2): 0.50}
+ACC = {("none", 0): 0.90, ("none", 1): 0.92, ("none", 2): 0.94,
+       ("0.1", 0): 0.91, ("0.1", 1): 0.90, ("0.1", 2): 0.95,
+       ("1", 0): 0.80, ("1", 1): 0.83, ("1", 2): 0.83}
 
 
-def test_a_grid_sweep_writes_and_prints_its_summary(tmp_path: Path) -> None:
-    """``-m penalty.weight=0.03,0.3 seed=0,1``: four jobs named by their penalty, weight and
-    seed; summary.md has a row per weight whose cells are the mean and the sample standard
-    deviation of its two seeds' metrics.json, and the sweep's output ends with it."""
-    result = run_script("-m", "penalty.weight=0.03,0.3", "seed=0,1", *TRIAL, "logger=none",
-                        "callbacks=none", f"hydra.sweep.dir={tmp_path}")
+def synthetic_sweep(folder: Path) -> None:
+    """The job folders the app writes (``.hydra/config.yaml``, ``.hydra/overrides.yaml``,
+    ``metrics.json``) of the sweep above, with the numbers of :data:`ACC_PGD` and :data:`ACC`."""
+    jobs = [("none", weight, seed) for weight in ("0.1", "1") for seed in range(3)]
+    jobs += [("double_backprop", weight, seed) for weight in ("0.1", "1") for seed in range(3)]
+    jobs += [("double_backprop", "1", 3)]
+    for number, (penalty, weight, seed) in enumerate(jobs):
+        job = folder / f"{number:03d}_{penalty}_seed:{seed}"
+        (job / ".hydra").mkdir(parents=True)
+        config = {"seed": seed, "penalty": {"name": penalty, "weight": float(weight)}}
+        OmegaConf.save(OmegaConf.create(config), job / ".hydra" / "config.yaml")
+        OmegaConf.save(OmegaConf.create([f"penalty={penalty}", f"penalty.weight={weight}",
+                                         f"seed={seed}", "trainer.max_epochs=1"]),
+                       job / ".hydra" / "overrides.yaml")
+        key = ("none" if penalty == "none" else weight, seed)
+        if key in ACC:
+            (job / "metrics.json").write_text(json.dumps(
+                {"test/acc": ACC[key], "test/acc_pgd": ACC_PGD[key], "val/acc": 0.5,
+                 "train/loss": 1.0}))
+
+
+def run_summary(sweep_dir: Path, optimized: str | None = None) -> None:
+    """The sweep callback's end, as Hydra calls it."""
+    config = OmegaConf.create({"optimized_metric": optimized,
+                               "hydra": {"sweep": {"dir": str(sweep_dir)}, "sweeper": {}}})
+    SweepSummary().on_multirun_end(config)
+
+
+def test_the_summary_gives_each_weights_difference_from_the_baseline_paired_by_seed(
+        tmp_path: Path) -> None:
+    """test/acc_pgd: λ=0.1 differs from the baseline by 0.10, 0.12, 0.14 on seeds 0, 1, 2: Δ =
+    +0.12, SD(Δ) = 0.02, SE = 0.02/√3 = 0.01155 < 0.12/2: bold (the best mean, 0.62 ± 0.02);
+    λ=1: 0.05, -0.07, 0.02: Δ = 0, SD = √(0.0039) = 0.06245, SE = 0.03606 (the failed 4th
+    seed pairs with nothing). test/acc: the best mean, λ=0.1's 0.92, differs by 0.01, -0.02,
+    0.01 (Δ = 0): no bold; λ=1's -0.10, -0.09, -0.11 exceed the noise, but downwards. The
+    baseline is one row of its 6 jobs, at λ = 0."""
+    synthetic_sweep(tmp_path)
+    run_summary(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith(f"# sweep {tmp_path}\n\nPer metric, one row per setting: mean ± SD "
+                              "over its seeds (SD: the sample standard deviation, n − 1;")
+    assert "A difference exceeds the noise where |Δ| > 2·SE" in summary
+    assert "Seeds 0, 1, 2, 3; baseline: penalty=none (λ = 0).\n" in summary
+    assert summary.endswith(
+        "## test/acc (max)\n\n"
+        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
+        "|---|---|---|---|---|\n"
+        "| none | 0 | 6/6 | 0.920 ± 0.020 |  |\n"
+        "| double_backprop | 0.1 | 3/3 | 0.920 ± 0.026 | +0.000 ± 0.010 |\n"
+        "| double_backprop | 1 | 3/4 | 0.820 ± 0.017 | -0.1000 ± 0.0058 |\n\n"
+        "## test/acc_pgd (max)\n\n"
+        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
+        "|---|---|---|---|---|\n"
+        "| none | 0 | 6/6 | 0.500 ± 0.020 |  |\n"
+        "| double_backprop | 0.1 | 3/3 | **0.620 ± 0.020** | **+0.120 ± 0.012** |\n"
+        "| double_backprop | 1 | 3/4 | 0.500 ± 0.050 | +0.000 ± 0.036 |\n")
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))  # no TensorBoard logs: no run
+
+
+def test_the_optimized_metric_comes_first_and_a_sweep_without_baseline_marks_nothing(
+        tmp_path: Path) -> None:
+    """Without penalty=none jobs there is no difference to judge a best by."""
+    synthetic_sweep(tmp_path)
+    for job in tmp_path.glob("*_none_*"):
+        for path in sorted(job.rglob("*"), reverse=True):
+            path.unlink() if path.is_file() else path.rmdir()
+        job.rmdir()
+    run_summary(tmp_path, optimized="val/acc")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Seeds 0, 1, 2, 3; no penalty=none runs: no differences.\n" in summary
+    assert [line for line in summary.splitlines() if line.startswith("## ")] == [
+        "## val/acc (max)", "## test/acc (max)", "## test/acc_pgd (max)"]
+    assert "**" not in summary
+    assert "| double_backprop | 0.1 | 3/3 | 0.620 ± 0.020 |  |" in summary
+
+
+def test_the_figure_draws_each_metric_against_the_weight_on_a_log_axis(tmp_path: Path) -> None:
+    """One panel per test metric, λ on a log axis: the penalty's line through its means at
+    λ = 0.1 and 1 with a band of ± SD, the baseline's mean as a horizontal line; one legend."""
+    synthetic_sweep(tmp_path)
+    run_summary(tmp_path)
+    assert (tmp_path / "metric_vs_weight.png").stat().st_size > 10_000
+    figure = metric_vs_weight_figure(read_jobs(tmp_path))
+    panels = [ax for ax in figure.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["test/acc", "test/acc_pgd"]
+    for ax, values, sd in ((panels[0], ACC, 0.02), (panels[1], ACC_PGD, 0.02)):
+        assert ax.get_xscale() == "log" and ax.get_xlabel() == "penalty weight λ"
+        baseline, line = ax.get_lines()
+        assert baseline.get_label() == "none (λ = 0)"
+        assert baseline.get_ydata()[0] == pytest.approx(statistics.fmean(
+            values["none", seed] for seed in range(3)))
+        assert line.get_label() == "double_backprop"
+        assert list(line.get_xdata()) == [0.1, 1.0]
+        assert list(line.get_ydata()) == pytest.approx([
+            statistics.fmean(values[weight, seed] for seed in range(3))
+            for weight in ("0.1", "1")])
+        band = ax.collections[-1].get_paths()[0].vertices  # the penalty's ± SD band
+        low = line.get_ydata()[0] - statistics.stdev(values["0.1", seed] for seed in range(3))
+        assert band[:, 1].min() == pytest.approx(min(low, line.get_ydata()[1] - statistics.stdev(
+            values["1", seed] for seed in range(3))))
+        assert sd > 0
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "none (λ = 0)", "double_backprop"]
+
+
+def test_a_sweep_of_baselines_only_draws_no_figure(tmp_path: Path) -> None:
+    synthetic_sweep(tmp_path)
+    jobs = [job for job in read_jobs(tmp_path) if job.penalty == "none"]
+    assert metric_vs_weight_figure(jobs) is None
+    assert sweep_table.better("val/energy_distance") == "min"
+    assert sweep_table.better("test/modes") == "max"
+    assert sweep_table.better("test/wasserstein") is None
+    assert sweep_table.better("test/wasserstein", "test/wasserstein", "maximize") == "max"
+
+
+def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: Path) -> None:
+    """``-m penalty=none,double_backprop penalty.weight=0.3 seed=0,1 callbacks=hparams``: four
+    jobs named by their zero-padded number, penalty, weight and seed; the baseline's HParams
+    row has weight 0 (not the 0.3 it ignores), one ``weight`` column for every penalty and its
+    log10; the TensorBoard runs are the four jobs and ``summary`` (figure, text and the one
+    HParams declaration), no run ``.``; summary.md pairs the seeds of the two metrics.json."""
+    result = run_script("-m", "penalty=none,double_backprop", "penalty.weight=0.3", "seed=0,1",
+                        *TRIAL, "callbacks=hparams", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = trials(tmp_path)
     assert [folder.name for folder in runs] == [
-        "0_double_backprop:0.03_seed:0", "1_double_backprop:0.03_seed:1",
-        "2_double_backprop:0.3_seed:0", "3_double_backprop:0.3_seed:1"]
+        "000_none_seed:0", "001_none_seed:1",
+        "002_double_backprop:0.3_seed:0", "003_double_backprop:0.3_seed:1"]
+    rows = {folder.name: hparams(folder / "tensorboard") for folder in runs}
+    assert [(row["penalty"], row["weight"], row.get("log10_weight"), row["log10_lr"])
+            for row in rows.values()] == [
+        ("none", 0.0, None, -3.0), ("none", 0.0, None, -3.0),
+        ("double_backprop", 0.3, pytest.approx(math.log10(0.3)), -3.0),
+        ("double_backprop", 0.3, pytest.approx(math.log10(0.3)), -3.0)]
+    assert not any(name.startswith("penalty/weight/") for row in rows.values() for name in row)
+    assert not list(tmp_path.glob("events.out.tfevents.*"))  # no run "."
+    summary_run = EventAccumulator(str(tmp_path / "summary")).Reload()
+    assert summary_run.Tags()["images"] == ["sweep/metric_vs_weight"]
+    content = summary_run.PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]).experiment
+    differ = {info.name for info in experiment.hparam_infos if info.differs}
+    assert differ == {"penalty", "weight", "log10_weight", "seed"}
+    assert (tmp_path / "metric_vs_weight.png").is_file()
     summary = (tmp_path / "summary.md").read_text()
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
-            for line in summary.splitlines() if line.startswith("| penalty.weight=")}
-    header = next(line for line in summary.splitlines() if line.startswith("| setting"))
-    column = header.split(" | ").index("val/acc (max)")
-    for weight, seeds in (("0.03", list(runs)[:2]), ("0.3", list(runs)[2:])):
-        values = [runs[folder][1]["val/acc"] for folder in seeds]
-        cell = rows[f"penalty.weight={weight}"][column].strip("*")
-        assert rows[f"penalty.weight={weight}"][1] == "2/2"
-        assert cell == f"{statistics.fmean(values):.4g} ± {statistics.stdev(values):.2g}"
-    assert summary.startswith(f"# sweep {tmp_path}\n")
+    metrics = [value for _, value in runs.values()]
+    deltas = [metrics[2 + seed]["test/acc_pgd"] - metrics[seed]["test/acc_pgd"]
+              for seed in range(2)]
+    row = next(line for line in summary.split("## test/acc_pgd")[1].splitlines()
+               if line.startswith("| double_backprop | 0.3 | 2/2 |"))
+    se = statistics.stdev(deltas) / math.sqrt(2)
+    assert row.split(" | ")[-1].strip(" |*") == sweep_table.estimate(
+        statistics.fmean(deltas), se, sign=True)
     assert f"sweep summary ({tmp_path / 'summary.md'}):" in result.stdout
-    assert not list(tmp_path.glob("events.out.tfevents.*"))  # logger=none: no HParams table

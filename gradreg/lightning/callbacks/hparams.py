@@ -14,11 +14,12 @@ value is the latest scalar under the metric's own tag. So:
   ``SUCCESS``, or at an exception (a crash, Ctrl-C) ``FAILURE``, each with its real time, and
   the run's own declaration: its hyperparameters and the configured metrics it logged (``first``
   leading), so a classifier run declares classifier metrics and a GAN run GAN metrics;
-* :func:`declare_folder` writes the declaration of a whole log folder, in an event file at its
-  root, from what its runs hold: every run's hyperparameters, the ones whose values differ
-  between runs marked (TensorBoard shows them first, the others a click away), and the union of
-  the runs' metrics with ``first`` (the metric a search optimizes) leading. The runs write
-  their declarations in event files of their own (``*_hparams_run``), which it removes: the
+* :func:`declare_folder` writes the declaration of a whole log folder, in an event file of a run
+  of its own (the app's sweeps: ``summary/``), from what its runs hold: every run's
+  hyperparameters, the ones whose values differ between runs (or that some runs leave blank)
+  marked (TensorBoard shows them first, the others a click away), and the union of the runs'
+  metrics with ``first`` (the metric a search optimizes) leading. The runs write their
+  declarations in event files of their own (``*_hparams_run``), which it removes: the
   folder's is then the only one, whatever order TensorBoard reads the runs in. The app writes
   it at the end of every sweep.
 
@@ -130,10 +131,14 @@ class HParamsLogger(pl.Callback):
             first five metric columns by default.
         ends_after: ``"fit"`` or ``"test"``: the stage whose end is the run's end (the app tests
             after fitting: ``"test"``).
+        weight_columns: whether each penalty submodule's weight is a column of its own,
+            ``penalty/weight/<module path>`` (blank in the rows of runs without that penalty);
+            the app logs one ``weight`` column instead, 0 for ``penalty=none``, in ``hparams``.
     """
 
     def __init__(self, metrics: Sequence[str], hparams: Mapping[str, Any] | None = None,
-                 *, first: str | None = None, ends_after: str = "fit") -> None:
+                 *, first: str | None = None, ends_after: str = "fit",
+                 weight_columns: bool = True) -> None:
         if isinstance(metrics, str):
             raise ValueError(f"metrics must be a list of names, got the string {metrics!r}; "
                              f"write metrics=[{metrics!r}].")
@@ -145,6 +150,7 @@ class HParamsLogger(pl.Callback):
         self.metrics = tuple(dict.fromkeys([*([first] if first else []), *metrics]))
         self.hparams = dict(hparams or {})
         self.ends_after = ends_after
+        self.weight_columns = weight_columns
         self.params: dict[str, Value] = {}
         self.logged: set[str] = set()
         self._started: set[str] = set()
@@ -186,8 +192,9 @@ class HParamsLogger(pl.Callback):
         writer = self._writer(trainer)
         if writer is None or writer.log_dir in self._started:
             return
-        weights = {f"{PENALTY_WEIGHT}/{name}": weight
-                   for name, weight in penalty_weights(pl_module).items()}
+        weights = ({f"{PENALTY_WEIGHT}/{name}": weight
+                    for name, weight in penalty_weights(pl_module).items()}
+                   if self.weight_columns else {})
         self.params = tensorboard_values({**pl_module.hparams, **weights, **self.hparams})
         file_writer = event_file_writer(writer)
         file_writer.add_summary(session_start(self.params, time.time()))
@@ -209,21 +216,26 @@ class HParamsLogger(pl.Callback):
         self._ended.add(writer.log_dir)
 
 
-def declare_folder(folder: str | Path, first: str | None = None) -> list[str]:
+def declare_folder(folder: str | Path, first: str | None = None, run: str | None = None
+                   ) -> list[str]:
     """Write the HParams declaration of the log folder ``folder`` from its runs (module
-    docstring), replacing an earlier one; returns the metric tags declared. Nothing is written
-    where no run under ``folder`` has hyperparameters."""
+    docstring), replacing an earlier one; returns the metric tags declared. It goes in the
+    run ``folder/run`` (a run without hyperparameters of its own, e.g. a sweep's summary), or at
+    ``folder``'s root without ``run`` (where TensorBoard lists it as a run named ``.``). Nothing
+    is written where no run under ``folder`` has hyperparameters."""
     folder = Path(folder)
     values: dict[str, list[Value]] = {}
     kinds: dict[str, int] = {}
     metrics: list[str] = []
+    sessions = 0
     runs = sorted({path.parent for path in folder.rglob("events.out.tfevents.*")})
-    for run in runs:
-        content = _hparams_content(run)
+    for run_dir in runs:
+        content = _hparams_content(run_dir)
         if metadata.SESSION_START_INFO_TAG not in content:
             continue
         start = plugin_data_pb2.HParamsPluginData.FromString(
             content[metadata.SESSION_START_INFO_TAG]).session_start_info
+        sessions += 1
         for name, value in start.hparams.items():
             kind = value.WhichOneof("kind")
             kinds[name] = {"bool_value": api_pb2.DATA_TYPE_BOOL,
@@ -239,10 +251,12 @@ def declare_folder(folder: str | Path, first: str | None = None) -> list[str]:
         return []
     if first is not None:
         metrics = [first, *(tag for tag in metrics if tag != first)]
-    columns = {name: (kinds[name], len(set(seen)) > 1) for name, seen in values.items()}
-    for old in folder.glob(f"events.out.tfevents.*{FOLDER_DECLARATION}"):
+    # a value that differs, or a blank cell in some runs' rows (a log10 of λ = 0)
+    columns = {name: (kinds[name], len(set(seen)) > 1 or len(seen) < sessions)
+               for name, seen in values.items()}
+    for old in folder.rglob(f"events.out.tfevents.*{FOLDER_DECLARATION}"):
         old.unlink()
-    writer = FileWriter(str(folder), filename_suffix=FOLDER_DECLARATION)
+    writer = FileWriter(str(folder / run if run else folder), filename_suffix=FOLDER_DECLARATION)
     writer.add_summary(experiment(columns, metrics))
     writer.close()
     for run_declaration in folder.rglob(f"events.out.tfevents.*{RUN_DECLARATION}"):

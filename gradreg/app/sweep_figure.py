@@ -1,0 +1,81 @@
+"""The metric-vs-λ figure of a sweep: each outcome metric against the penalty weight.
+
+One panel per outcome metric (:func:`~gradreg.app.sweep_results.outcome_metrics`), λ on a log
+axis; per penalty (and setting of the other swept overrides) one colour, a line through the mean
+over seeds at each λ and a band of ± one sample standard deviation; the baseline
+(``penalty=none``, λ = 0, which a log axis cannot place) as a grey horizontal line at its mean
+with a band of ± its SD across the whole axis. One legend for all panels. Drawn on a
+:class:`matplotlib.figure.Figure` (Agg, no pyplot state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from .sweep_results import Job, Setting, outcome_metrics, settings
+
+COLUMNS = 3
+BASELINE_COLOUR = "0.35"
+
+
+def series_name(setting: Setting) -> str:
+    """``double_backprop``, ``r1 model.optimizer.lr=0.001``: a series' legend entry."""
+    return " ".join([setting.penalty, *(f"{key}={value}" for key, value in setting.others)])
+
+
+def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
+                            title: str = "") -> Figure | None:
+    """The figure (module docstring) of ``jobs``; None where no finished job has a penalty
+    with λ > 0 (nothing to put on a log axis)."""
+    rows = settings(jobs)
+    penalized = [s for s in rows if not s.is_baseline and s.weight > 0 and s.finished]
+    metrics = outcome_metrics(jobs, optimized)
+    if not penalized or not metrics:
+        return None
+    series: dict[str, list[Setting]] = {}
+    for setting in penalized:
+        series.setdefault(series_name(setting), []).append(setting)
+    colours = {name: f"C{k % 10}" for k, name in enumerate(series)}
+    columns = min(COLUMNS, len(metrics))
+    rows_of_panels = -(-len(metrics) // columns)
+    fig = Figure(figsize=(4.6 * columns, 3.6 * rows_of_panels + 0.9), dpi=100,
+                 layout="constrained")
+    axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
+    for ax, metric in zip(axes, metrics, strict=False):  # axes past the metrics: hidden
+        for baseline in (s for s in rows if s.is_baseline):
+            values = baseline.spread(metric)
+            if values is None:
+                continue
+            label = " ".join(["none (λ = 0)", *(f"{k}={v}" for k, v in baseline.others)])
+            ax.axhline(values.mean, color=BASELINE_COLOUR, linestyle="--", label=label)
+            if values.sd is not None:
+                ax.axhspan(values.mean - values.sd, values.mean + values.sd,
+                           color=BASELINE_COLOUR, alpha=0.15, linewidth=0)
+        for name, members in series.items():
+            points = [(s.weight, s.spread(metric)) for s in members]
+            points = sorted((w, v) for w, v in points if v is not None)
+            if not points:
+                continue
+            weights = np.array([w for w, _ in points])
+            means = np.array([v.mean for _, v in points])
+            sds = np.array([v.sd if v.sd is not None else 0.0 for _, v in points])
+            ax.plot(weights, means, marker="o", color=colours[name], label=name)
+            ax.fill_between(weights, means - sds, means + sds, color=colours[name], alpha=0.2,
+                            linewidth=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("penalty weight λ")
+        ax.set_title(metric)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    handles, labels = axes[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    fig.legend(unique.values(), unique.keys(), loc="outside lower center",
+               ncols=min(4, len(unique)))
+    seeds = len({job.seed for job in jobs})
+    fig.suptitle(f"{title}\nmean ± SD over {seeds} seed{'s' * (seeds != 1)}; "
+                 "grey dashed: no penalty".lstrip("\n"))
+    return fig

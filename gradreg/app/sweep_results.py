@@ -1,0 +1,202 @@
+r"""What the jobs of a sweep measured, as settings against the baseline, paired by seed.
+
+A job is one run of a sweep's folder: its penalty and **effective** weight :math:`\lambda` (from
+its ``.hydra/config.yaml``: 0 for ``penalty=none``, whatever ``penalty.weight`` the command line
+gave it), its seed, the other swept overrides (``.hydra/overrides.yaml``: those whose values
+differ between the jobs, ``seed``, ``penalty`` and ``penalty.weight`` left out) and its
+``metrics.json`` (None where it saved none: it failed or diverged).
+
+A **setting** is the jobs of one (penalty, λ, other overrides); the **baseline** of a setting is
+the ``penalty=none`` setting with the same other overrides (one row however many weights the
+command line gave ``none``). Statistics, per metric, over seeds :math:`s = 1..n`:
+
+* a setting's value of seed :math:`s`, :math:`x_s`: the mean of its jobs with that seed;
+* its mean :math:`\bar x` and sample standard deviation
+  :math:`\mathrm{SD} = \sqrt{\sum_s (x_s - \bar x)^2 / (n - 1)}` (none for one seed);
+* its difference from the baseline :math:`b`, paired by seed over the seeds both have:
+  :math:`d_s = x_s - b_s`, :math:`\bar d`, and its standard error
+  :math:`\mathrm{SE} = \mathrm{SD}(d) / \sqrt{n}`; the difference **exceeds the noise** where
+  :math:`|\bar d| > 2\,\mathrm{SE}` (and :math:`n \ge 2`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+#: overrides that a setting states in its own columns (penalty, λ) or pairs by (seed)
+OWN_KEYS = ("penalty", "penalty.weight", "seed")
+#: the penalty name of the baseline
+BASELINE = "none"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of a sweep (module docstring)."""
+
+    penalty: str
+    weight: float
+    seed: str
+    overrides: Mapping[str, str]
+    metrics: Mapping[str, float] | None
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Mean and sample standard deviation (None for one value) of ``n`` per-seed values."""
+
+    mean: float
+    sd: float | None
+    n: int
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Mean of the per-seed differences from the baseline and its standard error (None for one
+    seed), over ``n`` paired seeds."""
+
+    mean: float
+    se: float | None
+    n: int
+
+    @property
+    def exceeds_noise(self) -> bool:
+        """:math:`|\\bar d| > 2\\,\\mathrm{SE}`, with a standard error (two seeds or more)."""
+        return self.se is not None and abs(self.mean) > 2 * self.se
+
+
+@dataclass
+class Setting:
+    """The jobs of one (penalty, λ, other swept overrides)."""
+
+    penalty: str
+    weight: float
+    others: tuple[tuple[str, str], ...]
+    jobs: list[Job] = field(default_factory=list)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.penalty == BASELINE
+
+    @property
+    def finished(self) -> list[Job]:
+        return [job for job in self.jobs if job.metrics is not None]
+
+    def per_seed(self, metric: str) -> dict[str, float]:
+        """seed -> the mean of ``metric`` over this setting's finished jobs with that seed."""
+        values: dict[str, list[float]] = {}
+        for job in self.finished:
+            if metric in job.metrics:
+                values.setdefault(job.seed, []).append(float(job.metrics[metric]))
+        return {seed: float(np.mean(seen)) for seed, seen in values.items()}
+
+    def spread(self, metric: str) -> Spread | None:
+        """Mean ± sample SD of :meth:`per_seed`; None where no job logged ``metric``."""
+        return spread(list(self.per_seed(metric).values()))
+
+
+def spread(values: Sequence[float]) -> Spread | None:
+    """Mean and sample standard deviation (``ddof=1``) of ``values``; None where empty."""
+    if not values:
+        return None
+    array = np.asarray(values, dtype=float)
+    sd = float(array.std(ddof=1)) if len(array) > 1 else None
+    return Spread(float(array.mean()), sd, len(array))
+
+
+def paired_difference(values: Mapping[str, float], baseline: Mapping[str, float]
+                      ) -> Difference | None:
+    """:math:`\\bar d \\pm \\mathrm{SE}` of ``values[s] - baseline[s]`` over the seeds ``s`` both
+    have (module docstring); None where they share no seed."""
+    seeds = [seed for seed in values if seed in baseline]
+    if not seeds:
+        return None
+    diffs = np.array([values[seed] - baseline[seed] for seed in seeds])
+    se = float(diffs.std(ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
+    return Difference(float(diffs.mean()), se, len(diffs))
+
+
+def effective_weight(penalty: str, weight: object) -> float:
+    """λ as the run uses it: 0 for ``penalty=none`` (which ignores ``penalty.weight``), else
+    ``weight`` (0 where the config has none)."""
+    if penalty == BASELINE or weight is None:
+        return 0.0
+    return float(weight)
+
+
+def read_jobs(sweep_dir: Path) -> list[Job]:
+    """The jobs of the sweep folder ``sweep_dir`` (each folder with ``.hydra/config.yaml``), in
+    job order."""
+    jobs = []
+    for config_file in sorted(sweep_dir.glob("*/.hydra/config.yaml"),
+                              key=lambda path: job_number(path.parents[1].name)):
+        folder = config_file.parents[1]
+        config = OmegaConf.load(config_file)
+        overrides_file = folder / ".hydra" / "overrides.yaml"
+        overrides = (dict(item.split("=", 1) for item in OmegaConf.load(overrides_file))
+                     if overrides_file.is_file() else {})
+        penalty = str(OmegaConf.select(config, "penalty.name", default=BASELINE))
+        weight = OmegaConf.select(config, "penalty.weight", default=None,
+                                  throw_on_resolution_failure=False)
+        metrics_file = folder / "metrics.json"
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
+        jobs.append(Job(penalty, effective_weight(penalty, weight),
+                        str(OmegaConf.select(config, "seed", default="")), overrides, metrics))
+    return jobs
+
+
+def job_number(name: str) -> tuple[int, str]:
+    """A job folder's number (``012_none`` -> 12) to sort by, then its name."""
+    number = name.split("_", 1)[0]
+    return (int(number) if number.isdigit() else 1 << 62, name)
+
+
+def settings(jobs: Iterable[Job]) -> list[Setting]:
+    """The settings of ``jobs``: the baselines first, then each penalty (in the order the
+    jobs first meet it) by increasing λ; within those, by the other overrides."""
+    jobs = list(jobs)
+    keys = sorted({key for job in jobs for key in job.overrides} - set(OWN_KEYS))
+    varying = [key for key in keys if len({job.overrides.get(key) for job in jobs}) > 1]
+    grouped: dict[tuple, Setting] = {}
+    for job in jobs:
+        others = tuple((key, job.overrides.get(key, "")) for key in varying)
+        key = (job.penalty, job.weight, others)
+        grouped.setdefault(key, Setting(job.penalty, job.weight, others)).jobs.append(job)
+    order = {penalty: k for k, penalty in enumerate(
+        dict.fromkeys([BASELINE, *(job.penalty for job in jobs)]))}
+    return sorted(grouped.values(),
+                  key=lambda s: (order[s.penalty], s.weight, [value for _, value in s.others]))
+
+
+def baseline_of(setting: Setting, all_settings: Sequence[Setting]) -> Setting | None:
+    """The ``penalty=none`` setting with ``setting``'s other overrides; None where the sweep
+    has none (or ``setting`` is a baseline)."""
+    if setting.is_baseline:
+        return None
+    return next((other for other in all_settings
+                 if other.is_baseline and other.others == setting.others), None)
+
+
+def difference(setting: Setting, all_settings: Sequence[Setting], metric: str
+               ) -> Difference | None:
+    """``setting``'s paired difference from its baseline in ``metric`` (None without one)."""
+    baseline = baseline_of(setting, all_settings)
+    if baseline is None:
+        return None
+    return paired_difference(setting.per_seed(metric), baseline.per_seed(metric))
+
+
+def outcome_metrics(jobs: Iterable[Job], optimized: str | None = None) -> list[str]:
+    """The metrics a sweep is judged by: the ``test/`` metrics its jobs logged (the
+    ``val/`` ones where none logged a test metric), sorted, ``optimized`` first."""
+    logged = {name for job in jobs for name in job.metrics or {}}
+    names = sorted(name for name in logged if name.startswith("test/")) or sorted(
+        name for name in logged if name.startswith("val/"))
+    if optimized in logged:
+        names = [optimized, *(name for name in names if name != optimized)]
+    return names

@@ -1,0 +1,78 @@
+"""The end of every sweep: which λ won, by how much, over seeds.
+
+:class:`SweepSummary` (a Hydra callback, ``hydra.callbacks.sweep_summary`` in configs/train.yaml)
+reads the sweep's jobs (:mod:`gradreg.app.sweep_results`) and writes in the sweep folder:
+
+* ``summary.md`` (also printed): per outcome metric, each setting's mean ± SD over seeds and its
+  difference from the ``penalty=none`` baseline paired by seed ± its standard error, the best
+  marked where the difference exceeds the noise (:mod:`gradreg.app.sweep_table`);
+* ``metric_vs_weight.png``: each outcome metric against λ on a log axis, mean and band over
+  seeds, the baseline as a horizontal band (:mod:`gradreg.app.sweep_figure`);
+
+and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holding the figure
+(Images tab, tag ``sweep/metric_vs_weight``), ``summary.md`` (Text tab, ``sweep/summary``) and
+the HParams declaration of the sweep folder
+(:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
+jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from .console import say
+from .sweep_figure import metric_vs_weight_figure
+from .sweep_results import read_jobs
+from .sweep_table import summary_markdown
+
+FIGURE = "metric_vs_weight.png"
+SUMMARY = "summary.md"
+#: the TensorBoard run of the sweep folder that holds the summary and the HParams declaration
+SUMMARY_RUN = "summary"
+FIGURE_TAG, TEXT_TAG = "sweep/metric_vs_weight", "sweep/summary"
+
+
+class SweepSummary(Callback):
+    """Hydra callback: at the end of a sweep, its summary, figure and TensorBoard run (module
+    docstring). A sweep without a finished job: nothing."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = read_jobs(sweep_dir)
+        if not any(job.metrics is not None for job in jobs):
+            return
+        optimized = config.get("optimized_metric")
+        direction = config.hydra.sweeper.get("direction")
+        direction = direction if isinstance(direction, str) else None
+        body = summary_markdown(jobs, optimized, direction)
+        (sweep_dir / SUMMARY).write_text(f"# sweep {sweep_dir}\n\n{body}")
+        say(f"\nsweep summary ({sweep_dir / SUMMARY}):\n{body}")
+        figure = metric_vs_weight_figure(
+            jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}")
+        if figure is not None:
+            figure.savefig(sweep_dir / FIGURE)
+            say(f"metric vs λ: {sweep_dir / FIGURE}")
+        if any(sweep_dir.glob("*/**/events.out.tfevents.*")):
+            log_summary(sweep_dir, body, figure, optimized)
+
+
+def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None) -> None:
+    """The ``summary`` run of the sweep folder (module docstring), replacing an earlier one's
+    figure and text."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from gradreg.lightning.callbacks.hparams import declare_folder
+
+    run = sweep_dir / SUMMARY_RUN
+    for old in run.glob("events.out.tfevents.*"):
+        old.unlink()
+    writer = SummaryWriter(str(run))
+    writer.add_text(TEXT_TAG, body)
+    if figure is not None:
+        writer.add_figure(FIGURE_TAG, figure, close=False)
+    writer.close()
+    declare_folder(sweep_dir, first=optimized, run=SUMMARY_RUN)
