@@ -184,7 +184,7 @@ def test_the_core_depends_on_torch_alone_and_the_extras_build_on_each_other():
     extras = PROJECT["optional-dependencies"]
     assert names(PROJECT["dependencies"]) == {"torch"}
     assert names(extras["lightning"]) == {"lightning", "tensorboard", "scikit-learn",
-                                          "matplotlib", "numpy"}
+                                          "matplotlib", "numpy", "threadpoolctl"}
     assert names(extras["app"]) == {"gradreg", "hydra-core"}
     assert "gradreg[lightning]" in extras["app"]
     assert "gradreg[app]" in extras["dev"] and "gradreg[app]" in extras["sweeps"]

@@ -86,7 +86,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: _is_int(v) and 0 <= v <= MAX_SEED,
              f"an integer from 0 to {MAX_SEED} (numpy's seed range)"),
     "threads": (lambda v: v is None or (_is_int(v) and v >= 1),
-                "an integer >= 1 (torch's CPU threads), or null for torch's default"),
+                "an integer >= 1 (the run's CPU threads, in every thread pool), or null for "
+                "each library's default"),
     "trainer.max_epochs": (lambda v: v is None or (_is_int(v) and v >= 1),
                            "an integer >= 1 (0 would report the untrained model's metrics as "
                            "results; -1, training without end, is not offered: set "

@@ -4,12 +4,16 @@ Threads: torch runs each CPU op on ``torch.get_num_threads()`` OpenMP threads (a
 default), and every op waits for its slowest thread. The app's models are small, so each op is
 short and the wait dominates: when another process holds a core, the thread scheduled there
 stalls every op. Measured on 2 vCPUs with a second process busy: ``experiment=moons_jacobian``
-took 170 s with torch's 2 threads and 15 s with one. ``threads`` (default 1) sets the count.
+took 170 s with torch's 2 threads and 15 s with one. ``threads`` (default 1) sets the count, for
+torch and for every other native thread pool of the process (:func:`limit_threads`): OpenBLAS
+under numpy and scipy and scikit-learn's OpenMP runtime start one thread per core too, and
+spin between calls.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -19,6 +23,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.strategies import DDPStrategy
+from threadpoolctl import threadpool_limits
 
 from gradreg.lightning.compat import relaunches_script
 from gradreg.lightning.global_batch import GlobalBatchDDPStrategy, check_splittable
@@ -42,12 +47,29 @@ class _NoTips(logging.Filter):
         return not str(record.msg).startswith("💡 Tip")
 
 
+#: the variables the native thread pools read when their library loads: OpenMP runtimes (torch's,
+#: scikit-learn's), OpenBLAS (numpy's, scipy's), MKL
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_threads(threads: int) -> None:
+    """Run every CPU thread pool of this process and of the processes it starts on ``threads``
+    threads: torch's (``torch.set_num_threads``), the pools of the native libraries already
+    loaded (threadpoolctl: OpenBLAS under numpy and scipy, the OpenMP runtimes), and, through
+    :data:`THREAD_VARIABLES` in the environment, those of libraries loaded later (scikit-learn's
+    OpenMP when the digits are loaded) and of the DDP ranks and sweep jobs started from here."""
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    torch.set_num_threads(threads)
+    threadpool_limits(limits=threads)
+
+
 def configure(threads: int | None) -> None:
-    """Set torch's CPU threads (None: torch's default), silence what does not concern the run,
-    and send Lightning's messages to the console once and to the run's log file
-    (:func:`~gradreg.app.console.route_lightning`)."""
+    """Set the process's CPU threads (:func:`limit_threads`; None: each library's default),
+    silence what does not concern the run, and send Lightning's messages to the console once
+    and to the run's log file (:func:`~gradreg.app.console.route_lightning`)."""
     if threads is not None:
-        torch.set_num_threads(threads)
+        limit_threads(threads)
     for message in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     route_lightning(_NoTips())

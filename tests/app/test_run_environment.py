@@ -1,8 +1,12 @@
 """What a run prints and how it runs: no progress-bar redraws or advertisements in a log, one
-CPU thread by default, float64 training, and a torchvision that cannot load said in one line."""
+CPU thread by default in every thread pool of the process, float64 training, and a torchvision
+that cannot load said in one line."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import torch
 
 from gradreg.app import runtime
 
+from .conftest import QUIET, ROOT
 from .helpers import TINY, run_in_process, run_script
 
 ddp_strategy = runtime.ddp_strategy
@@ -49,16 +54,43 @@ def test_precision_64_trains_in_float64(tmp_path: Path) -> None:
     assert state["backbone.fc1.weight"].dtype == torch.float64
 
 
-def test_the_app_runs_on_one_thread_unless_told_otherwise(tmp_path: Path) -> None:
-    threads = torch.get_num_threads()
-    try:
-        run_in_process(*TINY, "logger=none", "callbacks=none", tmp_path=tmp_path / "one")
-        assert torch.get_num_threads() == 1
-        run_in_process(*TINY, "logger=none", "callbacks=none", "threads=2",
-                       tmp_path=tmp_path / "two")
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
+#: two runs in one fresh Python, each followed by the threads of every pool of the process
+THREADS_OF_TWO_RUNS = """
+import json, os, runpy, sys
+import threadpoolctl, torch
+for threads in (1, 2):
+    sys.argv = ["scripts/train.py", *{args!r}, f"threads={{threads}}",
+                f"hydra.run.dir={folder}/{{threads}}"]
+    runpy.run_path("scripts/train.py", run_name="__main__")
+    print(json.dumps({{
+        "torch": torch.get_num_threads(),
+        "pools": {{p["filepath"]: p["num_threads"] for p in threadpoolctl.threadpool_info()}},
+        "environment": {{name: os.environ.get(name) for name in {variables!r}}}}}))
+"""
+
+
+def test_threads_sets_every_thread_pool_of_the_run(tmp_path: Path) -> None:
+    """``threads=1``: torch, OpenBLAS (numpy's, scipy's) and the OpenMP runtimes (torch's,
+    scikit-learn's) each on 1 thread, and the environment that the processes a run starts (DDP
+    ranks, sweep jobs) inherit says 1; ``threads=2``: 2 everywhere. Run in a Python started
+    without the thread variables (before: OpenBLAS and scikit-learn's OpenMP kept one thread per
+    core, 2 here)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in (*runtime.THREAD_VARIABLES, "HYDRA_FULL_ERROR")}
+    code = THREADS_OF_TWO_RUNS.format(args=[*TINY, "logger=none", "callbacks=none", *QUIET],
+                                      folder=tmp_path, variables=runtime.THREAD_VARIABLES)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    for threads, report in zip((1, 2), reports, strict=True):
+        assert report["torch"] == threads
+        pools = report["pools"]
+        assert any("scikit_learn" in path for path in pools), pools  # its OpenMP was loaded
+        assert any("numpy" in path for path in pools), pools
+        assert set(pools.values()) == {threads}, pools
+        assert report["environment"] == dict.fromkeys(runtime.THREAD_VARIABLES, str(threads))
 
 
 @pytest.mark.parametrize(("failure", "message"), [
