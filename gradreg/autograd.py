@@ -302,7 +302,9 @@ def regularized_backward(
 
     Raises :class:`GradientError` where no given parameter requires grad (none given, or all
     frozen): ``backward`` would then fill the ``.grad`` of every leaf of the graph, parameters
-    that were not given included.
+    that were not given included; and where neither the loss nor any penalty requires grad
+    (computed under ``torch.no_grad()``, or detached), where torch would say only that "element
+    0 of tensors does not require grad".
     """
     penalties = list(penalties)
     for what, value in [("the loss", loss)] + [(f"penalties[{i}]", p)
@@ -327,6 +329,14 @@ def regularized_backward(
             f"{what}: there is nothing to take gradients for, and a backward without them would "
             "write .grad into every leaf of the graph. Pass the parameters to train (e.g. "
             "[p for p in model.parameters() if p.requires_grad]), or skip the step.")
+    detached = [what for what, value in [("the loss", loss)] + [
+        (f"penalties[{i}]", p) for i, p in enumerate(penalties)] if not value.requires_grad]
+    if len(detached) == 1 + len(penalties):
+        raise GradientError(
+            f"{' and '.join(detached)} {'does' if len(detached) == 1 else 'do'} not require "
+            "grad, so there is nothing to backpropagate: compute the loss from the model's "
+            "outputs with grad enabled (not under torch.no_grad() or inference_mode, not "
+            "detached or .item()), or skip the step.")
     for parameter in parameters:
         parameter.grad = None
     total = loss

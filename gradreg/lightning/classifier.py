@@ -22,7 +22,13 @@ same gradient as the whole batch. Lightning divides each of ``accumulate_grad_ba
 micro-batches' :math:`L` by their number, which turns means over the micro-batches into the mean
 over the accumulated batch; a penalty with ``reduction="sum"`` is multiplied by that number, so
 that it is the sum over the accumulated batch too (one batch of 8 and two accumulated batches of
-4 give the same gradient). DDP averages the ranks' gradients (a global-batch strategy weights
+4 give the same gradient). A parameter-gradient penalty (``points="parameters"``) is not a mean
+over samples: it is the norm of the gradient of the whole batch's loss, which no sum of the
+micro-batches' penalties gives (each would penalize its own micro-batch's gradient), and the
+accumulated gradient is known only after the last micro-batch's backward, so it is refused with
+``accumulate_grad_batches > 1`` (a bigger batch, or the two-phase plain loop of
+:func:`gradreg.penalties.accumulation.accumulated_backward`, gives the penalty of the accumulated
+batch). DDP averages the ranks' gradients (a global-batch strategy weights
 them by their share of the batch), so ``reduction="sum"`` on more than one rank is refused.
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
@@ -43,7 +49,7 @@ from torch import Tensor, nn
 from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import attached_trainer
-from gradreg.lightning.loss_terms import TASK, record_terms
+from gradreg.lightning.loss_terms import TASK, record_terms, terms_requested
 from gradreg.lightning.penalized import (
     OptimizerFactory,
     PenalizedModule,
@@ -53,6 +59,7 @@ from gradreg.lightning.penalized import (
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
 from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.two_pass import penalized_loss
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -130,7 +137,14 @@ class Classifier(PenalizedModule):
         return self.backbone(x)
 
     def losses(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The mean task loss and the weighted penalties due at this step (``gp.due()``)."""
+        """The mean task loss and the weighted penalties due at this step (``gp.due()``).
+
+        A parameter-gradient penalty by finite difference (``param_grad_norm``, ``sam``) takes
+        the task loss's gradient for it (:func:`~gradreg.penalties.two_pass.penalized_loss`):
+        the returned task loss then carries the whole step's gradient of the two (two passes,
+        the hand-written recipe's cost) and the penalty only its value, unless a callback asked
+        for the terms (:func:`~gradreg.lightning.loss_terms.request_terms`: each term carries
+        its own gradient)."""
         due = {name: gp for name, gp in self.penalties.items() if gp.due()}
         if any(gp.config.points == "inputs" for gp in due.values()):
             x = as_points(x)
@@ -148,6 +162,7 @@ class Classifier(PenalizedModule):
         trainer = attached_trainer(self)
         scale = loss_scale(trainer)  # fp16 GradScaler: PyTorch's penalty recipe
         accumulated = 1 if trainer is None else trainer.accumulate_grad_batches
+        task = loss  # carries the penalty's gradient too where one takes the task's (two passes)
         for name, gp in due.items():
             if gp.config.points == "inputs":
                 outputs, fn_args = self._outputs(gp, x, logits, per_sample, y, state)
@@ -155,14 +170,19 @@ class Classifier(PenalizedModule):
             elif gp.config.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.config.layers],
                                      loss_scale=scale)
+            elif gp.needs_callable and task is loss:  # "parameters" in two passes
+                at = LossAt(partial(self._mean_loss, x, y), loss, state)
+                task, penalties[name] = penalized_loss(gp, at, self._trainable(),
+                                                       retain_graph=len(due) > 1,
+                                                       split=terms_requested(self))
             else:  # "parameters"
-                params = [p for p in self.backbone.parameters() if p.requires_grad]
-                at = LossAt(partial(self._mean_loss, x, y), loss) if gp.needs_callable else loss
-                penalties[name] = gp(at, params, loss_scale=scale)
+                at = LossAt(partial(self._mean_loss, x, y), loss, state) if gp.needs_callable \
+                    else loss
+                penalties[name] = gp(at, self._trainable(), loss_scale=scale)
             if gp.config.reduction == "sum" and gp.config.per_sample and accumulated > 1:
                 # a sum over the accumulated batch, as a mean is the mean over it
                 penalties[name] = penalties[name] * accumulated
-        return loss, penalties
+        return task, penalties
 
     def _outputs(
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
@@ -205,8 +225,18 @@ class Classifier(PenalizedModule):
         settle_finite_checks(self.penalties)
 
     def on_fit_start(self) -> None:
-        """Refuse per-sample ``reduction="sum"`` penalties on more than one rank: DDP averages
-        the ranks' gradients, which makes a sum the mean of the ranks' sums."""
+        """Refuse per-sample ``reduction="sum"`` penalties on more than one rank (DDP averages
+        the ranks' gradients, which makes a sum the mean of the ranks' sums), and
+        parameter-gradient penalties with gradient accumulation (module docstring)."""
+        parameter = sorted(name for name, gp in self.penalties.items()
+                           if gp.config.points == "parameters")
+        if parameter and self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"penalties {parameter} penalize the gradient of the whole batch's loss, which "
+                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} splits: each "
+                "micro-batch would penalize its own gradient's norm instead; use one batch of "
+                "the accumulated size, or the two-phase loop gradreg.penalties.accumulation"
+                ".accumulated_backward")
         summed = sorted(name for name, gp in self.penalties.items()
                         if gp.config.reduction == "sum" and gp.config.per_sample)
         if summed and self.trainer.world_size > 1:
@@ -244,6 +274,9 @@ class Classifier(PenalizedModule):
                 attacked = pgd(partial(self._summed_loss, y=y), x, self.fgsm_eps,
                                steps=self.pgd_steps, bounds=self.input_range, generator=start)
             log(f"{stage}/acc_pgd", accuracy(self.backbone(attacked), y), prog_bar=True)
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.backbone.parameters() if p.requires_grad]
 
     def _mean_loss(self, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(self.backbone(x), y)

@@ -23,10 +23,15 @@ def request_terms(module: nn.Module, requested: bool = True) -> None:
     setattr(module, _REQUESTED, requested)
 
 
+def terms_requested(module: nn.Module) -> bool:
+    """Whether a callback asked ``module`` for the terms of its next :func:`record_terms`."""
+    return getattr(module, _REQUESTED, False)
+
+
 def record_terms(module: nn.Module, terms: Mapping[str, Tensor]) -> None:
     """Keep ``terms`` (name -> scalar with its graph; :data:`TASK` for the task loss) on
     ``module`` if a callback asked for them; nothing otherwise."""
-    if getattr(module, _REQUESTED, False):
+    if terms_requested(module):
         setattr(module, _TERMS, dict(terms))
 
 

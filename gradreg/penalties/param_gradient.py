@@ -28,51 +28,148 @@ Where :math:`L` is piecewise linear (ReLU), :math:`H` is zero almost everywhere 
 difference measures the kinks crossed within :math:`r`, as in the paper; the exact form
 (``method="double_backward"``) gives :math:`H v` without them.
 
+The forward at the shifted parameters is one of the same function: it draws the random numbers
+of the forward at :math:`\theta` (dropout's mask: the state that forward began with,
+:attr:`LossAt.state`, replayed by :class:`~gradreg.penalties.randomness.Replaying`; a loss given
+without its state is refused once the shifted forward turns out to draw), and it leaves the
+modules' buffers as the forward at :math:`\theta` left them (BatchNorm's running statistics
+updated once per step, :func:`~gradreg.penalties.buffers.buffers_kept`). Frozen parameters are
+refused (there is no gradient of theirs to penalize): pass the trainable ones.
+
 The parameters are shifted in place (their ``.data``, so that the autograd graph of the loss at
 :math:`\theta` stays valid) and restored bitwise from a copy, also on an error.
+
+Cost. In the form ``loss + penalty(LossAt(fn, loss), params)`` the penalty takes :math:`g` at
+:math:`\theta` keeping the loss's graph, and the caller's backward of ``loss`` takes it again:
+three backward passes. :func:`~gradreg.penalties.two_pass.penalized_loss` hands the penalty's
+:math:`g` to the caller instead (the loss's graph freed), which is the paper's two passes.
 """
+
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
+from gradreg.penalties.buffers import buffers_kept
 from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.precision import default_step, unit_roundoff
+from gradreg.penalties.randomness import GeneratorState
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
 
-__all__ = ["LossAt", "ParameterFiniteDifference"]
+__all__ = ["LossAt", "ParameterFiniteDifference", "TaskGradient", "trainable"]
+
+WHAT = "param_grad_norm by method='finite_difference'"
+
+
+@dataclass
+class TaskGradient:
+    r"""A request to the method, set on a :class:`LossAt` by
+    :func:`~gradreg.penalties.two_pass.penalized_loss`: take the task loss's gradient :math:`g`
+    for the caller too (the loss's graph freed unless ``retain_graph``), and hand back in
+    ``gradient`` either :math:`g + c\,Hv` (``factor`` :math:`c`: the penalty's weight times its
+    gains; the penalty's value then carries no gradient) or, with ``split``, :math:`g` alone
+    (the value carrying :math:`Hv`, as in the plain form)."""
+
+    factor: float
+    retain_graph: bool = False
+    split: bool = False
+    gradient: list[Tensor] | None = None
 
 
 class LossAt:
     """The loss as a function of the parameters' current values, for a penalty on
     ``points="parameters"`` by ``method="finite_difference"``: ``fn()`` computes it (called at
     the shifted parameters); ``loss``, where given, is its value already computed at the
-    parameters as they are (the task loss: its forward is shared, not run again)::
+    parameters as they are (the task loss: its forward is shared, not run again); ``state``, the
+    random state that forward began with (:meth:`GeneratorState.capture
+    <gradreg.penalties.randomness.GeneratorState.capture>` of the batch, just before it), which
+    the shifted forward replays (dropout draws the same mask). :meth:`run` captures the state
+    and computes the loss::
 
-        loss = F.cross_entropy(model(x), y)
-        total = loss + penalty(LossAt(lambda: F.cross_entropy(model(x), y), loss), params)
+        at = LossAt.run(lambda: F.cross_entropy(model(x), y), x)
+        total = at.loss + penalty(at, params)
+
+    A ``loss`` given without its ``state`` is refused where the shifted forward draws random
+    numbers (its masks could not be the loss's).
     """
 
-    def __init__(self, fn: Callable[[], Tensor], loss: Tensor | None = None) -> None:
-        self.fn, self.loss = fn, loss
+    def __init__(self, fn: Callable[[], Tensor], loss: Tensor | None = None,
+                 state: GeneratorState | None = None) -> None:
+        self.fn, self.loss, self.state = fn, loss, state
+        self.task: TaskGradient | None = None
+
+    @classmethod
+    def run(cls, fn: Callable[[], Tensor], *on: Tensor) -> LossAt:
+        """Capture the random state of the CPU and of the devices of ``on`` (the batch), then
+        compute the loss ``fn()``."""
+        state = GeneratorState.capture(*on)
+        return cls(fn, fn(), state)
 
     def __call__(self) -> Tensor:
         return self.fn()
 
 
+def trainable(params: Sequence[Tensor], what: str) -> tuple[Tensor, ...]:
+    """``params``, refused with a :class:`~gradreg.GradientError` where one is frozen (it has
+    no gradient to penalize)."""
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+    if frozen:
+        raise GradientError(
+            f"{what}: parameters {frozen[:5]}{' ...' if len(frozen) > 5 else ''} of the "
+            f"{len(params)} given are frozen (requires_grad=False), so they have no gradient to "
+            "penalize: pass the trainable ones, [p for p in model.parameters() if "
+            "p.requires_grad].")
+    return tuple(params)
+
+
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+
+
+def _loss_at_theta(fn: Callable[[], Tensor], loss: Tensor | None, state: GeneratorState | None,
+                   params: tuple[Tensor, ...]) -> tuple[Tensor, GeneratorState, bool]:
+    r"""The loss at :math:`\theta`, the random state its forward began with, and whether that
+    state is known to be its (a loss given without one: the state now, checked later)."""
+    if loss is not None:
+        return (loss, state, True) if state is not None else (
+            loss, GeneratorState.capture(*params), False)
+    if state is not None:  # computed again (a compiled model): with the task's draws
+        with state.replayed():
+            return fn(), state, True
+    state = GeneratorState.capture(*params)
+    return fn(), state, True
+
+
+def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bool,
+                      params: tuple[Tensor, ...]) -> list[Tensor]:
+    r"""The gradient of the loss at the shifted parameters, its forward drawing the random
+    numbers of the forward at :math:`\theta`, the modules' buffers left as that forward left
+    them (put back after the backward, which may read them: BatchNorm's running statistics)."""
+    with buffers_kept(WHAT):
+        with state.replayed():
+            loss = fn()
+            if not known and state.moved():
+                raise GradientError(
+                    f"{WHAT} runs the model again at the shifted parameters, and the model "
+                    "draws random numbers (dropout in training mode), but the loss at the "
+                    "parameters was given without the random state its forward began with: the "
+                    "shifted forward could not draw the same masks. Compute it as "
+                    "LossAt.run(loss_fn, x) (or pass LossAt(loss_fn, loss, "
+                    "GeneratorState.capture(x)) with the state captured before the forward), or "
+                    "leave the loss out to let the penalty compute it.")
+        return _gradient(loss, params, retain=False)
 
 
 class ParameterFiniteDifference:
@@ -88,20 +185,28 @@ class ParameterFiniteDifference:
     def __call__(self, call: PenaltyCall) -> Tensor:
         # FSDP2-sharded parameters: the unsharded ones penalty_step holds (their gradients are
         # reduced when the step ends)
-        params = held_unsharded(call.inputs, "param_grad_norm by method='finite_difference'")
-        loss = getattr(call.fn, "loss", None)
-        if loss is not None and self._shares is None:
+        params = trainable(held_unsharded(call.inputs, WHAT), WHAT)
+        given = getattr(call.fn, "loss", None)
+        task: TaskGradient | None = getattr(call.fn, "task", None)
+        if task is not None and any(a is not b for a, b in zip(params, call.inputs, strict=True)):
+            raise GradientError(f"{WHAT} on FSDP2-sharded parameters takes the task loss's "
+                                "gradient separately: use loss + penalty(LossAt(fn, loss), "
+                                "params) inside gradreg.sharding.penalty_step.")
+        if given is not None and self._shares is None:
             # a compiled region's backward donates its buffers (no retain_graph): its loss is
             # computed again instead of shared
-            self._shares = not runs_compiled(loss)
-        loss = loss if loss is not None and self._shares else call.fn()
+            self._shares = not runs_compiled(given)
+        shared = given if self._shares else None
+        fn = getattr(call.fn, "fn", call.fn)
+        loss, state, known = _loss_at_theta(fn, shared, getattr(call.fn, "state", None), params)
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             raise GradientError(
-                "param_grad_norm by method='finite_difference' needs the loss as a callable "
-                "returning a scalar (the mean loss) at the parameters' current values, e.g. "
-                "penalty(LossAt(lambda: loss_fn(model(x), y)), params); got "
-                f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
-        g = _gradient(loss, params, retain=loss is getattr(call.fn, "loss", None))
+                f"{WHAT} needs the loss as a callable returning a scalar (the mean loss) at the "
+                "parameters' current values, e.g. penalty(LossAt(lambda: loss_fn(model(x), y)), "
+                f"params); got {type(loss).__name__}"
+                f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
+        retain = shared is not None and (task is None or task.retain_graph)
+        g = _gradient(loss, params, retain=retain)
         leaves = [t.detach().requires_grad_() for t in g]
         with torch.enable_grad():
             value = self.penalty.of_norms(per_sample_norm(leaves, self.p, squared=self.squared,
@@ -116,11 +221,20 @@ class ParameterFiniteDifference:
             with torch.no_grad():
                 for p, d in zip(params, v, strict=True):
                     p.data.add_(d * shift.to(d.dtype))
-            shifted = _gradient(call.fn(), params, retain=False)
+            del v  # the direction is in the parameters: its memory is free for the gradient
+            shifted = _shifted_gradient(fn, state, known, params)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
+        del saved
         scale = length / step
-        hvp = [(b - a) * scale.to(a.dtype) for a, b in zip(g, shifted, strict=True)]
-        return with_gradients(value, list(params), hvp)
+        if task is None or task.split:
+            hvp = [b.sub_(a).mul_(scale.to(a.dtype)) for a, b in zip(g, shifted, strict=True)]
+            if task is not None:
+                task.gradient = g
+            return with_gradients(value, list(params), hvp)
+        factor = scale * task.factor  # g + c H v, in the shifted gradient's memory
+        task.gradient = [b.sub_(a).mul_(factor.to(a.dtype)).add_(a)
+                         for a, b in zip(g, shifted, strict=True)]
+        return value.detach()

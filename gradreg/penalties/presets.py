@@ -15,7 +15,7 @@ from gradreg.penalties.mechanism import GradientPenalty
 
 __all__ = ["PRESETS", "approx_r1", "approx_r2", "derivative", "double_backprop", "dragan",
            "hessian", "intermediate", "jacobian", "make_penalty", "max_gp", "param_grad_norm",
-           "path_length", "r1", "r2", "spectral", "wgan_gp", "wgan_lp"]
+           "path_length", "r1", "r2", "sam", "spectral", "wgan_gp", "wgan_lp"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "wgan_gp": {"weight": 10.0, "target": 1.0, "points": "interpolates"},
@@ -27,6 +27,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "intermediate": {"weight": 0.01, "points": "activations", "of": "loss"},
     "jacobian": {"weight": 0.01, "points": "inputs", "projection": "orthonormal"},
     "param_grad_norm": {"weight": 0.01, "power": 1.0, "points": "parameters", "of": "loss"},
+    "sam": {"weight": 0.05, "step": 0.05, "power": 1.0, "points": "parameters", "of": "loss",
+            "method": "finite_difference"},
     "path_length": {"weight": 2.0, "target": "ema", "ema_decay": 0.01, "projection": "gaussian",
                     "points": "latents"},
     "derivative": {"weight": 0.01, "order": 2, "points": "inputs"},
@@ -291,6 +293,47 @@ def param_grad_norm(weight: float = 0.01, **options: Any) -> GradientPenalty:
         0.05
     """
     return make_penalty("param_grad_norm", weight=weight, **options)
+
+
+def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
+    r"""Sharpness-aware minimization (Foret et al. 2021) as a penalty: ``param_grad_norm`` with
+    weight and finite-difference step both :math:`\rho`.
+
+    ``loss + sam(rho)(LossAt(fn, loss), params)``, one backward, gives SAM's gradient
+    :math:`\nabla L(\theta + \rho\,g/\lVert g \rVert)`, :math:`g = \nabla L(\theta)`: the
+    penalty's gradient is :math:`\rho\,\lVert v\rVert(\nabla L(\theta + \rho \hat g) -
+    \nabla L(\theta))/\rho` with :math:`v = \hat g`, so the task's :math:`\nabla L(\theta)`
+    cancels (the paper's :math:`\alpha = \lambda/r = 1`). Its value is :math:`\rho \lVert g
+    \rVert`, the first-order sharpness :math:`L(\theta + \rho\hat g) - L(\theta)`.
+    :func:`~gradreg.penalties.two_pass.penalized_loss` (and the Lightning modules) take it in
+    SAM's two passes. The shifted forward replays the random state of the one at :math:`\theta`
+    (the same dropout mask) and leaves BatchNorm's running statistics as one forward does
+    (davda54/sam's recipe leaves that to the user). Changing ``weight`` later keeps the step at
+    :math:`\rho`: it is then the parameter-gradient norm penalty with :math:`\alpha \ne 1`.
+
+    Preset options: those of :func:`param_grad_norm`, ``method="finite_difference"`` and
+    ``step`` equal to the weight (``make_penalty("sam", weight=0.1)`` keeps the preset's step
+    0.05: pass both).
+
+    Args:
+        weight: the neighbourhood radius :math:`\rho` (0.05 in the paper for CIFAR); also the
+            step unless ``step`` is given.
+        **options: any other option of :class:`GradientPenalty`, by keyword.
+
+    Examples:
+        :math:`L = \lVert \theta \rVert^2 / 2` has :math:`\nabla L(\theta + \rho\hat\theta)
+        = \theta (1 + \rho/\lVert\theta\rVert)` = (3, 4) x 1.01 at :math:`\rho = 0.05`:
+
+        >>> import torch
+        >>> from gradreg.penalties import sam
+        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+        >>> at = LossAt.run(lambda: theta.square().sum() / 2)
+        >>> (at.loss + sam(0.05)(at, [theta])).backward()
+        >>> theta.grad
+        tensor([3.0300, 4.0400], dtype=torch.float64)
+    """
+    return make_penalty("sam", weight=weight, **{"step": weight, **options})
 
 
 def path_length(weight: float = 2.0, **options: Any) -> GradientPenalty:

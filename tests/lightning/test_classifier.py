@@ -159,10 +159,10 @@ def test_a_sum_penalty_on_more_than_one_rank_is_refused() -> None:
     """DDP averages the ranks' gradients: a sum would become the mean of the ranks' sums."""
     model = classifier({"db": make_penalty("double_backprop", reduction="sum"),
                         "pg": make_penalty("param_grad_norm", reduction="sum")})
-    model._trainer = SimpleNamespace(world_size=2)
+    model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1)
     with pytest.raises(ValueError, match=r"penalties \['db'\] sum over samples .* 2 ranks"):
         model.on_fit_start()
-    model._trainer = SimpleNamespace(world_size=1)
+    model._trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=1)
     model.on_fit_start()
 
 
@@ -209,7 +209,7 @@ def test_critic_and_generator_penalties_are_refused(preset: str) -> None:
             rf"penalty '{preset}' has points='\w+', which a Classifier cannot evaluate; a "
             r"Classifier supports points \['inputs', 'activations', 'parameters'\], i.e. the "
             r"presets \['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', "
-            r"'derivative', 'spectral'\]")):
+            r"'sam', 'derivative', 'spectral'\]")):
         classifier({preset: make_penalty(preset)})
 
 

@@ -1,0 +1,141 @@
+r"""A parameter-gradient penalty of an accumulated batch: two phases over the micro-batches.
+
+With a batch split into :math:`N` micro-batches of equal size and :math:`L_k` the mean loss of
+micro-batch :math:`k`, the big batch's mean loss is :math:`L = \frac1N \sum_k L_k` and its
+gradient :math:`\bar g = \frac1N \sum_k g_k`. Penalizing :math:`P(\bar g)` (``param_grad_norm``:
+:math:`\lVert \bar g\rVert`) is not a sum over micro-batches, :math:`P(\bar g) \ne \frac1N \sum_k
+P(g_k)`: penalizing each micro-batch's own gradient (what one backward per micro-batch of
+``loss + penalty`` does) is another objective. Its gradient is
+
+.. math::
+
+    \nabla_\theta P(\bar g) = \bar H v, \qquad v = \partial P/\partial \bar g, \qquad
+    \bar H v = \tfrac1N \textstyle\sum_k H_k v,
+
+a sum over micro-batches of Hessian-vector products along *one* direction that depends on all of
+them. :func:`accumulated_backward` therefore runs two phases: the first takes :math:`g_k` of
+each micro-batch (a forward and a backward each, the graph freed) and sums :math:`\bar g`; the
+second, with :math:`v` known, takes :math:`H_k v` of each micro-batch, by a forward and backward
+at :math:`\theta + r\hat v` (``method="finite_difference"``: :math:`\bar H v \approx \lVert v
+\rVert (\bar g' - \bar g)/r`, :math:`\bar g'` the mean gradient there) or by a forward and a
+double backward at :math:`\theta` (``"double_backward"``, exact). Each micro-batch's second
+forward draws the random numbers of its first (dropout's masks) and leaves the modules' buffers
+as the first left them (BatchNorm counts each micro-batch once). The cost is that of the
+unaccumulated step per micro-batch; memory that of one micro-batch. The result equals the one
+big batch's step within float rounding (for models whose samples do not interact: BatchNorm in
+training mode normalizes per micro-batch, as any accumulation does).
+
+Lightning's automatic optimization backpropagates each micro-batch before it sees the next, so
+the direction :math:`v` is not known when the first micro-batches' backward runs: the Lightning
+modules refuse ``accumulate_grad_batches > 1`` with a parameter-gradient penalty, and this loop
+is the form that accumulates::
+
+    optimizer.zero_grad()
+    accumulated_backward(gnp, [partial(loss_fn, xb, yb) for xb, yb in micro_batches],
+                         params, on=(x,))
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from gradreg.autograd import GradientError
+from gradreg.penalties.buffers import buffers_kept
+from gradreg.penalties.mechanism import GradientPenalty
+from gradreg.penalties.norms import per_sample_norm
+from gradreg.penalties.param_gradient import _gradient, _shifted_gradient, trainable
+from gradreg.penalties.precision import default_step, unit_roundoff
+from gradreg.penalties.randomness import GeneratorState
+
+__all__ = ["accumulated_backward"]
+
+WHAT = "accumulated_backward"
+
+
+def _mean(parts: Iterator[list[Tensor]], count: int) -> list[Tensor]:
+    """The mean of ``count`` lists of tensors, summed one list at a time (one list's memory)."""
+    total = next(parts)
+    for part in parts:
+        for t, u in zip(total, part, strict=True):
+            t.add_(u)
+    return [t.div_(count) for t in total]
+
+
+def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],
+                         params: Sequence[Tensor], *, on: Sequence[Tensor] = ()
+                         ) -> tuple[Tensor, Tensor]:
+    r"""Add to each parameter's ``.grad`` the gradient of :math:`L + c\,P(\bar g)` of the
+    accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
+    mean loss (micro-batches of equal size); ``penalty``: on ``points="parameters"`` by
+    ``"finite_difference"`` or ``"double_backward"`` (weighted as it is, :math:`c` its weight
+    times ``every`` and ``gain``; call it only on steps where ``penalty.due()``); ``on``: the
+    batch's tensors, whose devices' random states are replayed. Returns the detached mean loss
+    and weighted penalty."""
+    config = penalty.config
+    if config.points != "parameters" or config.method not in ("finite_difference",
+                                                                "double_backward"):
+        raise GradientError(
+            f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' or "
+            f"'double_backward', got points={config.points!r}, method={config.method!r}.")
+    if not losses:
+        raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")
+    penalty._check_due()
+    params = trainable(list(params), WHAT)
+    states, values = [], []
+
+    def first(fn: Callable[[], Tensor]) -> list[Tensor]:
+        states.append(GeneratorState.capture(*on, *params))
+        loss = fn()
+        values.append(loss.detach())
+        return _gradient(loss, params, retain=False)
+
+    count = len(losses)
+    g = _mean((first(fn) for fn in losses), count)  # phase 1: the graphs freed one by one
+    leaves = [t.detach().requires_grad_() for t in g]
+    factor = penalty.weight * config.every * config.gain
+    with torch.enable_grad():
+        value = penalty._of_norms(per_sample_norm(leaves, config.p, squared=config.squared,
+                                                  per_sample=False))
+        v = [factor * d for d in torch.autograd.grad(value, leaves)]
+    if config.method == "double_backward":  # phase 2: H_k v exactly, by double backward
+        hv = _mean((_hessian_vector(fn, state, params, v)
+                    for fn, state in zip(losses, states, strict=True)), count)
+    else:  # phase 2: the mean gradient at θ + r v̂
+        length = torch.sqrt(sum(d.square().sum() for d in v))
+        step = config.step if config.step is not None else default_step(unit_roundoff(values[0]))
+        shift = torch.where(length > 0, step / length, 0.0)
+        saved = [p.detach().clone() for p in params]
+        try:
+            with torch.no_grad():
+                for p, d in zip(params, v, strict=True):
+                    p.data.add_(d * shift.to(d.dtype))
+            shifted = _mean((_shifted_gradient(fn, state, True, params)
+                             for fn, state in zip(losses, states, strict=True)), count)
+        finally:
+            with torch.no_grad():
+                for p, original in zip(params, saved, strict=True):
+                    p.data.copy_(original)
+        hv = [(b - a) * (length / step).to(a.dtype) for a, b in zip(g, shifted, strict=True)]
+    with torch.no_grad():
+        for p, a, b in zip(params, g, hv, strict=True):
+            p.grad = a + b if p.grad is None else p.grad.add_(a + b)
+    penalty.last_value = value.detach()
+    return torch.stack(values).mean(), value.detach() * factor
+
+
+def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],
+                    v: list[Tensor]) -> list[Tensor]:
+    """:math:`H v` of one micro-batch's loss at the parameters, its forward run again with the
+    random numbers and leaving the buffers of its first."""
+    with buffers_kept(WHAT):
+        with state.replayed():
+            loss = fn()
+        g = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        dot = sum((a * b).sum() for a, b in zip(g, v, strict=True) if a is not None)
+        if not isinstance(dot, Tensor) or not dot.requires_grad:
+            return [torch.zeros_like(p) for p in params]
+        return _gradient(dot, params, retain=False)

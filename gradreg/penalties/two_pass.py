@@ -1,0 +1,83 @@
+r"""A task loss and a parameter-gradient penalty at the two-pass cost (Zhao, Zhang & Hu 2022).
+
+For ``param_grad_norm`` by ``method="finite_difference"`` (and :func:`~gradreg.penalties.sam`)
+the step's gradient is the paper's
+
+.. math::
+
+    \nabla L(\theta) + c\,\lVert v \rVert\,
+        \frac{\nabla L(\theta + r \hat v) - \nabla L(\theta)}{r}
+    \;=\; (1-\alpha)\,\nabla L(\theta) + \alpha\, \nabla L(\theta + r \hat g)
+    \quad (P = \lVert g \rVert,\ \alpha = c / r),
+
+:math:`c` the penalty's weight (times ``every`` and ``gain``), :math:`v = \partial P/\partial g`.
+It needs two forward and backward passes: one at :math:`\theta` for :math:`g = \nabla L(\theta)`,
+one at the shifted parameters. Written as ``loss + penalty(LossAt(fn, loss), params)``, the
+penalty takes :math:`g` keeping the loss's graph and the caller's backward takes it again (three
+passes). :func:`penalized_loss` hands the :math:`g` the penalty took to the caller instead: the
+task term it returns carries the whole gradient as a zero-valued surrogate
+(:func:`~gradreg.penalties.chunks.with_gradients`, whose backward is one multiply per
+parameter), the loss's graph is freed after the first pass, and one ``backward`` of the sum
+fills ``.grad`` as the hand-written recipe does, so gradient accumulation (a backward per
+micro-batch of the scaled loss), clipping, ``GradScaler`` and Lightning's automatic
+optimization apply unchanged. Other penalties keep the plain form (double backward cannot share
+the first pass: it differentiates the loss's graph twice).
+
+    >>> import torch, torch.nn.functional as F
+    >>> from gradreg.penalties import param_grad_norm
+    >>> from gradreg.penalties.param_gradient import LossAt
+    >>> from gradreg.penalties.two_pass import penalized_loss
+    >>> torch.manual_seed(0) and None
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    >>> gnp = param_grad_norm(0.01, method="finite_difference")
+    >>> at = LossAt.run(lambda: F.cross_entropy(model(x), y), x)
+    >>> task, penalty = penalized_loss(gnp, at, list(model.parameters()))
+    >>> (task + penalty).backward()  # .grad = (1 - α) ∇L(θ) + α ∇L(θ + r ĝ)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from gradreg.autograd import GradientError
+from gradreg.penalties.chunks import with_gradients
+from gradreg.penalties.mechanism import GradientPenalty
+from gradreg.penalties.param_gradient import LossAt, TaskGradient
+
+__all__ = ["penalized_loss"]
+
+
+def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
+                   retain_graph: bool = False, split: bool = False) -> tuple[Tensor, Tensor]:
+    r"""``(task, weighted penalty)`` of the loss ``at`` (a :class:`LossAt`; its loss computed
+    here where not given, the random state captured first) and ``penalty`` on
+    ``points="parameters"``: their values are ``at.loss`` and ``penalty(at, params)``, and the
+    backward of their sum gives the parameter gradient of ``at.loss + penalty(at, params)``.
+
+    By ``method="finite_difference"`` (``needs_callable``) in two passes (module docstring): the
+    task term carries :math:`\nabla L + c\,Hv` and the penalty none; with ``split`` the task
+    term carries :math:`\nabla L` and the penalty :math:`c\,Hv` (for a per-term gradient split,
+    one more parameter-sized buffer). The loss's graph is freed by the first pass unless
+    ``retain_graph`` (other terms differentiating the same forward). By double backward: the
+    loss and the penalty of its graph (no pass saved).
+    """
+    if penalty.config.points != "parameters":
+        raise GradientError(
+            f"penalized_loss takes a penalty on points='parameters', got "
+            f"points={penalty.config.points!r}: call that penalty as penalty(outputs, points).")
+    params = list(params)
+    if at.loss is None:
+        at = LossAt.run(at.fn, *params)
+    if not penalty.needs_callable:
+        return at.loss, penalty(at.loss, params)
+    config = penalty.config
+    at.task = TaskGradient(penalty.weight * config.every * config.gain, retain_graph, split)
+    try:
+        value = penalty(at, params)
+        gradient = at.task.gradient
+    finally:
+        at.task = None
+    return with_gradients(at.loss, params, gradient), value

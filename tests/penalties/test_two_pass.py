@@ -1,0 +1,233 @@
+"""Parameter-gradient penalties at the two-pass cost (:func:`penalized_loss`), SAM as a preset,
+and the penalty of an accumulated batch (:func:`accumulated_backward`), against references
+written here, in float64."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import ClassVar
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradreg import GradientError
+from gradreg.lightning.classifier import Classifier
+from gradreg.penalties import param_grad_norm, sam
+from gradreg.penalties.accumulation import accumulated_backward
+from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.two_pass import penalized_loss
+
+WEIGHT, STEP = 0.5, 1e-4
+
+
+class Passes(torch.autograd.Function):
+    """The identity, counting the forwards and backwards through it."""
+
+    count: ClassVar[dict[str, int]] = {"forward": 0, "backward": 0}
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        Passes.count["forward"] += 1
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        Passes.count["backward"] += 1
+        return g
+
+
+class Counted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Passes.apply(x)
+
+
+def problem(dropout: float = 0.0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), Counted(), nn.Tanh(), nn.Dropout(dropout),
+                          nn.Linear(16, 3)).double()
+    return model, torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in tensors])
+
+
+def grads(model: nn.Module) -> torch.Tensor:
+    return flat([p.grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_penalized_loss_is_the_plain_form_in_two_passes(split: bool) -> None:
+    """The same values and gradient as ``loss + penalty(LossAt(fn, loss), params)`` (float
+    rounding), two forwards and two backwards where that takes three backwards."""
+    model, x, y = problem()
+    params = list(model.parameters())
+
+    def loss_fn() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    Passes.count.update(forward=0, backward=0)
+    at = LossAt.run(loss_fn, x)
+    plain_value = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)(at, params)
+    (at.loss + plain_value).backward()
+    plain = grads(model)
+    assert Passes.count == {"forward": 2, "backward": 3}
+    model.zero_grad()
+    Passes.count.update(forward=0, backward=0)
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    task, value = penalized_loss(gnp, LossAt.run(loss_fn, x), params, split=split)
+    (task + value).backward()
+    assert Passes.count == {"forward": 2, "backward": 2}
+    torch.testing.assert_close(grads(model), plain, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(task, at.loss.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(value, plain_value.detach(), rtol=0, atol=0)
+    if split:  # each term carries its own part: the task's gradient alone
+        model.zero_grad()
+        task, value = penalized_loss(gnp, LossAt.run(loss_fn, x), params, split=True)
+        task.backward()
+        expected = flat(torch.autograd.grad(loss_fn(), params))
+        torch.testing.assert_close(grads(model), expected, rtol=1e-14, atol=1e-16)
+
+
+def test_penalized_loss_by_double_backward_is_the_exact_penalty() -> None:
+    model, x, y = problem()
+    params = list(model.parameters())
+    loss = F.cross_entropy(model(x), y)
+    exact = flat(torch.autograd.grad(loss + param_grad_norm(WEIGHT)(loss, params), params))
+    task, value = penalized_loss(param_grad_norm(WEIGHT),
+                                 LossAt.run(lambda: F.cross_entropy(model(x), y), x), params)
+    torch.testing.assert_close(flat(torch.autograd.grad(task + value, params)), exact,
+                               rtol=1e-14, atol=1e-16)
+
+
+def test_penalized_loss_refuses_a_penalty_on_other_points() -> None:
+    from gradreg.penalties import r1
+
+    model, x, y = problem()
+    with pytest.raises(GradientError, match="points='parameters', got points='real'"):
+        penalized_loss(r1(), LossAt(lambda: F.cross_entropy(model(x), y)),
+                       list(model.parameters()))
+
+
+def davda54_sam(model: nn.Module, loss_fn: partial, rho: float) -> torch.Tensor:
+    """SAM's two steps as davda54/sam writes them: e = rho g / ||g||, the gradient at θ + e."""
+    loss_fn().backward()
+    params = list(model.parameters())
+    norm = torch.norm(torch.stack([p.grad.norm(2) for p in params]), 2)
+    shifts = []
+    with torch.no_grad():
+        for p in params:
+            e = p.grad * (rho / (norm + 1e-12))
+            p.add_(e)
+            shifts.append(e)
+    model.zero_grad()
+    loss_fn().backward()
+    with torch.no_grad():
+        for p, e in zip(params, shifts, strict=True):
+            p.sub_(e)
+    return grads(model)
+
+
+@pytest.mark.parametrize("form", ["loss + sam", "penalized_loss"])
+def test_sam_is_the_gradient_at_the_ascent_point(form: str) -> None:
+    """Equal to the two-step reference to float rounding (davda54/sam adds 1e-12 to the norm:
+    a relative 1e-12 on the shift)."""
+    model, x, y = problem()
+    loss_fn = partial(lambda: F.cross_entropy(model(x), y))
+    reference = davda54_sam(model, loss_fn, 0.05)
+    model.zero_grad()
+    params = list(model.parameters())
+    at = LossAt.run(loss_fn, x)
+    if form == "penalized_loss":
+        task, value = penalized_loss(sam(0.05), at, params)
+        (task + value).backward()
+    else:
+        (at.loss + sam(0.05)(at, params)).backward()
+    torch.testing.assert_close(grads(model), reference, rtol=1e-11, atol=1e-14)
+    assert sam(0.05).config.step == 0.05 and sam(0.05).weight == 0.05
+
+
+def test_sam_with_dropout_replays_the_mask() -> None:
+    """The reference seeded to draw the same mask in both of its forwards."""
+    model, x, y = problem(dropout=0.3)
+
+    def seeded() -> torch.Tensor:
+        torch.manual_seed(7)
+        return F.cross_entropy(model(x), y)
+
+    reference = davda54_sam(model, seeded, 0.05)
+    model.zero_grad()
+    task, value = penalized_loss(sam(0.05), LossAt.run(seeded, x), list(model.parameters()))
+    (task + value).backward()
+    torch.testing.assert_close(grads(model), reference, rtol=1e-11, atol=1e-14)
+
+
+def micro_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> list[partial]:
+    return [partial(lambda a, b: F.cross_entropy(model(a), b), a, b)
+            for a, b in zip(x.chunk(n), y.chunk(n), strict=True)]
+
+
+@pytest.mark.parametrize("method", ["finite_difference", "double_backward"])
+def test_accumulated_batches_give_the_big_batch_step(method: str) -> None:
+    """Two micro-batches of 8 against one batch of 16, three SGD steps: the same parameters
+    within float rounding (penalizing each micro-batch's own gradient, one backward of
+    ``(loss + penalty) / 2`` per micro-batch, ends 0.148 away, measured, both methods)."""
+    options = {"method": method, "step": STEP} if method == "finite_difference" else {}
+    model, x, y = problem()
+    big, accumulated = model, problem()[0]
+    for net, micro in ((big, 1), (accumulated, 2)):
+        gnp = param_grad_norm(WEIGHT, **options)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+        for _ in range(3):
+            optimizer.zero_grad()
+            accumulated_backward(gnp, micro_losses(net, x, y, micro), list(net.parameters()),
+                                 on=(x,))
+            optimizer.step()
+    torch.testing.assert_close(flat(list(accumulated.parameters())), flat(list(big.parameters())),
+                               rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("method", ["finite_difference", "double_backward"])
+def test_one_micro_batch_is_the_plain_step(method: str) -> None:
+    options = {"method": method, "step": STEP} if method == "finite_difference" else {}
+    model, x, y = problem()
+    params = list(model.parameters())
+    loss_fn = partial(lambda: F.cross_entropy(model(x), y))
+    at = LossAt.run(loss_fn, x) if options else None
+    loss = at.loss if at else loss_fn()
+    plain_value = param_grad_norm(WEIGHT, **options)(at or loss, params)
+    plain = flat(torch.autograd.grad(loss + plain_value, params))
+    loss_value, value = accumulated_backward(param_grad_norm(WEIGHT, **options), [loss_fn],
+                                             params)
+    torch.testing.assert_close(grads(model), plain, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(loss_value, loss.detach())
+    torch.testing.assert_close(value, plain_value.detach(), rtol=1e-14, atol=0)
+
+
+def test_accumulated_dropout_batches_replay_each_micro_batchs_mask() -> None:
+    """Exact and finite difference on the same seeded micro-batches agree to O(r)."""
+    model, x, y = problem(dropout=0.3)
+    params = list(model.parameters())
+    results = []
+    for options in ({}, {"method": "finite_difference", "step": 1e-6}):
+        model.zero_grad()
+        torch.manual_seed(3)
+        accumulated_backward(param_grad_norm(WEIGHT, **options), micro_losses(model, x, y, 2),
+                             params, on=(x,))
+        results.append(grads(model))
+    assert (results[1] - results[0]).norm() <= 1e-5 * results[0].norm()
+
+
+def test_the_classifier_refuses_accumulation_with_a_parameter_penalty(tmp_path) -> None:
+    model = Classifier(nn.Sequential(nn.Linear(4, 3)), {"gnp": sam(0.05)})
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(8, 4), torch.randint(0, 3, (8,))), batch_size=4)
+    trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"penalties \['gnp'\] penalize the gradient of the "
+                                         r"whole batch's loss, which accumulate_grad_batches=2"):
+        trainer.fit(model, data)
