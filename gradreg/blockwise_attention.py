@@ -78,9 +78,9 @@ from torch import Tensor
 __all__ = ["Attention", "jvp", "log_sum_exp", "second_order", "vjp"]
 
 #: Queries per block: a block of scores is QUERY_BLOCK x KEY_BLOCK per head.
-QUERY_BLOCK = 256
+QUERY_BLOCK = 128
 #: Keys per block; a sequence of up to this many keys takes one sweep per query block.
-KEY_BLOCK = 1024
+KEY_BLOCK = 512
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:

@@ -4,12 +4,13 @@
 Methods of the critic (non-saturating loss; R1 differentiates the loss's own real scores):
 ``plain`` (the loss alone, fused kernel), ``exact`` (R1 by double backward through
 :func:`gradreg.differentiable_attention`, around the real scores' forward only), ``math`` (the
-same step with the MATH backend everywhere, ``sdpa_kernel(SDPBackend.MATH)``: the only
-reference torch offers), ``approx_r1`` (the perturbation estimate, the forward at the reals
-shared with the loss). Methods of the classifier (cross-entropy): ``plain``, ``gnp_exact``
-(``param_grad_norm`` by double backward through differentiable attention), ``gnp_math`` (the
-same under the MATH backend), ``gnp_fd`` (``method="finite_difference"``, Zhao et al.'s two
-gradients, the loss shared through ``LossAt``).
+same step with ``sdpa_kernel(SDPBackend.MATH)`` around the same forward, the only reference
+torch offers: both exact methods run the fakes through the fused kernel), ``approx_r1`` (the
+perturbation estimate, the forward at the reals shared with the loss). Methods of the
+classifier (cross-entropy): ``plain``, ``gnp_exact`` (``param_grad_norm`` by double backward
+through differentiable attention), ``gnp_math`` (the same under the MATH backend), ``gnp_fd``
+(``method="finite_difference"``, Zhao et al.'s two gradients, the loss shared through
+``LossAt``).
 
 Each step is zero_grad, forward, backward, an SGD update. Times (wall, or process CPU time with
 ``--clock cpu``) are medians over rounds of the ratio to the plain step of the same round
@@ -63,24 +64,20 @@ def critic_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str,
     def plain() -> Tensor:
         return loss(critic(real))
 
-    def exact() -> Tensor:
+    def exact(context: Callable = differentiable_attention) -> Tensor:
         x = as_points(real)
-        with differentiable_attention():
+        with context():  # around the reals' forward only: the fakes run the fused kernel
             d_real = critic(x)
         return loss(d_real) + r1(d_real, x)
-
-    def math() -> Tensor:
-        with sdpa_kernel(SDPBackend.MATH):
-            x = as_points(real)
-            d_real = critic(x)
-            return loss(d_real) + r1(d_real, x)
 
     def approx_r1() -> Tensor:
         x = as_points(real)
         d_real = critic(x)
         return loss(d_real) + approx(lambda q: d_real if q is x else critic(q), x)
 
-    return critic, {"plain": plain, "exact": exact, "math": math, "approx_r1": approx_r1}
+    return critic, {"plain": plain, "exact": exact,
+                    "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH)),
+                    "approx_r1": approx_r1}
 
 
 def classifier_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str, Step]]:

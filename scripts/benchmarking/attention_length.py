@@ -1,0 +1,168 @@
+"""Exact R1 through attention against the sequence length: time and peak memory of one step.
+
+A critic of sequences: a 2-layer ``nn.TransformerEncoder`` (width 64, 4 heads, feed-forward 256,
+no dropout, post-norm), the mean over positions, a linear head; batch 2 of L random tokens. Each
+step is zero_grad, the non-saturating loss at the reals and the fakes, R1 (weight 10) at the
+reals sharing their forward with the loss, backward, an SGD update. Methods: ``plain`` (the loss
+alone, torch's fused CPU attention), ``exact`` (R1 through :func:`gradreg.differentiable_attention`
+around the reals' forward), ``math`` (R1 with ``sdpa_kernel(SDPBackend.MATH)`` around the same
+forward: both exact methods run the fakes through the fused kernel).
+
+Each (method, L) runs in a process of its own, one thread: the peak resident memory of its first
+step above the resident memory before it (``ru_maxrss``), then the process CPU time of the next
+steps (median). FLOPs (matrix products, torch's formulas, :func:`benchmarking.timing.count_flops`)
+are counted at L = 256 and 512, where they are exactly ``a L + b L^2``, and extrapolated; the
+``math`` step's FLOPs over the plain step's counted with MATH attention (where attention is
+matrix products too) is the floor of exact R1's time ratio.
+
+    PYTHONPATH=scripts python -m benchmarking.attention_length --lengths 256 512 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gradreg import differentiable_attention
+from gradreg.penalties import as_points, presets
+
+METHODS = ("plain", "exact", "math")
+
+
+class SequenceCritic(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(x).mean(dim=1)).squeeze(-1)
+
+
+def steps(length: int, batch: int = 2, dim: int = 64) -> tuple[nn.Module, dict[str, Callable]]:
+    torch.manual_seed(0)
+    critic = SequenceCritic(dim)
+    real, fake = torch.randn(batch, length, dim), torch.randn(batch, length, dim)
+    r1 = presets.r1(10.0)
+
+    def loss(d_real: Tensor) -> Tensor:
+        return F.softplus(critic(fake)).mean() + F.softplus(-d_real).mean()
+
+    def plain() -> Tensor:
+        return loss(critic(real))
+
+    def exact(context: Callable = differentiable_attention) -> Tensor:
+        x = as_points(real)
+        with context():
+            d_real = critic(x)
+        return loss(d_real) + r1(d_real, x)
+
+    return critic, {"plain": plain, "exact": exact,
+                    "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH))}
+
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure(method: str, length: int, timed_steps: int) -> dict:
+    """One process: the first step's peak memory growth, then the CPU time of the next."""
+    torch.set_num_threads(1)
+    critic, losses = steps(length)
+    optimizer = torch.optim.SGD(critic.parameters(), lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        losses[method]().backward()
+        optimizer.step()
+
+    before = resident_mb()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    seconds = []
+    for _ in range(timed_steps):
+        start = time.process_time()
+        step()
+        seconds.append(time.process_time() - start)
+    return {"method": method, "length": length, "memory_mb": peak - before,
+            "seconds": statistics.median(seconds)}
+
+
+def flops(length: int) -> dict[str, float]:
+    """Matrix-product FLOPs of one step per method; ``plain_math``: the plain step with MATH
+    attention (the fused kernel's FLOPs are not counted by torch's formulas)."""
+    from benchmarking.timing import count_flops
+
+    critic, losses = steps(length)
+
+    def counted(method: str, math: bool = False) -> float:
+        def run() -> None:
+            critic.zero_grad(set_to_none=True)
+            if math:
+                with sdpa_kernel(SDPBackend.MATH):
+                    losses[method]().backward()
+            else:
+                losses[method]().backward()
+        return count_flops(run, 1)
+
+    return {"plain_math": counted("plain", math=True), "exact": counted("exact"),
+            "math": counted("math")}
+
+
+def sweep(lengths: list[int], math_up_to: int, out: Path) -> list[dict]:
+    rows = []
+    for length in lengths:
+        for method in METHODS:
+            if method == "math" and length > math_up_to:
+                continue
+            timed = 3 if length <= 1024 else 1
+            result = subprocess.run(
+                [sys.executable, "-m", "benchmarking.attention_length", "--one", method,
+                 "--lengths", str(length), "--timed-steps", str(timed)],
+                check=True, capture_output=True, text=True)
+            rows.append(json.loads(result.stdout))
+            print(rows[-1], flush=True)
+            out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    small = [flops(256), flops(512)]
+    # FLOPs are a L + b L^2 exactly: solve from L = 256, 512
+    fit = {}
+    for key in small[0]:
+        f1, f2 = small[0][key], small[1][key]
+        b = (f2 / 512 - f1 / 256) / 256
+        fit[key] = (f1 / 256 - b * 256, b)
+    out.write_text(json.dumps({"rows": rows, "flops_per_L_and_L2": fit}, indent=1) + "\n")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        default=[256, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--one", choices=METHODS, help="measure one method in this process")
+    parser.add_argument("--timed-steps", type=int, default=3)
+    parser.add_argument("--math-up-to", type=int, default=4096,
+                        help="the longest sequence the MATH step runs at")
+    parser.add_argument("--out", type=Path, default=Path("docs/measured/attention_length.json"))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.lengths[0], args.timed_steps)))
+        return
+    sweep(args.lengths, args.math_up_to, args.out)
+
+
+if __name__ == "__main__":
+    main()
