@@ -5,8 +5,8 @@ kernels (flash, memory-efficient, CPU flash) have none, so an exact penalty (R1,
 backprop, ``param_grad_norm``) through ``nn.MultiheadAttention``, ``nn.TransformerEncoder`` or a
 ViT fails in its double backward. :func:`scaled_dot_product_attention` is an autograd function
 whose forward is the fused kernel (the backend the caller's ``sdpa_kernel`` context chose) and
-whose backward is written in differentiable torch ops, so a gradient taken with
-``create_graph=True`` through it can be differentiated again. For queries :math:`Q`, keys
+whose backward can be differentiated again (a gradient taken with ``create_graph=True``
+through it has a graph) and which has a forward-mode derivative. For queries :math:`Q`, keys
 :math:`K`, values :math:`V`, scale :math:`s` and additive mask :math:`M` (:math:`-\infty` where a
 boolean mask or ``is_causal`` forbids a key):
 
@@ -27,13 +27,18 @@ Hessian penalty) for tangents :math:`\dot Q, \dot K, \dot V, \dot M`:
     \dot P = P \odot (\dot S - \operatorname{rowsum}(P \odot \dot S)), \quad
     \dot O = \dot P V + P \dot V,
 
-where :math:`P` is recomputed from :math:`Q, K` in the backward and the JVP (a row whose keys are
-all masked has :math:`P = 0` where the kernel's output there is 0, as on torch 2.13 and 2.14, and
-:math:`P =` NaN where it is NaN, as on torch 2.4: the backward is that of the forward that ran);
-a backward with ``create_graph=True`` keeps it for the later backward of the same forward (the
-task loss's), as the gradient's graph holds it until then anyway. The forward keeps the fused
-kernel's memory (no :math:`L \times S` tensor is saved); the backward materializes
-:math:`L \times S` per head, as the MATH path's forward does.
+computed blockwise over queries and keys (:mod:`gradreg.blockwise_attention`, which also
+derives the double backward): every block of :math:`P` is recomputed from :math:`Q, K, M` and the
+log-sum-exp of each query's scores (computed once per forward, in a sweep of the same blocks), so
+no :math:`L \times S` tensor is kept between the passes or built in one; memory grows linearly
+with the sequence, as the fused kernel's forward does. The backward taken with
+``create_graph=True`` is itself an autograd function (:class:`_AttentionGrad`) whose backward,
+the double backward, is blockwise; so is the backward of the JVP (:class:`_AttentionJvp`, the
+spectral norm's). A row whose keys are all masked has :math:`P = 0` where the kernel's output
+there is 0 (torch 2.13, 2.14) and :math:`P =` NaN where it is NaN (torch 2.4): the derivatives
+are those of the forward that ran. Derivatives of third order (the double backward
+differentiated again, the JVP of a JVP of the exact Hessian penalty, and its backward) are
+written in differentiable ops on :math:`L \times S` tensors, as MATH's are.
 
 :func:`differentiable_attention` routes every ``F.scaled_dot_product_attention`` call made while
 it is active (``nn.MultiheadAttention`` and the ``nn.TransformerEncoder`` layers in train and eval
@@ -45,8 +50,8 @@ A penalty called with the model itself (``penalty(D, x)``) by an exact method en
 ``dropout_p > 0`` (attention dropout in training mode) runs the MATH backend for that call: the
 dropout mask of a fused kernel cannot be recovered for the backward, and MATH's dropout is an
 ordinary differentiable op, so the result equals a model with MATH attention everywhere (the same
-random numbers). ``enable_gqa`` (torch >= 2.5) repeats the key and value heads before the kernel.
-Nested (ragged) tensors are refused.
+random numbers), at MATH's memory (quadratic in the sequence). ``enable_gqa`` (torch >= 2.5)
+repeats the key and value heads before the kernel. Nested (ragged) tensors are refused.
 """
 
 from __future__ import annotations
