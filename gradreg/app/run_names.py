@@ -9,10 +9,6 @@ overrides>]`` in ``<sweeps>/<date>/<time>`` (configs/train.yaml), ``<job>`` the 
 zero-padded to :data:`JOB_DIGITS` digits (:func:`job_id`), so that TensorBoard's lists and its
 HParams table (whose Trial ID is the folder) sort the jobs in order.
 
-The HParams columns of a run (configs/callbacks/hparams.yaml) use :func:`effective_weight` (λ as
-the run uses it: 0 for ``penalty=none``) and :func:`log10` (TensorBoard's HParams declaration has
-no log-scale hint, so λ and the learning rate get ``log10_`` columns too).
-
 Two runs started in the same second with the same overrides used to share one folder (their
 event files, checkpoints and metrics mixed). :func:`claim_folder` makes the folder of a run (or
 of a sweep) with an exclusive ``mkdir`` and, where another process made it first, takes
@@ -22,7 +18,6 @@ key (and a sweep's jobs, which get a copy of the cache) see the same folder.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -32,7 +27,6 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .sweep_results import effective_weight
 from .sweeps import short_number, swept_keys
 
 #: the overrides a run's label already states
@@ -44,14 +38,6 @@ JOB_DIGITS = 3
 def job_id(number: Any) -> str:
     """``7`` -> ``007``: a job's number, zero-padded to :data:`JOB_DIGITS` digits."""
     return f"{int(number):0{JOB_DIGITS}d}"
-
-
-def log10(value: Any) -> float | None:
-    """``log10(value)`` for a positive number; None (a blank HParams cell) for 0, a negative
-    number or None."""
-    if value is None or float(value) <= 0:
-        return None
-    return math.log10(float(value))
 
 
 def penalty_label(name: str, weight: Any, penalties: Mapping[str, Any] | None = None) -> str:
@@ -132,5 +118,3 @@ OmegaConf.register_new_resolver("run_folder", run_folder, replace=True, use_cach
 OmegaConf.register_new_resolver("sweep_folder", sweep_folder, replace=True, use_cache=True)
 OmegaConf.register_new_resolver("run_folder_suffix", run_folder_suffix, replace=True)
 OmegaConf.register_new_resolver("job_id", job_id, replace=True)
-OmegaConf.register_new_resolver("effective_weight", effective_weight, replace=True)
-OmegaConf.register_new_resolver("log10", log10, replace=True)

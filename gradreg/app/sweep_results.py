@@ -29,10 +29,12 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from .hparams_columns import NO_PENALTY, effective_weight
+
 #: overrides that a setting states in its own columns (penalty, λ) or pairs by (seed)
 OWN_KEYS = ("penalty", "penalty.weight", "seed")
 #: the penalty name of the baseline
-BASELINE = "none"
+BASELINE = NO_PENALTY
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,6 @@ def paired_difference(values: Mapping[str, float], baseline: Mapping[str, float]
     diffs = np.array([values[seed] - baseline[seed] for seed in seeds])
     se = float(diffs.std(ddof=1) / np.sqrt(len(diffs))) if len(diffs) > 1 else None
     return Difference(float(diffs.mean()), se, len(diffs))
-
-
-def effective_weight(penalty: str, weight: object) -> float:
-    """λ as the run uses it: 0 for ``penalty=none`` (which ignores ``penalty.weight``), else
-    ``weight`` (0 where the config has none)."""
-    if penalty == BASELINE or weight is None:
-        return 0.0
-    return float(weight)
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:

@@ -53,7 +53,7 @@ def check_two_process_gan_run(result: subprocess.CompletedProcess, run_dir: Path
     the writer's process id) with the run's row of the HParams table."""
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Starting with 2 processes" in result.stdout + result.stderr
-    log_dir = run_dir / "tensorboard"
+    log_dir = run_dir
     writers = {path.name.split(".")[-2] for path in log_dir.glob("events.out.tfevents.*")}
     assert len(writers) == 1, f"event files of processes {sorted(writers)}: one expected"
     row = hparams(log_dir)
@@ -78,13 +78,14 @@ def start(*args: str) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL)
 
 
-def terminate_after(process: subprocess.Popen, pattern: str, folder: Path) -> str:
-    """Send SIGTERM once a file matching ``pattern`` exists under ``folder`` (training is then
+def terminate_after(process: subprocess.Popen, pattern: str, folder: Path,
+                    signum: signal.Signals = signal.SIGTERM) -> str:
+    """Send ``signum`` once a file matching ``pattern`` exists under ``folder`` (training is then
     past its first epoch); the process's stderr once it has ended."""
     deadline = time.monotonic() + 240
     while not any(folder.glob(pattern)):
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "the first epoch's checkpoint never appeared"
         time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     return process.communicate(timeout=120)[1]

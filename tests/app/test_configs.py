@@ -95,7 +95,7 @@ def test_defaults_are_the_digits_mlp_with_double_backprop(tmp_path: Path) -> Non
     assert trainer.max_epochs == 10
     assert not cfg.trainer.inference_mode  # evaluation takes gradients
     assert isinstance(trainer.logger, TensorBoardLogger)
-    assert Path(trainer.logger.log_dir) == tmp_path / "tensorboard"
+    assert Path(trainer.logger.log_dir) == tmp_path
     assert Path(trainer.checkpoint_callback.dirpath) == tmp_path / "checkpoints"
     assert isinstance(trainer.checkpoint_callback, ModelCheckpoint)
 
@@ -159,11 +159,12 @@ def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
     (["penalty=none", "callbacks=dashboards"],
      {"penalty": "none", "weight": 0.0, "lr": 0.001, "generator_lr": None, "hidden": [128, 128],
       "channels": None, "width": None, "activation": "relu", "n_critic": None, "loss": None,
-      "batch_size": 64, "max_epochs": 10, "seed": 0}),
+      "batch_size": 64, "max_epochs": 10, "seed": 0, "log10_weight": None, "log10_lr": -3.0}),
     (["experiment=gan_8gaussians_wgan_gp", "data.batch_size=128"],
      {"penalty": "wgan_gp", "weight": 0.1, "lr": 1e-4, "generator_lr": 1e-4,
       "hidden": [512, 512, 512], "channels": None, "width": None, "activation": None,
-      "n_critic": 5, "loss": "wgan", "batch_size": 128, "max_epochs": 20, "seed": 0}),
+      "n_critic": 5, "loss": "wgan", "batch_size": 128, "max_epochs": 20, "seed": 0,
+      "log10_weight": -1.0, "log10_lr": -4.0}),
 ])
 def test_the_hparams_table_has_what_a_sweep_varies(overrides: list[str], expected: dict,
                                                     tmp_path: Path) -> None:

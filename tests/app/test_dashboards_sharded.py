@@ -23,7 +23,7 @@ def test_sharded_gradients_are_gathered_whole_for_the_histograms(tmp_path: Path)
                         "callbacks.grad_split.every_n_steps=1",
                         "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    logged = ea.EventAccumulator(str(tmp_path / "tensorboard"),
+    logged = ea.EventAccumulator(str(tmp_path),
                                  size_guidance={ea.HISTOGRAMS: 0}).Reload()
     # the digits MLP 64-128-128-10: fc1's weight has 128 x 64 entries, its bias 128
     counts = {tag: logged.Histograms(tag)[0].histogram_value.num

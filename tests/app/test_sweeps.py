@@ -121,7 +121,7 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         weight, lr = float(overrides["penalty.weight"]), float(overrides["model.optimizer.lr"])
         assert 0.001 <= weight <= 10 and 0.0001 <= lr <= 0.01  # the recipe's search space
         assert 0 <= metrics["val/acc_pgd"] <= 1
-        row = hparams(folder / "tensorboard")
+        row = hparams(folder)
         assert (row["weight"], row["lr"], row["penalty"]) == (weight, lr, "double_backprop")
     # the study's folder has one HParams declaration, in its summary run: the optimized metric
     # first, the swept weight and lr as the columns that differ
@@ -149,7 +149,7 @@ def test_optuna_study_of_the_gan_runs_its_trials_in_parallel_through_joblib(
                 n_trials=2)
     assert "Joblib.Parallel(n_jobs=2," in result.stdout + result.stderr
     for folder, (overrides, _) in trials(tmp_path).items():
-        row = hparams(folder / "tensorboard")
+        row = hparams(folder)
         assert (row["weight"], row["generator_lr"], row["lr"]) == (
             float(overrides["penalty.weight"]),
             *[float(overrides["model.generator_optimizer.lr"])] * 2)
@@ -448,7 +448,7 @@ def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: 
     assert [folder.name for folder in runs] == [
         "000_none_seed:0", "001_none_seed:1",
         "002_double_backprop:0.3_seed:0", "003_double_backprop:0.3_seed:1"]
-    rows = {folder.name: hparams(folder / "tensorboard") for folder in runs}
+    rows = {folder.name: hparams(folder) for folder in runs}
     assert [(row["penalty"], row["weight"], row.get("log10_weight"), row["log10_lr"])
             for row in rows.values()] == [
         ("none", 0.0, None, -3.0), ("none", 0.0, None, -3.0),

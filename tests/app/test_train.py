@@ -32,8 +32,8 @@ def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Pa
                         "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(":", 1) for line in result.stdout.splitlines()[-3:])
-    assert Path(lines["tensorboard logs"].strip()) == tmp_path / "tensorboard"
-    assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert Path(lines["tensorboard logs"].strip()) == tmp_path
+    assert any(tmp_path.glob("events.out.tfevents.*"))
     assert Path(lines["checkpoint"].strip()) == tmp_path / "checkpoints" / "epoch0-step3.ckpt"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "epoch0-step3.ckpt", "last.ckpt"]
@@ -108,7 +108,7 @@ def test_image_gan_experiments_train_score_and_show_samples(
         "adversarial", *penalties}
     assert 1 <= metrics["test/modes"] <= 10 and metrics["test/kl"] >= 0
     assert (tmp_path / "scorer.pt").is_file()
-    tags = event_tags(tmp_path / "tensorboard")
+    tags = event_tags(tmp_path)
     assert "samples" in tags["images"]
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= tags["hparams"]
     assert {"autograd_graph/text/text_summary", "autograd_graph/dot/text_summary"} == tags["text"]
@@ -163,8 +163,8 @@ BAD_CONFIGS = {
     "critic penalty for a classifier": (["penalty=wgan_gp"], 2, [
         "error: model: penalty 'wgan_gp' has points='interpolates', which a Classifier cannot",
         "supports points ['inputs', 'activations', 'parameters'], i.e. the presets "
-        "['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', 'derivative', "
-        "'spectral']"]),
+        "['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', 'sam', "
+        "'derivative', 'spectral']"]),
     "negative weight": (["penalty.weight=-1"], 2, [
         "error: penalty: weight must be a finite number >= 0, got -1"]),
     "n_critic below 1": (["experiment=gan_8gaussians_wgan_gp", "model.n_critic=0"], 2, [

@@ -68,9 +68,12 @@ def test_layout_is_logged_and_every_chart_matches_logged_tags(tmp_path: Path) ->
     charts = layout_charts(run)
     # the outcome first; weighted and unweighted penalties in charts of their own, each
     # unweighted penalty on its own chart; the task loss of training only
-    assert next(iter(charts)) == "outcome: accuracy, clean / FGSM / PGD (validation)"
+    clean = dashboards.CHARTS["accuracy"][0]
+    assert next(iter(charts)) == clean
+    assert clean == ("outcome: val/acc, clean accuracy (validation; final values: HParams tab, "
+                     "smoothing and 'ignore outliers' hide them)")
     assert matched(run, charts) == {
-        "outcome: accuracy, clean / FGSM / PGD (validation)": ["val/acc"],
+        clean: ["val/acc"],
         "task loss (train)": ["train/loss"],
         "loss + penalty (train): what is backpropagated": ["loss/total"],
         "penalty gp, unweighted P": ["penalty/unweighted/gp"],
@@ -123,9 +126,28 @@ def test_a_module_without_penalties_gets_no_empty_penalty_charts(tmp_path: Path)
     assert all(charts.values())  # every chart has data
 
 
+def test_each_outcome_metric_and_each_layers_gradient_split_get_a_chart() -> None:
+    """With many runs, one chart per metric and per layer: a chart per layer holds each run's
+    task and penalty parts of that layer only."""
+    layout = dashboards.custom_scalars_layout(
+        charts=["accuracy", "accuracy_fgsm", "accuracy_pgd", "grad_split"],
+        layers=["backbone.fc1", "backbone.out"])["gradreg"]
+    assert [regexes for _, regexes in layout.values()] == [
+        ["val/acc$"], ["val/acc_fgsm$"], ["val/acc_pgd$"],
+        [r"grad_split/(task|penalty)/backbone\.fc1$"],
+        [r"grad_split/(task|penalty)/backbone\.out$"]]
+    assert list(layout)[3] == "gradient of layer backbone.fc1: ‖∂L_task/∂θ‖ and ‖∂(λ·P)/∂θ‖"
+    tags = ["grad_split/task/backbone.fc1", "grad_split/penalty/backbone.fc1",
+            "grad_split/penalty/backbone.fc10", "grad_split/cosine/backbone.fc1"]
+    (_, fc1) = layout["gradient of layer backbone.fc1: ‖∂L_task/∂θ‖ and ‖∂(λ·P)/∂θ‖"]
+    assert [tag for tag in tags if re.match(fc1[0], tag)] == tags[:2]
+
+
 def test_layout_rejects_unknown_outcome_charts() -> None:
     with pytest.raises(ValueError, match=r"unknown outcome charts \['acc'\]; the outcome charts "
-                                         r"are \['accuracy', 'energy_distance', 'modes'\]"):
+                                         r"are \['accuracy', 'accuracy_fgsm', 'accuracy_pgd', "
+                                         r"'energy_distance', 'feature_energy_distance', "
+                                         r"'modes'\]"):
         CustomScalarsLayout(outcome=["acc"])
 
 

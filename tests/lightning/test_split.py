@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradreg.lightning.callbacks import GradientSplit
+from gradreg.lightning.callbacks.split import split_norms
 from gradreg.lightning.classifier import Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.models import MLP
@@ -87,8 +88,9 @@ def test_the_parts_sum_to_the_applied_gradient_and_their_norms_are_logged(tmp_pa
 
 
 def test_a_gan_splits_each_phase_over_its_own_network(tmp_path: Path) -> None:
-    """WGAN-GP (weight 10) on 2D points, n_critic 1: the critic's layers get a penalty part, the
-    generator's (no penalty of its own) a penalty part of exactly 0."""
+    """WGAN-GP (weight 10) on 2D points, n_critic 1: the critic's layers get a penalty part; the
+    generator's loss has no penalty, so its layers log their task part only (no penalty part,
+    share or cosine: none is defined)."""
     torch.manual_seed(0)
     module = GAN(MLP(2, 2, hidden=[4]), MLP(2, 1, hidden=[4]),
                  {"wgan_gp": make_penalty("wgan_gp", weight=10.0)}, n_critic=1)
@@ -97,12 +99,29 @@ def test_a_gan_splits_each_phase_over_its_own_network(tmp_path: Path) -> None:
     run.fit(module, points)
     scalars = events(run).Tags()["scalars"]
     split = sorted(tag for tag in scalars if tag.startswith("grad_split/penalty/"))
-    assert split == ["grad_split/penalty/critic.fc1", "grad_split/penalty/critic.out",
-                     "grad_split/penalty/generator.fc1", "grad_split/penalty/generator.out"]
-    generator = [e.value for e in events(run).Scalars("grad_split/penalty/generator.fc1")]
+    assert split == ["grad_split/penalty/critic.fc1", "grad_split/penalty/critic.out"]
+    assert not [tag for tag in scalars if tag.startswith("grad_split/") and "generator" in tag
+                and not tag.startswith("grad_split/task/")]
+    generator = [e.value for e in events(run).Scalars("grad_split/task/generator.fc1")]
     critic = [e.value for e in events(run).Scalars("grad_split/penalty/critic.fc1")]
-    assert generator and all(value == 0.0 for value in generator)
+    assert generator and all(value > 0 for value in generator)
     assert critic and all(value > 0 for value in critic)
+    assert GradientSplit().split_layers(module) == ["generator.fc1", "generator.out",
+                                                    "critic.fc1", "critic.out"]
+
+
+def test_undefined_shares_and_cosines_are_not_logged_as_zero() -> None:
+    """Task part (3, 4), penalty part (0, 0): norms 5 and 0, share 0 / 5 = 0, no cosine (a zero
+    part has no direction); both parts zero: no share either; no penalty computed: the task
+    norm alone. Task (3, 4), penalty (-4, 3): share 5 / 10, cosine 0 (orthogonal, defined)."""
+    zero, task = torch.zeros(2), torch.tensor([3.0, 4.0])
+    assert split_norms({"a": (task, zero), "b": (zero, zero), "c": (task, None),
+                        "d": (task, torch.tensor([-4.0, 3.0]))}) == {
+        "grad_split/task/a": 5.0, "grad_split/penalty/a": 0.0, "grad_split/penalty_share/a": 0.0,
+        "grad_split/task/b": 0.0, "grad_split/penalty/b": 0.0,
+        "grad_split/task/c": 5.0,
+        "grad_split/task/d": 5.0, "grad_split/penalty/d": 5.0, "grad_split/penalty_share/d": 0.5,
+        "grad_split/cosine/d": 0.0}
 
 
 def test_a_module_that_records_no_terms_is_told_how(tmp_path: Path) -> None:

@@ -9,10 +9,8 @@ import lightning.pytorch as pl
 
 from gradreg.lightning.callbacks._logging import tensorboard, warn_without_tensorboard
 from gradreg.lightning.callbacks._penalties import named_penalties
-from gradreg.lightning.dashboards import CHARTS, TASK_LOSS, custom_scalars_layout
+from gradreg.lightning.dashboards import CHARTS, OUTCOMES, TASK_LOSS, custom_scalars_layout
 
-#: the outcome charts of :data:`~gradreg.lightning.dashboards.CHARTS`, one set per module kind
-OUTCOMES = ("accuracy", "energy_distance", "modes")
 #: the charts of the penalties' own values, left out for a module without penalties
 PENALTY_CHARTS = ("penalty_weighted", "penalty_unweighted", "penalty_weight", "grad_split")
 
@@ -22,8 +20,9 @@ class CustomScalarsLayout(pl.Callback):
     ``outcome`` charts, the task loss chart and the charts the trainer's other callbacks feed
     (their ``charts`` attribute: :class:`GradientNormMonitor` the losses, penalties and norms,
     :class:`InterpolatesGradientNorm` the critic's gradient norm, :class:`GradientSplit` the
-    penalty's share of the parameter gradient), each unweighted penalty on a chart of its own
-    (also a :class:`PenaltyBaseline`'s, for a module without penalties). The penalties' charts
+    penalty's and the task's parts of the parameter gradient, one chart per layer that it
+    names with ``split_layers``), each unweighted penalty on a chart of its own (also a
+    :class:`PenaltyBaseline`'s, for a module without penalties). The penalties' charts
     are left out for a module without penalties (but for a baseline's unweighted value and
     weight), so that no chart stays empty.
 
@@ -31,9 +30,11 @@ class CustomScalarsLayout(pl.Callback):
         loss: regexes of the module's training task-loss tags (matched from the tag's start); the
             default matches gradreg's classifier and GAN, so that runs of both in one log folder
             share one layout.
-        outcome: the outcome charts of the module's validation metrics, first in the layout:
-            ``"accuracy"`` (a classifier's ``val/acc``, ``val/acc_fgsm``, ``val/acc_pgd``),
-            ``"energy_distance"`` and ``"modes"`` (a GAN's).
+        outcome: the outcome charts of the module's validation metrics, first in the layout,
+            one chart per metric (:data:`~gradreg.lightning.dashboards.OUTCOMES`): a
+            classifier's ``"accuracy"``, ``"accuracy_fgsm"``, ``"accuracy_pgd"`` (``val/acc``,
+            ``val/acc_fgsm``, ``val/acc_pgd``), a GAN's ``"energy_distance"``,
+            ``"feature_energy_distance"`` and ``"modes"``.
     """
 
     def __init__(self, loss: Sequence[str] = TASK_LOSS, outcome: Sequence[str] = ()) -> None:
@@ -61,8 +62,10 @@ class CustomScalarsLayout(pl.Callback):
             fed -= set(PENALTY_CHARTS)
         elif not named_penalties(pl_module):  # a baseline's values only
             fed -= {"penalty_weighted", "grad_split"}
+        layers = [layer for callback in trainer.callbacks if hasattr(callback, "split_layers")
+                  for layer in callback.split_layers(pl_module)]
         self.layout = custom_scalars_layout(self.loss, {*self.outcome, "task_loss", *fed},
-                                            penalties=penalties)
+                                            penalties=penalties, layers=layers)
         writer = tensorboard(trainer)
         if writer is not None:
             writer.add_custom_scalars(self.layout)

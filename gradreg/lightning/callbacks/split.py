@@ -15,13 +15,18 @@ parts with ``torch.autograd.grad(..., retain_graph=True)`` (the graph stays for 
 backward) and logs, for each layer (the parameters of one module: weight and bias together):
 
 * ``grad_split/task/<layer>``: :math:`\lVert g^\text{task}_l\rVert_2`;
-* ``grad_split/penalty/<layer>``: :math:`\lVert g^\text{pen}_l\rVert_2` (0 where no penalty was
-  computed on that step: ``penalty=none``, or a lazy penalty off its step);
+* ``grad_split/penalty/<layer>``: :math:`\lVert g^\text{pen}_l\rVert_2` (0 where the layer
+  does not move the penalty, e.g. the last layer under double backpropagation of a linear one);
 * ``grad_split/penalty_share/<layer>``: :math:`\lVert g^\text{pen}_l\rVert /
   (\lVert g^\text{task}_l\rVert + \lVert g^\text{pen}_l\rVert)`, in [0, 1]: 0 where the task
   alone moves the layer, 1 where the penalty alone does;
 * ``grad_split/cosine/<layer>``: the cosine between the two parts (-1: the penalty pulls the
-  layer against the task; 0 where a part is zero).
+  layer against the task).
+
+Undefined values are not logged (a chart would read a logged 0 as "orthogonal" or "no share"):
+no cosine where a part is zero, no share where both are; and on a step where no penalty was
+computed (``penalty=none``, a lazy penalty off its step, a GAN's generator step, whose loss has
+no penalty) only ``grad_split/task/<layer>``.
 
 Cost, on the logged steps only: one backward of the task loss and one of the penalties (which
 includes their double-backward part), i.e. about twice the step's backward; on the other steps
@@ -47,21 +52,24 @@ from gradreg.lightning.dashboards import GRAD_SPLIT
 from gradreg.lightning.loss_terms import TASK, request_terms, take_terms
 
 
-def split_norms(parts: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+def split_norms(parts: dict[str, tuple[Tensor, Tensor | None]]) -> dict[str, float]:
     """``grad_split/<quantity>/<layer>`` of each layer's ``(task part, penalty part)``, both
-    flattened to one vector (module docstring)."""
+    flattened to one vector, the penalty part None where no penalty was computed; the
+    undefined values left out (module docstring)."""
     scalars = {}
     for layer, (task, penalty) in parts.items():
-        task_norm, penalty_norm = task.norm(), penalty.norm()
-        total = task_norm + penalty_norm
+        task_norm = float(task.norm())
         scalars[f"{GRAD_SPLIT}/task/{layer}"] = task_norm
+        if penalty is None:
+            continue
+        penalty_norm = float(penalty.norm())
         scalars[f"{GRAD_SPLIT}/penalty/{layer}"] = penalty_norm
-        scalars[f"{GRAD_SPLIT}/penalty_share/{layer}"] = torch.where(
-            total > 0, penalty_norm / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-        product = task_norm * penalty_norm
-        scalars[f"{GRAD_SPLIT}/cosine/{layer}"] = torch.where(
-            product > 0, (task @ penalty) / product.clamp_min(torch.finfo(total.dtype).tiny),
-            0.0)
+        if task_norm + penalty_norm > 0:
+            scalars[f"{GRAD_SPLIT}/penalty_share/{layer}"] = penalty_norm / (
+                task_norm + penalty_norm)
+        if task_norm > 0 and penalty_norm > 0:
+            scalars[f"{GRAD_SPLIT}/cosine/{layer}"] = float(task @ penalty) / (
+                task_norm * penalty_norm)
     return scalars
 
 
@@ -114,16 +122,27 @@ class GradientSplit(pl.Callback):
         params = [param for _, param in named]
         task = _grads(terms[TASK], params)
         penalties = [term for name, term in terms.items() if name != TASK]
-        penalty = (_grads(sum(penalties), params) if penalties
-                   else [torch.zeros_like(param) for param in params])
+        penalty = _grads(sum(penalties), params) if penalties else [None] * len(params)
         parts: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
         for (name, _), task_grad, penalty_grad in zip(named, task, penalty, strict=True):
-            layer = name.rpartition(".")[0] or name
-            layer_task, layer_penalty = parts.setdefault(layer, ([], []))
+            layer_task, layer_penalty = parts.setdefault(layer_of(name), ([], []))
             layer_task.append(task_grad.flatten())
-            layer_penalty.append(penalty_grad.flatten())
-        log_scalars(trainer, split_norms({layer: (torch.cat(t), torch.cat(p))
-                                          for layer, (t, p) in parts.items()}))
+            if penalty_grad is not None:
+                layer_penalty.append(penalty_grad.flatten())
+        log_scalars(trainer, split_norms({
+            layer: (torch.cat(t), torch.cat(p) if penalties else None)
+            for layer, (t, p) in parts.items()}))
+
+    def split_layers(self, pl_module: pl.LightningModule) -> list[str]:
+        """The layers this callback logs (of the parameters that require grad), for the
+        layout's one chart per layer."""
+        return list(dict.fromkeys(layer_of(name) for name, param in pl_module.named_parameters()
+                                  if param.requires_grad))
+
+
+def layer_of(name: str) -> str:
+    """``backbone.fc1.weight`` -> ``backbone.fc1``: the module a parameter belongs to."""
+    return name.rpartition(".")[0] or name
 
 
 def _grads(term: Tensor, params: list[Tensor]) -> list[Tensor]:
