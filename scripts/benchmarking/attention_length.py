@@ -11,11 +11,12 @@ forward: both exact methods run the fakes through the fused kernel).
 Each (method, L) runs in a process of its own, one thread: the peak resident memory of its first
 step above the resident memory before it (``ru_maxrss``), then the process CPU time of the next
 steps (median). FLOPs (matrix products, torch's formulas, :func:`benchmarking.timing.count_flops`)
-are counted at L = 256 and 512, where they are exactly ``a L + b L^2``, and extrapolated; the
-``math`` step's FLOPs over the plain step's counted with MATH attention (where attention is
-matrix products too) is the floor of exact R1's time ratio.
+are counted at L = 256 and 512, where they are exactly ``a L + b L^2``, and extrapolated, with
+the fused forwards counted as MATH's matrix products (:func:`flops`); the ``math`` step's FLOPs
+over the plain step's is the floor of exact R1's time ratio.
 
     PYTHONPATH=scripts python -m benchmarking.attention_length --lengths 256 512 1024 2048
+    PYTHONPATH=scripts python -m benchmarking.attention_length --report  # table and figure
 """
 
 from __future__ import annotations
@@ -103,24 +104,32 @@ def measure(method: str, length: int, timed_steps: int) -> dict:
 
 
 def flops(length: int) -> dict[str, float]:
-    """Matrix-product FLOPs of one step per method; ``plain_math``: the plain step with MATH
-    attention (the fused kernel's FLOPs are not counted by torch's formulas)."""
+    """Matrix-product FLOPs of one step per method, each run with MATH attention where it runs
+    the fused kernel (torch's formulas count no fused kernel; MATH's forward is its matrix
+    products): ``plain``, ``math``, and ``exact`` (its fused forwards counted as MATH's, its
+    blockwise backward as it runs)."""
     from benchmarking.timing import count_flops
 
     critic, losses = steps(length)
 
-    def counted(method: str, math: bool = False) -> float:
+    def counted(method: str) -> float:
         def run() -> None:
             critic.zero_grad(set_to_none=True)
-            if math:
-                with sdpa_kernel(SDPBackend.MATH):
-                    losses[method]().backward()
-            else:
+            with sdpa_kernel(SDPBackend.MATH):
                 losses[method]().backward()
         return count_flops(run, 1)
 
-    return {"plain_math": counted("plain", math=True), "exact": counted("exact"),
-            "math": counted("math")}
+    return {method: counted(method) for method in METHODS}
+
+
+def flop_fit() -> dict[str, tuple[float, float]]:
+    """(a, b) of each method's FLOPs a L + b L^2, solved from L = 256 and 512."""
+    small, large = flops(256), flops(512)
+    fit = {}
+    for method in METHODS:
+        b = (large[method] / 512 - small[method] / 256) / 256
+        fit[method] = (small[method] / 256 - b * 256, b)
+    return fit
 
 
 def sweep(lengths: list[int], math_up_to: int, out: Path) -> list[dict]:
@@ -137,15 +146,75 @@ def sweep(lengths: list[int], math_up_to: int, out: Path) -> list[dict]:
             rows.append(json.loads(result.stdout))
             print(rows[-1], flush=True)
             out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    small = [flops(256), flops(512)]
-    # FLOPs are a L + b L^2 exactly: solve from L = 256, 512
-    fit = {}
-    for key in small[0]:
-        f1, f2 = small[0][key], small[1][key]
-        b = (f2 / 512 - f1 / 256) / 256
-        fit[key] = (f1 / 256 - b * 256, b)
-    out.write_text(json.dumps({"rows": rows, "flops_per_L_and_L2": fit}, indent=1) + "\n")
+    out.write_text(json.dumps({"rows": rows, "flops_per_L_and_L2": flop_fit()}, indent=1)
+                   + "\n")
     return rows
+
+
+def flop_floor(fit: dict, length: int) -> dict[str, float]:
+    """The counted FLOPs at ``length`` over the plain step's."""
+    def at(key: str) -> float:
+        a, b = fit[key]
+        return a * length + b * length**2
+    return {"math": at("math") / at("plain"), "exact": at("exact") / at("plain")}
+
+
+def table(data: dict) -> str:
+    """The markdown table of a sweep: per length, each method's CPU time and peak memory
+    growth, as ratios to the plain step's, and the FLOP floor."""
+    rows = {(r["length"], r["method"]): r for r in data["rows"]}
+    lines = ["| L | plain s | plain MB | exact R1 s (× plain, × MATH) | exact R1 MB (× plain) | "
+             "MATH s (× plain) | MATH MB (× plain) | FLOPs × plain: MATH, blockwise |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for length in sorted({r["length"] for r in data["rows"]}):
+        plain, exact = rows[length, "plain"], rows[length, "exact"]
+        math = rows.get((length, "math"))
+        floor = flop_floor(data["flops_per_L_and_L2"], length)
+        vs_math = f", {exact['seconds'] / math['seconds']:.2f}" if math else ""
+        cells = [f"{length}", f"{plain['seconds']:.2f}", f"{plain['memory_mb']:.0f}",
+                 f"{exact['seconds']:.2f} ({exact['seconds'] / plain['seconds']:.1f}x{vs_math})",
+                 f"{exact['memory_mb']:.0f} ({exact['memory_mb'] / plain['memory_mb']:.2f}x)"]
+        if math:
+            cells += [f"{math['seconds']:.2f} ({math['seconds'] / plain['seconds']:.1f}x)",
+                      f"{math['memory_mb']:.0f} ({math['memory_mb'] / plain['memory_mb']:.1f}x)"]
+        else:
+            cells += ["not run", "not run"]
+        cells.append(f"{floor['math']:.1f}, {floor['exact']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def figure(data: dict, path: Path) -> None:
+    """Time and peak memory growth against L, log-log, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = {"plain": "plain step (fused attention)",
+              "exact": "exact R1, gradreg (blockwise)", "math": "exact R1, MATH"}
+    for method, label in labels.items():
+        points = sorted((r["length"], r["seconds"], r["memory_mb"]) for r in data["rows"]
+                        if r["method"] == method)
+        lengths = [p[0] for p in points]
+        time_axis.plot(lengths, [p[1] for p in points], "o-", label=label)
+        memory_axis.plot(lengths, [p[2] for p in points], "o-", label=label)
+    plain = {r["length"]: r["seconds"] for r in data["rows"] if r["method"] == "plain"}
+    lengths = sorted(plain)
+    time_axis.plot(lengths, [plain[n] * flop_floor(data["flops_per_L_and_L2"], n)["math"]
+                             for n in lengths], "k:", label="FLOP floor (plain x MATH's FLOPs)")
+    for axis, name in ((time_axis, "CPU seconds per step"),
+                       (memory_axis, "peak memory growth of a step, MB")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length L")
+        axis.set_ylabel(name)
+        axis.grid(True, which="both", alpha=0.3)
+    time_axis.legend(fontsize=8)
+    fig.suptitle("2-layer TransformerEncoder critic (d=64, 4 heads, batch 2), one CPU thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -157,7 +226,14 @@ def main() -> None:
     parser.add_argument("--math-up-to", type=int, default=4096,
                         help="the longest sequence the MATH step runs at")
     parser.add_argument("--out", type=Path, default=Path("docs/measured/attention_length.json"))
+    parser.add_argument("--report", action="store_true",
+                        help="print the table of --out and draw docs/attention_length.png")
     args = parser.parse_args()
+    if args.report:
+        data = json.loads(args.out.read_text())
+        print(table(data))
+        figure(data, Path("docs/attention_length.png"))
+        return
     if args.one:
         print(json.dumps(measure(args.one, args.lengths[0], args.timed_steps)))
         return
