@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from .console import say
+from .refused_run import discard_folder
 
 
 class ConfigError(Exception):
@@ -40,11 +41,17 @@ class ConfigError(Exception):
 def exit_with(error: Exception) -> NoReturn:
     """End the run with status 2 and one line on stderr: the :class:`ConfigError`'s message,
     or ``training: <error>`` for an error met while training (``HYDRA_FULL_ERROR=1``: raise it,
-    with its traceback)."""
+    with its traceback). A refused run (a ConfigError) leaves no folder behind
+    (:func:`~gradreg.app.refused_run.discard_folder`)."""
+    refused = isinstance(error, ConfigError)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if refused:
+            discard_folder()
         raise error
-    where = "" if isinstance(error, ConfigError) else "training: "
+    where = "" if refused else "training: "
     say(f"error: {where}{error}  (HYDRA_FULL_ERROR=1 shows the traceback)", sys.stderr)
+    if refused:
+        discard_folder()
     sys.exit(2)
 
 
@@ -210,7 +217,7 @@ def resolve_checkpoint(ckpt_path: str | None, runs_root: Path, output_dir: Path)
             raise ConfigError(
                 f"ckpt_path: 'last' resumes the newest checkpoints/last.ckpt under "
                 f"{str(runs_root)!r}, and there is none; pass the checkpoint file or run folder "
-                "to resume, e.g. ckpt_path=outputs/<date>/<time>"
+                "to resume, e.g. ckpt_path=outputs/<penalty>:<weight>_<date>/<time>"
             )
         path = max(candidates, key=lambda p: p.stat().st_mtime)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,8 +31,9 @@ from . import command
 from .checks import ConfigError, resolve_checkpoint
 from .console import say
 
-#: the exit status of a run stopped by SIGTERM (128 + 15, what a shell reports for it)
-PREEMPTED_STATUS = 143
+#: the exit status of a run stopped by a signal: 128 + its number, what a shell reports for it
+#: (SIGTERM 143, SIGINT 130)
+SIGNAL_STATUS = 128
 #: what a run leaves in its folder: a fresh run refuses a folder that holds any of them
 RUN_RESULTS = ("checkpoints/*.ckpt", "metrics.json")
 
@@ -136,18 +138,34 @@ def resume_command(overrides: Iterable[str], checkpoint: Path) -> str:
     return shlex.join([*command(), *kept, f"ckpt_path={checkpoint}"])
 
 
-def exit_preempted(trainer: pl.Trainer, overrides: Iterable[str]) -> NoReturn:
-    """End a run stopped by SIGTERM with status :data:`PREEMPTED_STATUS` and one line on stderr
-    (from rank 0): the checkpoint saved and the command that resumes from it."""
+def stopped_by(trainer: pl.Trainer | None) -> signal.Signals | None:
+    """The signal (SIGTERM, SIGINT) that stopped ``trainer``'s run, as its
+    :class:`~gradreg.lightning.checkpoint.PreemptionCheckpoint` recorded it; None where none
+    did, or without that callback."""
+    callbacks = [] if trainer is None else trainer.callbacks
+    return next((c.stopped_by for c in callbacks
+                 if isinstance(c, PreemptionCheckpoint) and c.stopped_by), None)
+
+
+def exit_stopped(trainer: pl.Trainer | None, overrides: Iterable[str],
+                 signum: signal.Signals = signal.SIGTERM) -> NoReturn:
+    """End a run stopped by a signal (``SIGTERM``, Ctrl-C's ``SIGINT``; the one that
+    :func:`stopped_by` names, else ``signum``) with status 128 + its number and one line on
+    stderr (from rank 0): the checkpoint to resume from (the one saved when the signal came, else
+    the run's ``last.ckpt``) and the command that resumes from it. ``trainer`` None: stopped
+    before the trainer was built, nothing saved."""
+    signum = stopped_by(trainer) or signum
     saved = next((c.saved for c in trainer.callbacks
-                  if isinstance(c, PreemptionCheckpoint) and c.saved), None)
-    if saved is None:  # stopped in test (training had ended) or without an output folder
+                  if isinstance(c, PreemptionCheckpoint) and c.saved), None) if trainer else None
+    if saved is None and trainer is not None:  # stopped outside training's steps
         checkpoint = trainer.checkpoint_callback
         last = isinstance(checkpoint, ModelCheckpoint) and checkpoint.last_model_path
-        saved = Path(last) if last else None
-    if trainer.is_global_zero:
+        saved = Path(last) if last and Path(last).is_file() else None
+    if trainer is None or trainer.is_global_zero:
         where = (f"saved {saved}; resume with: {resume_command(overrides, saved)}" if saved
                  else "no checkpoint was saved")
-        say(f"error: stopped by SIGTERM at epoch {trainer.current_epoch} step "
-            f"{trainer.global_step}: {where}", sys.stderr)
-    sys.exit(PREEMPTED_STATUS)
+        when = ("before training" if trainer is None else
+                f"at epoch {trainer.current_epoch} step {trainer.global_step}")
+        name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signum.name
+        say(f"error: stopped by {name} {when}: {where}", sys.stderr)
+    sys.exit(SIGNAL_STATUS + signum)

@@ -31,8 +31,11 @@ cannot create) end it the same way (:func:`gradreg.app.checks.hydra_error`).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
 line; in an Optuna search a NaN or Inf penalty fails only its trial, and the study goes on.
-A run stopped by ``SIGTERM`` (a cluster's preemption) saves ``checkpoints/last.ckpt``, prints
-the command that resumes it in one line and exits with status 143, which also stops a sweep.
+A run refused before training leaves no run folder behind (:mod:`gradreg.app.refused_run`).
+A run stopped by ``SIGTERM`` (a cluster's preemption) or Ctrl-C (``SIGINT``) stops after the
+current batch, saves ``checkpoints/last.ckpt``, prints the command that resumes it in one line
+and exits with status 143 (SIGTERM) or 130 (SIGINT), which also stops a sweep; a second Ctrl-C
+stops at once, and the line names the run's last checkpoint.
 """
 
 from __future__ import annotations

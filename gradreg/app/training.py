@@ -6,6 +6,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 (Lightning is imported after the torchvision check)
 import json
+import signal
 from pathlib import Path
 
 from gradreg.models.torchvision_import import hide_unloadable_torchvision
@@ -28,7 +29,8 @@ from gradreg.app.resume import (
     ResumedWeights,
     check_fresh_output,
     checkpoint_of,
-    exit_preempted,
+    exit_stopped,
+    stopped_by,
     weight_overrides,
 )
 from gradreg.lightning.checkpoint import CheckpointSaveError, PreemptionCheckpoint
@@ -79,8 +81,8 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     """Train and test the run of ``cfg`` (resumed where ``ckpt_path`` says); its final metrics.
 
     Under DDP, Lightning runs this for every rank; rank 0 reports. A run stopped by ``SIGTERM``
-    ends here with status 143 and the command that resumes it; a checkpoint that cannot be
-    saved, with status 2 and one line."""
+    or Ctrl-C (``SIGINT``) ends here with status 143 or 130, the checkpoint and the command that
+    resumes from it; a checkpoint that cannot be saved, with status 2 and one line."""
     trainer = None
     try:
         fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
@@ -104,8 +106,14 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             report(trainer, metrics, output_dir)
         return metrics
-    except SIGTERMException:  # preempted: PreemptionCheckpoint saved the run
-        exit_preempted(trainer, HydraConfig.get().overrides.task)
+    except SIGTERMException:  # SIGTERM or Ctrl-C in training: PreemptionCheckpoint saved the run
+        exit_stopped(trainer, HydraConfig.get().overrides.task)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's fit
+        exit_stopped(trainer, HydraConfig.get().overrides.task, signal.SIGINT)
+    except SystemExit:  # Lightning's exit after a Ctrl-C outside training's steps (or twice)
+        if stopped_by(trainer) != signal.SIGINT:
+            raise
+        exit_stopped(trainer, HydraConfig.get().overrides.task)
     except CheckpointSaveError as error:
         exit_with(error)
 

@@ -13,7 +13,8 @@ continues exactly as the uninterrupted run (same parameters, buffers, metrics) w
 
 :class:`AtomicCheckpointIO` makes sure a checkpoint on disk is always a complete one, and that a
 save that fails (a full disk) says which file in one message (:class:`CheckpointSaveError`).
-:class:`PreemptionCheckpoint` saves the run when a cluster preempts it (``SIGTERM``).
+:class:`PreemptionCheckpoint` saves the run when a cluster preempts it (``SIGTERM``) or on Ctrl-C
+(``SIGINT``).
 """
 
 from __future__ import annotations
@@ -143,8 +144,13 @@ class RandomState(pl.Callback):
 
 
 class PreemptionCheckpoint(pl.Callback):
-    """Stop training within one step of a ``SIGTERM`` (a cluster's preemption), save a resumable
-    checkpoint at ``path`` and remember it in :attr:`saved`.
+    """Stop training within one step of a ``SIGTERM`` (a cluster's preemption) or a ``SIGINT``
+    (Ctrl-C), save a resumable checkpoint at ``path`` and remember it in :attr:`saved`, and the
+    signal in :attr:`stopped_by`.
+
+    A second Ctrl-C before the step ends raises ``KeyboardInterrupt`` at once (Lightning's own
+    shutdown, nothing saved); so does a Ctrl-C outside training (setup, test), which
+    :attr:`stopped_by` records too (:meth:`on_exception`).
 
     Lightning's own handling stops a single process only at the end of the epoch, and its
     handler starts a broadcast inside the signal handler, which aborts DDP ranks caught in
@@ -160,29 +166,40 @@ class PreemptionCheckpoint(pl.Callback):
     :class:`RandomState`) is saved with ``trainer.save_checkpoint``, which writes from rank 0 only.
     Resumed from it, a run continues from the step it reached; the interrupted epoch's remaining
     steps take a new pass of a plain ``DataLoader`` (not the batches the uninterrupted run would
-    have taken, see module docstring). A ``SIGTERM`` outside ``fit`` (in ``test``) saves nothing:
-    training has ended.
+    have taken, see module docstring). A signal outside ``fit`` (in ``test``) saves nothing:
+    training has ended. A ``SIGINT`` is not passed on to the launcher's ranks (a terminal's
+    Ctrl-C reaches them all; the ranks agree on one that reached only some).
     """
+
+    #: the signals that stop training after the current step and save it
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.saved: Path | None = None
-        self._received = False  # a SIGTERM reached this process, not yet agreed by the ranks
+        #: the signal that stopped the run (SIGTERM or SIGINT), None while it runs
+        self.stopped_by: signal.Signals | None = None
+        self._received = False  # a signal reached this process, not yet agreed by the ranks
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set there (as Lightning's own)
 
         def noted(signum: int, frame: FrameType | None) -> None:
-            if not self._received and trainer.strategy.launcher is not None:
+            if signum == signal.SIGINT and self.stopped_by == signal.SIGINT:
+                raise KeyboardInterrupt  # Ctrl-C twice: stop now
+            if (not self._received and signum == signal.SIGTERM
+                    and trainer.strategy.launcher is not None):
                 trainer.strategy.launcher.kill(signum)
+            self.stopped_by = self.stopped_by or signal.Signals(signum)
             self._received = True
 
-        signal.signal(signal.SIGTERM, noted)  # Lightning restores the original at teardown
-        # restart system calls the signal interrupts: a DDP rank caught inside a collective (the
-        # step's broadcast of rank 0's flag) would otherwise see it fail, take the flag as 0
-        # and go on one step out of step with the others, which then wait for it forever
-        signal.siginterrupt(signal.SIGTERM, False)
+        for signum in self.SIGNALS:
+            signal.signal(signum, noted)  # Lightning restores the originals at teardown
+            # restart system calls the signal interrupts: a DDP rank caught inside a collective
+            # (the step's broadcast of rank 0's flag) would otherwise see it fail, take the flag
+            # as 0 and go on one step out of step with the others, which then wait for it forever
+            signal.siginterrupt(signum, False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -207,6 +224,8 @@ class PreemptionCheckpoint(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException) and trainer.state.fn == TrainerFn.FITTING:
+        if isinstance(exception, KeyboardInterrupt):  # a Ctrl-C our handler did not turn
+            self.stopped_by = self.stopped_by or signal.SIGINT  # into a stop after the step
+        elif isinstance(exception, SIGTERMException) and trainer.state.fn == TrainerFn.FITTING:
             trainer.save_checkpoint(self.path, weights_only=False)
             self.saved = self.path

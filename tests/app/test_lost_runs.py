@@ -1,13 +1,14 @@
 """Runs that used to be lost or wrong without a word: a preempted run (SIGTERM), a run folder
 used twice, checkpoints written with ``callbacks=none``, a checkpoint of another model or penalty
 set, ``ckpt_path=last`` reaching into another experiment, a full disk during a save. Each now
-ends right, or with one line (status 2; 143 for SIGTERM)."""
+ends right, or with one line (status 2; 143 for SIGTERM, 130 for Ctrl-C)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,28 @@ def test_sigterm_saves_the_run_says_how_to_resume_and_the_resume_completes(
     assert (final["global_step"], final["epoch"]) == (60, 2)
 
 
+@pytest.mark.slow
+def test_ctrl_c_saves_the_run_and_says_how_to_resume_with_status_130(tmp_path: Path) -> None:
+    """Before: status 1 and Lightning's 'Detected KeyboardInterrupt, attempting graceful
+    shutdown' only. Now, as for SIGTERM: the run stops after the current batch, saves
+    checkpoints/last.ckpt at the step it reached and says so in one line with the command that
+    resumes it; status 130 (128 + SIGINT, what a shell reports for Ctrl-C)."""
+    first = tmp_path / "first"
+    process = start(*LONG, f"hydra.run.dir={first}")
+    stderr = terminate_after(process, "checkpoints/epoch0-*.ckpt", first, signal.SIGINT)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "KeyboardInterrupt" not in stderr
+    line = one_error_line(stderr)
+    saved = first / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(saved, weights_only=False)
+    step, epoch = checkpoint["global_step"], checkpoint["epoch"]
+    assert 20 <= step < 60
+    command = "python scripts/train.py " + " ".join(LONG) + f" ckpt_path={saved}"
+    assert line == (f"error: stopped by SIGINT (Ctrl-C) at epoch {epoch} step {step}: saved "
+                    f"{saved}; resume with: {command}")
+    assert not (first / "metrics.json").exists()
+
+
 def test_sigterm_stops_a_sweep_with_status_143(tmp_path: Path) -> None:
     """Before: the sweep went on to its next job and ended with status 0."""
     process = start("-m", "seed=0,1", *LONG, f"hydra.sweep.dir={tmp_path}")
@@ -56,7 +79,7 @@ def test_sigterm_stops_a_sweep_with_status_143(tmp_path: Path) -> None:
     assert process.returncode == 143, stderr[-3000:]
     assert one_error_line(stderr).startswith("error: stopped by SIGTERM at epoch 1")
     (job,) = (path for path in tmp_path.iterdir() if path.is_dir())
-    assert job.name.startswith("0_") and (job / "checkpoints" / "last.ckpt").is_file()
+    assert job.name.startswith("000_") and (job / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_an_output_folder_with_another_runs_results_is_refused(

@@ -2,7 +2,8 @@
 stderr naming the problem and the fix, and status 2 (in-process runs of scripts/train.py): two
 penalties under one name, an attack radius, seed or learning rate out of range, an override or
 a config file that does not parse, a run folder that cannot be created, SLURM's launcher where
-there is no cluster, dashboards made for another kind of model, a damaged image."""
+there is no cluster, dashboards made for another kind of model, a damaged image. A refused run
+leaves no run folder behind."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.data.images import write_image_folder, write_truncated_jpeg
 
-from .helpers import run_in_process
+from .helpers import one_error_line, run_in_process, run_script
 
 A_SECOND_DOUBLE_BACKPROP = (
     "+penalties.double_backprop={_target_:gradreg.penalties.make_penalty,"
@@ -210,3 +211,25 @@ def test_hydra_full_error_shows_hydra_own_exception(tmp_path: Path,
     with pytest.raises(Exception, match="override 'penalty.weight=.1,' does not") as error_info:
         run_in_process("penalty.weight=[1,", tmp_path=tmp_path)
     assert isinstance(error_info.value.__cause__, OverrideParseException)
+
+
+@pytest.mark.parametrize("args", [
+    pytest.param(["seed=-5"], id="checked value"),
+    pytest.param(["model=cnn", "penalty=r1"], id="built object", marks=pytest.mark.slow),
+])
+def test_a_refused_run_leaves_no_folder(args: list[str], tmp_path: Path) -> None:
+    """Refused before training (a value the checks refuse; a critic penalty the classifier
+    refuses when it is built): status 2, one line, and nothing under paths.runs. Before: a run
+    folder holding .hydra/ and train.log."""
+    result = run_script(*args, f"paths.runs={tmp_path / 'runs'}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert one_error_line(result.stderr).startswith("error: ")
+    assert [path for path in (tmp_path / "runs").rglob("*")] == []
+
+
+def test_a_refused_run_keeps_a_folder_named_on_the_command_line(tmp_path: Path) -> None:
+    """hydra.run.dir may name a folder that existed before the run: it keeps its files."""
+    named = tmp_path / "named"
+    result = run_script("seed=-5", f"hydra.run.dir={named}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: seed: must be an integer" in (named / "train.log").read_text()
