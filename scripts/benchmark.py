@@ -43,6 +43,7 @@ against batch size and against parameter count) into ``--out``.
     python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
     python scripts/benchmark.py --suite gpu --device cuda [--autocast bf16]
     python scripts/benchmark.py --transformer --threads 1 [--suite gpu --device cuda]
+    python scripts/benchmark.py --param-gradient --threads 1 --clock cpu   # GNP, SAM vs by hand
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="penalties through attention: a ViT critic with R1 and a "
                              "transformer classifier with param_grad_norm "
                              "(benchmarking/transformer.py)")
+    parser.add_argument("--param-gradient", action="store_true",
+                        help="GNP and SAM against their hand-written two-pass recipes "
+                             "(benchmarking/param_gradient.py)")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmark"))
     args = parser.parse_args(argv)
     if args.sharded:
@@ -116,6 +120,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             {"machine": machine(device), "suite": args.suite, "clock": args.clock, "rows": rows},
             indent=1))
         (args.out / "transformer.md").write_text(transformer_table(rows) + "\n")
+        return rows
+    if args.param_gradient:
+        from benchmarking.param_gradient import main as param_gradient
+        from benchmarking.param_gradient import table as param_gradient_table
+
+        rows = param_gradient(args.quick, args.reps,
+                              time.perf_counter if args.clock == "wall" else time.process_time)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "param_gradient.json").write_text(json.dumps(
+            {"machine": machine(device), "clock": args.clock, "rows": rows}, indent=1))
+        (args.out / "param_gradient.md").write_text(param_gradient_table(rows) + "\n")
         return rows
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     autocast = None if args.autocast is None else DTYPES[args.autocast]

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.buffers import buffers_kept
+from gradreg.penalties.buffers import KeptBuffers
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.norms import per_sample_norm
 from gradreg.penalties.param_gradient import _gradient, _shifted_gradient, trainable
@@ -101,8 +101,9 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
         value = penalty._of_norms(per_sample_norm(leaves, config.p, squared=config.squared,
                                                   per_sample=False))
         v = [factor * d for d in torch.autograd.grad(value, leaves)]
+    buffers = KeptBuffers(WHAT)
     if config.method == "double_backward":  # phase 2: H_k v exactly, by double backward
-        hv = _mean((_hessian_vector(fn, state, params, v)
+        hv = _mean((_hessian_vector(fn, state, params, v, buffers)
                     for fn, state in zip(losses, states, strict=True)), count)
     else:  # phase 2: the mean gradient at θ + r v̂
         length = torch.sqrt(sum(d.square().sum() for d in v))
@@ -113,7 +114,7 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
             with torch.no_grad():
                 for p, d in zip(params, v, strict=True):
                     p.data.add_(d * shift.to(d.dtype))
-            shifted = _mean((_shifted_gradient(fn, state, True, params)
+            shifted = _mean((_shifted_gradient(fn, state, True, params, buffers)
                              for fn, state in zip(losses, states, strict=True)), count)
         finally:
             with torch.no_grad():
@@ -128,10 +129,10 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
 
 
 def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],
-                    v: list[Tensor]) -> list[Tensor]:
+                    v: list[Tensor], buffers: KeptBuffers) -> list[Tensor]:
     """:math:`H v` of one micro-batch's loss at the parameters, its forward run again with the
     random numbers and leaving the buffers of its first."""
-    with buffers_kept(WHAT):
+    with buffers.kept(params):
         with state.replayed():
             loss = fn()
         g = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)

@@ -33,7 +33,7 @@ of the forward at :math:`\theta` (dropout's mask: the state that forward began w
 :attr:`LossAt.state`, replayed by :class:`~gradreg.penalties.randomness.Replaying`; a loss given
 without its state is refused once the shifted forward turns out to draw), and it leaves the
 modules' buffers as the forward at :math:`\theta` left them (BatchNorm's running statistics
-updated once per step, :func:`~gradreg.penalties.buffers.buffers_kept`). Frozen parameters are
+updated once per step, :class:`~gradreg.penalties.buffers.KeptBuffers`). Frozen parameters are
 refused (there is no gradient of theirs to penalize): pass the trainable ones.
 
 The parameters are shifted in place (their ``.data``, so that the autograd graph of the loss at
@@ -48,7 +48,7 @@ three backward passes. :func:`~gradreg.penalties.two_pass.penalized_loss` hands 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.buffers import buffers_kept
+from gradreg.penalties.buffers import KeptBuffers
 from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.norms import per_sample_norm
@@ -153,11 +153,11 @@ def _loss_at_theta(fn: Callable[[], Tensor], loss: Tensor | None, state: Generat
 
 
 def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bool,
-                      params: tuple[Tensor, ...]) -> list[Tensor]:
+                      params: tuple[Tensor, ...], buffers: KeptBuffers) -> list[Tensor]:
     r"""The gradient of the loss at the shifted parameters, its forward drawing the random
     numbers of the forward at :math:`\theta`, the modules' buffers left as that forward left
     them (put back after the backward, which may read them: BatchNorm's running statistics)."""
-    with buffers_kept(WHAT):
+    with buffers.kept(params):
         with state.replayed():
             loss = fn()
             if not known and state.moved():
@@ -181,6 +181,7 @@ class ParameterFiniteDifference:
                  squared: bool) -> None:
         self.penalty, self.step, self.p, self.squared = penalty, step, p, squared
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
+        self._buffers = KeptBuffers(WHAT)
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         # FSDP2-sharded parameters: the unsharded ones penalty_step holds (their gradients are
@@ -207,22 +208,15 @@ class ParameterFiniteDifference:
                 f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
-        leaves = [t.detach().requires_grad_() for t in g]
-        with torch.enable_grad():
-            value = self.penalty.of_norms(per_sample_norm(leaves, self.p, squared=self.squared,
-                                                          per_sample=False))
-            v = torch.autograd.grad(value, leaves, allow_unused=True)
-        v = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, v, strict=True)]
-        length = torch.sqrt(sum(d.square().sum() for d in v))
+        value, length, unit = self._direction(g)
         step = self.step if self.step is not None else default_step(unit_roundoff(loss))
-        shift = torch.where(length > 0, step / length, 0.0)  # no host sync
+        shift = (length > 0).to(length.dtype) * step  # no host sync
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():
-                for p, d in zip(params, v, strict=True):
-                    p.data.add_(d * shift.to(d.dtype))
-            del v  # the direction is in the parameters: its memory is free for the gradient
-            shifted = _shifted_gradient(fn, state, known, params)
+                for p, (d, coefficient) in zip(params, unit, strict=True):
+                    p.data.addcmul_(d, coefficient * shift.to(d.dtype))
+            shifted = _shifted_gradient(fn, state, known, params, self._buffers)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
@@ -234,7 +228,36 @@ class ParameterFiniteDifference:
             if task is not None:
                 task.gradient = g
             return with_gradients(value, list(params), hvp)
-        factor = scale * task.factor  # g + c H v, in the shifted gradient's memory
-        task.gradient = [b.sub_(a).mul_(factor.to(a.dtype)).add_(a)
-                         for a, b in zip(g, shifted, strict=True)]
+        factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
+        task.gradient = [a.lerp_(b, factor.to(a.dtype)) for a, b in zip(g, shifted, strict=True)]
         return value.detach()
+
+    def _direction(self, g: list[Tensor]
+                   ) -> tuple[Tensor, Tensor, Iterator[tuple[Tensor, Tensor]]]:
+        r"""The penalty :math:`P(g)`, the length :math:`\lVert v \rVert` of :math:`v = \partial
+        P/\partial g` and the unit direction :math:`\hat v`, produced one parameter at a time
+        as a tensor and a scalar factor (:math:`\hat v_j = g_j / \lVert g \rVert` for the
+        2-norm, :math:`v_j / \lVert v \rVert` otherwise). For
+        the 2-norm, :math:`P` is a function of :math:`n = \lVert g \rVert` alone, so
+        :math:`v = P'(n)\, g / n` is along :math:`g` (no parameter-sized tensor besides
+        :math:`g`; one scalar derivative); other norms differentiate :math:`P` w.r.t. each
+        :math:`g_j`."""
+        if self.p == 2:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
+            leaf = (norm.square() if self.squared else norm).requires_grad_()
+            with torch.enable_grad():
+                value = self.penalty.of_norms(leaf)
+                (slope,) = torch.autograd.grad(value, leaf)
+            slope = 2 * norm * slope if self.squared else slope
+            length = slope.abs()
+            coefficient = torch.where(length > 0, torch.sign(slope) / norm, 0.0)
+            return value, length, ((t, coefficient.to(t.dtype)) for t in g)
+        leaves = [t.detach().requires_grad_() for t in g]
+        with torch.enable_grad():
+            value = self.penalty.of_norms(per_sample_norm(leaves, self.p, squared=self.squared,
+                                                          per_sample=False))
+            v = torch.autograd.grad(value, leaves, allow_unused=True)
+        v = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, v, strict=True)]
+        length = torch.sqrt(sum(d.square().sum() for d in v))
+        inverse = torch.where(length > 0, 1 / length, 0.0)
+        return value, length, ((d, inverse.to(d.dtype)) for d in v)

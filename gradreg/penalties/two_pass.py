@@ -15,11 +15,11 @@ It needs two forward and backward passes: one at :math:`\theta` for :math:`g = \
 one at the shifted parameters. Written as ``loss + penalty(LossAt(fn, loss), params)``, the
 penalty takes :math:`g` keeping the loss's graph and the caller's backward takes it again (three
 passes). :func:`penalized_loss` hands the :math:`g` the penalty took to the caller instead: the
-task term it returns carries the whole gradient as a zero-valued surrogate
-(:func:`~gradreg.penalties.chunks.with_gradients`, whose backward is one multiply per
-parameter), the loss's graph is freed after the first pass, and one ``backward`` of the sum
-fills ``.grad`` as the hand-written recipe does, so gradient accumulation (a backward per
-micro-batch of the scaled loss), clipping, ``GradScaler`` and Lightning's automatic
+task term it returns carries the whole gradient (:class:`Carried`: one autograd node whose
+backward hands each parameter its precomputed gradient times the incoming scale), the loss's
+graph is freed after the first pass, and one ``backward`` of the sum fills ``.grad`` as the
+hand-written recipe does, so gradient accumulation (a backward per micro-batch of the scaled
+loss), clipping, ``GradScaler`` and Lightning's automatic
 optimization apply unchanged. Other penalties keep the plain form (double backward cannot share
 the first pass: it differentiates the loss's graph twice).
 
@@ -40,14 +40,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.chunks import with_gradients
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.param_gradient import LossAt, TaskGradient
 
-__all__ = ["penalized_loss"]
+__all__ = ["Carried", "penalized_loss"]
+
+
+class Carried(torch.autograd.Function):
+    """``Carried.apply(value, gradients, *params)``: ``value`` (detached), whose backward sends
+    ``gradients[j] * grad_output`` to ``params[j]``; one node for all the parameters (a sum of
+    products would be three per parameter), first order only. The gradients are scaled in
+    place and handed over (``.grad`` takes their memory): a second backward is refused."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, value: Tensor,
+                gradients: list[Tensor], *params: Tensor) -> Tensor:
+        ctx.gradients = gradients
+        return value.detach().clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 scale: Tensor) -> tuple[Tensor | None, ...]:
+        gradients, ctx.gradients = ctx.gradients, None
+        if gradients is None:
+            raise GradientError("the task term of penalized_loss hands its gradient over in its "
+                                "first backward: call penalized_loss again for another one.")
+        return (None, None, *(g.mul_(scale.to(g.dtype)) for g in gradients))
 
 
 def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
@@ -80,4 +104,4 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
         gradient = at.task.gradient
     finally:
         at.task = None
-    return with_gradients(at.loss, params, gradient), value
+    return Carried.apply(at.loss.detach(), gradient, *params), value
