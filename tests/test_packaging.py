@@ -230,3 +230,21 @@ def test_help_says_what_the_app_does_and_lists_the_groups_without_lightning():
         options = ", ".join(sorted(option.stem for option in group.glob("*.yaml")))
         assert f"\n{group.name}: {options}\n" in text
     assert text.rstrip().endswith("lightning imported: False")
+
+
+#: the pair of the README's install commands for the vision extra, from PyTorch's CPU index too
+PAIR = re.compile(r"^pip install torch==(\S+) torchvision==(\S+)( --index-url (\S+))?",
+                  re.MULTILINE)
+
+
+def test_the_readme_installs_a_matching_vision_pair_and_says_how_to_get_cpu_builds():
+    """The README's torchvision commands install one pair, of a torch in the project's range,
+    once from PyPI and once from PyTorch's CPU wheel index (adding the extra alone to a CPU
+    torch of another release replaces it with PyPI's CUDA build)."""
+    commands = PAIR.findall((ROOT / "README.md").read_text())
+    assert {(torch, vision) for torch, vision, _, _ in commands} == {("2.14.1", "0.29.1")}
+    assert [index for *_, index in commands] == ["", "https://download.pytorch.org/whl/cpu"]
+    (torch_requirement,) = PROJECT["dependencies"]
+    assert torch_requirement == "torch>=2.4,<2.15"  # 2.14.1 is the newest release it admits
+    assert "torchvision>=0.19" in PROJECT["optional-dependencies"]["vision"]
+
