@@ -16,12 +16,11 @@ value is the latest scalar under the metric's own tag. So:
   leading), so a classifier run declares classifier metrics and a GAN run GAN metrics;
 * :func:`declare_folder` writes the declaration of a whole log folder, in an event file of a run
   of its own (the app's sweeps: ``summary/``), from what its runs hold: every run's
-  hyperparameters, the ones whose values differ between runs (or that some runs leave blank)
-  marked (TensorBoard shows them first, the others a click away), and the union of the runs'
-  metrics with ``first`` (the metric a search optimizes) leading. The runs write their
-  declarations in event files of their own (``*_hparams_run``), which it removes: the
-  folder's is then the only one, whatever order TensorBoard reads the runs in. The app writes
-  it at the end of every sweep.
+  hyperparameters, the ones whose values differ between runs marked (TensorBoard shows them
+  first, the others a click away), and the union of the runs' metrics with ``first`` (the
+  metric a search optimizes) leading. The runs write their declarations in event files of
+  their own (``*_hparams_run``), which it removes: the folder's is then the only one, whatever
+  order TensorBoard reads the runs in. The app writes it at the end of every sweep.
 
 The metrics are the module's own tags (``val/acc``, ``test/acc_fgsm``), so nothing is logged
 twice; a metric a run never logs is blank in its row.
@@ -227,7 +226,6 @@ def declare_folder(folder: str | Path, first: str | None = None, run: str | None
     values: dict[str, list[Value]] = {}
     kinds: dict[str, int] = {}
     metrics: list[str] = []
-    sessions = 0
     runs = sorted({path.parent for path in folder.rglob("events.out.tfevents.*")})
     for run_dir in runs:
         content = _hparams_content(run_dir)
@@ -235,7 +233,6 @@ def declare_folder(folder: str | Path, first: str | None = None, run: str | None
             continue
         start = plugin_data_pb2.HParamsPluginData.FromString(
             content[metadata.SESSION_START_INFO_TAG]).session_start_info
-        sessions += 1
         for name, value in start.hparams.items():
             kind = value.WhichOneof("kind")
             kinds[name] = {"bool_value": api_pb2.DATA_TYPE_BOOL,
@@ -251,9 +248,7 @@ def declare_folder(folder: str | Path, first: str | None = None, run: str | None
         return []
     if first is not None:
         metrics = [first, *(tag for tag in metrics if tag != first)]
-    # a value that differs, or a blank cell in some runs' rows (a log10 of λ = 0)
-    columns = {name: (kinds[name], len(set(seen)) > 1 or len(seen) < sessions)
-               for name, seen in values.items()}
+    columns = {name: (kinds[name], len(set(seen)) > 1) for name, seen in values.items()}
     for old in folder.rglob(f"events.out.tfevents.*{FOLDER_DECLARATION}"):
         old.unlink()
     writer = FileWriter(str(folder / run if run else folder), filename_suffix=FOLDER_DECLARATION)
