@@ -362,9 +362,10 @@ def test_tiers(record: dict) -> str:
 
 
 def mean_std(values: list[float], digits: int = 3) -> str:
-    """``mean ± std`` (population standard deviation) of ``values``."""
+    """``mean ± std`` (sample standard deviation, n - 1, as the sweep's summary.md) of
+    ``values``."""
     mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
@@ -391,7 +392,7 @@ def digits_weights_table(record: dict) -> str:
         cells = [mean_std([metrics[c] for metrics in seeds.values()]) for c in columns]
         rows.append(f"| {penalty} | {weight} | {' | '.join(cells)} |")
     runs = sum(1 for job in jobs if job["overrides"]["penalty"] == "none")
-    return ("\n".join(rows) + "\n\nMean ± standard deviation (population) over seeds "
+    return ("\n".join(rows) + "\n\nMean ± sample standard deviation (n − 1) over seeds "
             f"{', '.join(sorted({job['overrides']['seed'] for job in jobs}))}; the {runs} runs "
             "without a penalty (one per weight value and seed) gave the same metrics for each "
             "seed. " + sweep_footer(record, "digits_weights", f"The {len(jobs)} jobs"))
