@@ -46,11 +46,13 @@ def better(metric: str, optimized: str | None = None, direction: str | None = No
 
 def estimate(value: float, spread: float | None, sign: bool = False) -> str:
     """``0.620 ± 0.020``, ``+0.120 ± 0.012``: ``value`` rounded to the decimals of ``spread``'s
-    two significant digits (4 significant digits without a spread, or where it is 0); a
-    leading ``+`` or ``-`` with ``sign``."""
+    two significant digits (4 significant digits without a spread, ``7 ± 0`` where it is 0);
+    a leading ``+`` or ``-`` with ``sign``."""
     plus = "+" if sign else ""
-    if not spread:
+    if spread is None:
         return f"{value:{plus}.4g}"
+    if spread == 0:
+        return f"{value:{plus}.4g} ± 0"
     decimals = max(0, 1 - math.floor(math.log10(spread)))
     return f"{round(value, decimals) + 0.0:{plus}.{decimals}f} ± {spread:.{decimals}f}"
 

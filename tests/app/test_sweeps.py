@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from gradreg.app import sweep_table, sweeps
+from gradreg.app import sweep_results, sweep_table, sweeps
 from gradreg.app.sweep_figure import metric_vs_weight_figure
 from gradreg.app.sweep_results import read_jobs
 from gradreg.app.sweep_summary import SweepSummary
@@ -474,3 +474,30 @@ def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: 
     assert row.split(" | ")[-1].strip(" |*") == sweep_table.estimate(
         statistics.fmean(deltas), se, sign=True)
     assert f"sweep summary ({tmp_path / 'summary.md'}):" in result.stdout
+
+
+def test_a_gan_sweep_marks_the_lowest_energy_distance_where_it_beats_the_noise() -> None:
+    """Energy distance (smaller is better), seeds 0 and 1: baseline 0.05 and 0.07; R1 λ=1
+    0.02 and 0.03 (Δ -0.03 and -0.04: mean -0.035, SE 0.005 < 0.0175): bold; λ=10 0.04 and
+    0.09 (Δ -0.01 and +0.02: mean +0.005, SE 0.015). Modes (larger is better): λ=10 covers
+    the most, 8 and 8 against 6 and 8 (Δ +1 ± 1): not beyond the noise, so no bold."""
+    values = {("none", 0.0): [(0.05, 6), (0.07, 8)], ("r1", 1.0): [(0.02, 7), (0.03, 7)],
+              ("r1", 10.0): [(0.04, 8), (0.09, 8)]}
+    jobs = [sweep_results.Job(penalty, weight, str(seed), {"seed": str(seed)},
+                              {"test/energy_distance": distance, "test/modes": modes})
+            for (penalty, weight), seeds in values.items()
+            for seed, (distance, modes) in enumerate(seeds)]
+    summary = sweep_table.summary_markdown(jobs)
+    assert summary.endswith(
+        "## test/energy_distance (min)\n\n"
+        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
+        "|---|---|---|---|---|\n"
+        "| none | 0 | 2/2 | 0.060 ± 0.014 |  |\n"
+        "| r1 | 1 | 2/2 | **0.0250 ± 0.0071** | **-0.0350 ± 0.0050** |\n"
+        "| r1 | 10 | 2/2 | 0.065 ± 0.035 | +0.005 ± 0.015 |\n\n"
+        "## test/modes (max)\n\n"
+        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
+        "|---|---|---|---|---|\n"
+        "| none | 0 | 2/2 | 7.0 ± 1.4 |  |\n"
+        "| r1 | 1 | 2/2 | 7 ± 0 | +0.0 ± 1.0 |\n"
+        "| r1 | 10 | 2/2 | 8 ± 0 | +1.0 ± 1.0 |\n")
