@@ -137,17 +137,17 @@ class Attention:
 
     def probabilities(self, lse: Tensor, rows: slice, cols: slice) -> Tensor:
         """:math:`P = e^{S - \\ell}` on the block."""
-        return torch.exp(self.scores(rows, cols) - lse[..., rows, None])
+        return self.scores(rows, cols).sub_(lse[..., rows, None]).exp_()  # a fresh tensor
 
     def tangent_scores(self, dq: Tensor | None, dk: Tensor | None, dm: Tensor | None,
                        rows: slice, cols: slice) -> Tensor | None:
         """:math:`s(\\dot Q K^\\top + Q \\dot K^\\top) + \\dot M` on the block (None: zero)."""
+        pairs = [(x, y) for x, y in ((dq, self.k), (self.q, dk)) if x is not None and y is not None]
         ds = None
-        if dq is not None:
-            ds = torch.matmul(dq[..., rows, :] * self.scale, self.k[..., cols, :].transpose(-2, -1))
-        if dk is not None:
-            ds = _add(ds, torch.matmul(self.q[..., rows, :] * self.scale,
-                                       dk[..., cols, :].transpose(-2, -1)))
+        if pairs:  # one product: [dQ, Q] [K, dK]^T = dQ K^T + Q dK^T
+            left = torch.cat([x[..., rows, :] for x, _ in pairs], -1)
+            right = torch.cat([y[..., cols, :] for _, y in pairs], -1)
+            ds = torch.matmul(left * self.scale, right.transpose(-2, -1))
         if dm is not None:
             ds = _add(ds, self.mask_block(dm, rows, cols))
         return ds
@@ -179,8 +179,8 @@ def vjp(a: Attention, lse: Tensor, out: Tensor, g: Tensor, mask_grad: bool
     for rows in a.rows():
         for cols in a.columns(rows):
             p = a.probabilities(lse, rows, cols)
-            ds = p * (torch.matmul(g[..., rows, :], a.v[..., cols, :].transpose(-2, -1))
-                      - d[..., rows, :])
+            ds = torch.matmul(g[..., rows, :], a.v[..., cols, :].transpose(-2, -1))
+            ds = ds.sub_(d[..., rows, :]).mul_(p)
             gq[..., rows, :] += torch.matmul(ds, a.k[..., cols, :])
             gk[..., cols, :] += torch.matmul(ds.transpose(-2, -1), a.q[..., rows, :])
             gv[..., cols, :] += torch.matmul(p.transpose(-2, -1), g[..., rows, :])
@@ -234,7 +234,7 @@ def second_order(a: Attention, lse: Tensor, out: Tensor, g: Tensor,
     def block(rows: slice, cols: slice) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         p = a.probabilities(lse, rows, cols)
         t = torch.matmul(g[..., rows, :], a.v[..., cols, :].transpose(-2, -1))
-        ds = p * (t - d[..., rows, :])
+        ds = (t - d[..., rows, :]).mul_(p)
         return p, t, ds, a.tangent_scores(u, w, m, rows, cols)
 
     for rows in a.rows():
@@ -255,10 +255,10 @@ def second_order(a: Attention, lse: Tensor, out: Tensor, g: Tensor,
         for cols in columns:
             p, t, ds, sh = kept.pop() if kept else block(rows, cols)
             gr, qr = g[..., rows, :], a.q[..., rows, :]
-            inner = -r[..., rows, :] * t - c[..., rows, :]
+            inner = torch.addcmul(-c[..., rows, :], r[..., rows, :], t, value=-1)
             if z is not None:
-                inner = inner + torch.matmul(gr, z[..., cols, :].transpose(-2, -1))
-            cc = p * inner if sh is None else sh * ds + p * inner
+                inner += torch.matmul(gr, z[..., cols, :].transpose(-2, -1))
+            cc = inner.mul_(p) if sh is None else torch.addcmul(inner.mul_(p), sh, ds)
             fq[..., rows, :] += torch.matmul(cc, a.k[..., cols, :])
             fk[..., cols, :] += torch.matmul(cc.transpose(-2, -1), qr)
             if w is not None:
