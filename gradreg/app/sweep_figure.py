@@ -2,9 +2,10 @@
 
 One panel per outcome metric (:func:`~gradreg.app.sweep_results.outcome_metrics`), λ on a log
 axis; per penalty (and setting of the other swept overrides) one colour, a line through the mean
-over seeds at each λ and a band of ± one sample standard deviation; the baseline
-(``penalty=none``, λ = 0, which a log axis cannot place) as a grey horizontal line at its mean
-with a band of ± its SD across the whole axis. One legend for all panels. Drawn on a
+over seeds at each λ and a band of ± one sample standard deviation (a search, whose every
+trial has its own λ and other values: one colour per penalty, each trial a point, no line);
+the baseline (``penalty=none``, λ = 0, which a log axis cannot place) as a grey horizontal line
+at its mean with a band of ± its SD across the whole axis. One legend for all panels. Drawn on a
 :class:`matplotlib.figure.Figure` (Agg, no pyplot state).
 """
 
@@ -38,6 +39,12 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
     series: dict[str, list[Setting]] = {}
     for setting in penalized:
         series.setdefault(series_name(setting), []).append(setting)
+    # a search (every trial its own λ and lr): one series per penalty, its trials as points
+    scattered = len(series) > 1 and all(len(members) == 1 for members in series.values())
+    if scattered:
+        series = {}
+        for setting in penalized:
+            series.setdefault(setting.penalty, []).append(setting)
     colours = {name: f"C{k % 10}" for k, name in enumerate(series)}
     columns = min(COLUMNS, len(metrics))
     rows_of_panels = -(-len(metrics) // columns)
@@ -62,6 +69,9 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
             weights = np.array([w for w, _ in points])
             means = np.array([v.mean for _, v in points])
             sds = np.array([v.sd if v.sd is not None else 0.0 for _, v in points])
+            if scattered:
+                ax.errorbar(weights, means, yerr=sds, fmt="o", color=colours[name], label=name)
+                continue
             ax.plot(weights, means, marker="o", color=colours[name], label=name)
             ax.fill_between(weights, means - sds, means + sds, color=colours[name], alpha=0.2,
                             linewidth=0)

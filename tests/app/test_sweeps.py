@@ -501,3 +501,20 @@ def test_a_gan_sweep_marks_the_lowest_energy_distance_where_it_beats_the_noise()
         "| none | 0 | 2/2 | 7.0 ± 1.4 |  |\n"
         "| r1 | 1 | 2/2 | 7 ± 0 | +0.0 ± 1.0 |\n"
         "| r1 | 10 | 2/2 | 8 ± 0 | +1.0 ± 1.0 |\n")
+
+
+def test_a_search_draws_its_trials_as_points_of_one_colour_per_penalty() -> None:
+    """An Optuna study: every trial its own λ and lr, one seed; no line joins trials of
+    different learning rates, and the legend has one entry, the penalty."""
+    trials_ = [(0.01, "0.001", 0.5), (1.0, "0.003", 0.7), (0.1, "0.0005", 0.6)]
+    jobs = [sweep_results.Job("double_backprop", weight, "0",
+                              {"seed": "0", "model.optimizer.lr": lr}, {"val/acc_pgd": value})
+            for weight, lr, value in trials_]
+    figure = metric_vs_weight_figure(jobs, optimized="val/acc_pgd")
+    (ax,) = [ax for ax in figure.axes if ax.get_visible()]
+    assert ax.get_title() == "val/acc_pgd" and ax.get_xscale() == "log"
+    (points,) = ax.get_lines()
+    assert points.get_linestyle() == "None"
+    assert sorted(zip(points.get_xdata(), points.get_ydata(), strict=True)) == [
+        (0.01, 0.5), (0.1, 0.6), (1.0, 0.7)]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == ["double_backprop"]
