@@ -324,18 +324,24 @@ def test_a_direct_call_of_the_functional_attention_is_routed(kind: str) -> None:
         torch.testing.assert_close(got, want)
 
 
-MASKS = ["none", "bool", "bool_2d", "float", "float_key_row", "causal", "causal_and_bool"]
+MASKS = ["none", "bool", "bool_2d", "float", "float_key_row", "causal", "causal_and_bool",
+         "scale", "gqa"]
 
 
 def attention_case(kind: str, lq: int, lk: int) -> tuple[dict, tuple[torch.Tensor, ...]]:
     """Options and the differentiated inputs (q, k, v[, a learned additive mask]) of one mask
     kind: a boolean mask per batch and head, one of queries x keys broadcast over both, an
-    additive mask per batch, one additive row over keys, causal, causal with a boolean mask."""
+    additive mask per batch, one additive row over keys, causal, causal with a boolean mask; a
+    custom scale; grouped-query attention (4 query heads on 2 key/value heads)."""
     g = torch.Generator().manual_seed(3)
-    inputs = qkv(lq=lq, lk=lk)
+    inputs = qkv(lq=lq, lk=lk) if kind != "gqa" else qkv(heads=4, lq=lq, lk=lk, kv_heads=2)
+    options: dict = {"scale": 0.3} if kind == "scale" else {}
+    if kind == "gqa":
+        if not has_gqa():
+            pytest.skip("this torch has no enable_gqa")
+        options["enable_gqa"] = True
     allowed = torch.rand(2, 3, lq, lk, generator=g) > 0.3
     allowed[..., 0] = True
-    options: dict = {}
     if kind in ("bool", "causal_and_bool"):
         options["attn_mask"] = allowed
     if kind == "bool_2d":
