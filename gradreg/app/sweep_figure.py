@@ -19,6 +19,8 @@ from matplotlib.figure import Figure
 from .sweep_results import Job, Setting, outcome_metrics, settings
 
 COLUMNS = 3
+#: a sweep of at most this many λ values gets them as the ticks of the λ axis
+MAX_TICKS = 8
 BASELINE_COLOUR = "0.35"
 
 
@@ -46,6 +48,7 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
         for setting in penalized:
             series.setdefault(setting.penalty, []).append(setting)
     colours = {name: f"C{k % 10}" for k, name in enumerate(series)}
+    swept = sorted({setting.weight for setting in penalized})
     columns = min(COLUMNS, len(metrics))
     rows_of_panels = -(-len(metrics) // columns)
     fig = Figure(figsize=(4.6 * columns, 3.6 * rows_of_panels + 0.9), dpi=100,
@@ -76,6 +79,9 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
             ax.fill_between(weights, means - sds, means + sds, color=colours[name], alpha=0.2,
                             linewidth=0)
         ax.set_xscale("log")
+        if len(swept) <= MAX_TICKS:  # a grid: its own λ values as the ticks
+            ax.set_xticks(swept, [f"{weight:g}" for weight in swept])
+            ax.minorticks_off()
         ax.set_xlabel("penalty weight λ")
         ax.set_title(metric)
         ax.grid(alpha=0.3)

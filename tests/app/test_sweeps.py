@@ -407,6 +407,7 @@ def test_the_figure_draws_each_metric_against_the_weight_on_a_log_axis(tmp_path:
     assert [ax.get_title() for ax in panels] == ["test/acc", "test/acc_pgd"]
     for ax, values, sd in ((panels[0], ACC, 0.02), (panels[1], ACC_PGD, 0.02)):
         assert ax.get_xscale() == "log" and ax.get_xlabel() == "penalty weight λ"
+        assert [tick.get_text() for tick in ax.get_xticklabels()] == ["0.1", "1"]
         baseline, line = ax.get_lines()
         assert baseline.get_label() == "none (λ = 0)"
         assert baseline.get_ydata()[0] == pytest.approx(statistics.fmean(
