@@ -107,7 +107,8 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
                     for fn, state in zip(losses, states, strict=True)), count)
     else:  # phase 2: the mean gradient at θ + r v̂
         length = torch.sqrt(sum(d.square().sum() for d in v))
-        step = config.step if config.step is not None else default_step(unit_roundoff(values[0]))
+        step = (config.step if config.step is not None
+                else default_step(unit_roundoff(values[0]), parameters=True))
         shift = torch.where(length > 0, step / length, 0.0)
         saved = [p.detach().clone() for p in params]
         try:

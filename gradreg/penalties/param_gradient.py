@@ -175,7 +175,8 @@ def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bo
 class ParameterFiniteDifference:
     """The method (module docstring): value :math:`P(g)` exact, its parameter gradient
     :math:`H v` by a difference of gradients with step ``step`` (``None``: the
-    :func:`~gradreg.penalties.precision.default_step` of the loss's arithmetic)."""
+    :func:`~gradreg.penalties.precision.default_step` of the loss's arithmetic for a parameter
+    shift, :data:`~gradreg.penalties.precision.PARAMETER_STEPS`)."""
 
     def __init__(self, penalty: PenaltyFunctions, step: float | None, p: float,
                  squared: bool) -> None:
@@ -209,7 +210,8 @@ class ParameterFiniteDifference:
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
         value, length, unit = self._direction(g)
-        step = self.step if self.step is not None else default_step(unit_roundoff(loss))
+        step = (self.step if self.step is not None
+                else default_step(unit_roundoff(loss), parameters=True))
         shift = (length > 0).to(length.dtype) * step  # no host sync
         saved = [p.detach().clone() for p in params]
         try:

@@ -19,8 +19,8 @@ from torch import Tensor
 from gradreg.autograd import GradientError
 from gradreg.graph import graph_node_names
 
-__all__ = ["MAX_DIFFERENCE_ROUNDING", "STEPS", "TF32_ROUNDOFF", "check_difference_rounding",
-           "cuda_float32_roundoff", "default_step", "unit_roundoff"]
+__all__ = ["MAX_DIFFERENCE_ROUNDING", "PARAMETER_STEPS", "STEPS", "TF32_ROUNDOFF",
+           "check_difference_rounding", "cuda_float32_roundoff", "default_step", "unit_roundoff"]
 
 #: Unit roundoff of TF32 (10 explicit mantissa bits), which cuDNN convolutions use for float32 on
 #: Ampere and newer GPUs by default (``torch.backends.cudnn.allow_tf32``), and cuBLAS matmuls
@@ -32,6 +32,13 @@ TF32_ROUNDOFF = 2.0**-11
 #: softplus, ELU and SiLU MLPs, CNNs and DCGAN-style critics (TF32 emulated on the CPU by rounding
 #: the operands of every convolution and matmul, forward and backward, to 10 mantissa bits).
 STEPS = {2.0**-53: 1e-6, 2.0**-24: 1e-2, TF32_ROUNDOFF: 0.5}
+#: The step of the parameter shift (``points="parameters"``: ``param_grad_norm``, ``sam``), by
+#: unit roundoff. In float32 1e-2 left 4.9% of the penalty's gradient on the transformer
+#: classifier of ``scripts/benchmark.py --param-gradient`` (0.23% on the digits MLP); 1e-3 leaves
+#: 0.47% and 0.07% (measured against float64 double backward; the sweep is in
+#: ``docs/parameter_gradients.md``). TF32's step scales the float32 one by the square root of the
+#: roundoffs' ratio (truncation O(r) against rounding O(u/r)), not measured.
+PARAMETER_STEPS = {2.0**-53: 1e-6, 2.0**-24: 1e-3, TF32_ROUNDOFF: 0.1}
 
 #: The largest rounding error of a difference quotient of outputs, in units of the outputs' size,
 #: that :func:`check_difference_rounding` accepts.
@@ -72,15 +79,16 @@ def cuda_float32_roundoff(names: set[str], *, conv_tf32: bool, matmul_precision:
     return roundoff
 
 
-def default_step(roundoff: float) -> float:
+def default_step(roundoff: float, *, parameters: bool = False) -> float:
     r"""The finite-difference step (the input-space length of each sample's shift) for
     arithmetic of unit roundoff ``roundoff`` (:func:`unit_roundoff`), from :data:`STEPS`.
 
     It balances truncation :math:`O(\text{eps})` against rounding :math:`O(u/\text{eps})`:
-    1e-6 in float64, 1e-2 in float32, 0.5 in TF32, whose rounding noise is 8192 times float32's.
+    1e-6 in float64, 1e-2 in float32, 0.5 in TF32, whose rounding noise is 8192 times float32's;
+    with ``parameters``, the length of the parameter shift (:data:`PARAMETER_STEPS`).
     Coarser arithmetic (bf16, fp16, bf16 matmuls) is refused: it loses all digits.
     """
-    for unit, step in sorted(STEPS.items()):
+    for unit, step in sorted((PARAMETER_STEPS if parameters else STEPS).items()):
         if roundoff <= unit:
             return step
     raise GradientError(

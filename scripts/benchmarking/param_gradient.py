@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarking.timing import peak_memory
+from gradreg import differentiable_attention
 from gradreg.models import TransformerClassifier
 from gradreg.penalties import param_grad_norm, sam
 from gradreg.penalties.param_gradient import LossAt
@@ -156,4 +158,48 @@ def table(rows: list[dict]) -> str:
     lines += [f"| {r['case']} | {r['batch']} | {r['method']} | {r['median_ms']:.2f} | "
               f"{r['ratio']:.2f} | {cell(r['vs_hand'], '.3f')} | {r['peak_mb']:.2f} | "
               f"{cell(r['memory_vs_hand'], '.2f')} |" for r in rows]
+    return "\n".join(lines)
+
+
+#: Finite-difference steps r (the shift's length) whose float32 error is measured.
+STEPS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+
+
+def penalty_gradient(model: nn.Module, x: Tensor, y: Tensor, **options: object) -> Tensor:
+    """The parameter gradient of ``param_grad_norm(1)`` alone (the task's taken out), flat."""
+    params = list(model.parameters())
+
+    def loss_fn() -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    penalty = param_grad_norm(1.0, **options)
+    with differentiable_attention() if not penalty.needs_callable else nullcontext():
+        at = LossAt.run(loss_fn, x)
+    value = penalty(at if penalty.needs_callable else at.loss, params)
+    return torch.cat([g.flatten() for g in torch.autograd.grad(value, params)])
+
+
+def errors(quick: bool) -> list[dict]:
+    """The relative error of the float32 finite difference of each step against float64 double
+    backward, per case (dropout off: one function)."""
+    rows = []
+    for name, (model, x, y) in cases(quick).items():
+        model.eval()
+        exact = penalty_gradient(model.double(), x.double(), y)
+        model.float()
+        for step in STEPS:
+            estimate = penalty_gradient(model, x, y, method="finite_difference", step=step)
+            rows.append({"case": name, "step": step,
+                         "error": ((estimate.double() - exact).norm() / exact.norm()).item()})
+        model.train()
+    return rows
+
+
+def error_table(rows: list[dict]) -> str:
+    names = sorted({r["case"] for r in rows})
+    lines = ["| step r | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for step in STEPS:
+        cells = [next(f"{r['error']:.1e}" for r in rows if r["case"] == n and r["step"] == step)
+                 for n in names]
+        lines.append(f"| {step:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
