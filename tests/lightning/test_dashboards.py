@@ -267,6 +267,24 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
     declare_folder(tmp_path)
     assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
     assert declare_folder(tmp_path / "run0" / "nothing") == []
+    # into a run of its own (no run "." in TensorBoard's lists), the leading columns first
+    declare_folder(tmp_path, run="summary", leading=["weight"])
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    (declaration,) = (tmp_path / "summary").glob("events.out.tfevents.*_hparams_folder")
+    content = ea.EventAccumulator(str(declaration.parent)).Reload().PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/experiment"]).experiment
+    assert [info.name for info in experiment.hparam_infos] == ["weight", "penalty/weight/gp", "lr"]
+
+
+def test_the_penalty_weight_columns_can_be_left_to_one_weight_column(tmp_path: Path) -> None:
+    """``weight_columns=False``: no ``penalty/weight/<path>`` column, blank for runs without
+    that penalty; the caller's ``weight`` hyperparameter is the one column."""
+    callback = HParamsLogger(["val/acc"], {"weight": 0.0}, weight_columns=False)
+    trainer(tmp_path, [callback], limit_val_batches=1).fit(PlainClassifier(lr=0.1), loader(),
+                                                            loader())
+    assert callback.params["weight"] == 0.0
+    assert not [name for name in callback.params if name.startswith("penalty/weight/")]
 
 
 @pytest.mark.parametrize(("metrics", "kwargs", "message"), [
