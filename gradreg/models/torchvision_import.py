@@ -29,6 +29,8 @@ import torch
 
 #: A torch / torchvision pair built for each other (the pair CI tests the image app with).
 PAIR = "torch==2.14.1 torchvision==0.29.1"
+#: Where pip finds that pair as CPU builds (PyPI's Linux wheels of torch are CUDA builds).
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
 
 #: (torchvision's version, the error of its import) once it was found unable to load
 _unloadable: tuple[str, Exception] | None = None
@@ -46,7 +48,8 @@ def import_torchvision(needed_by: str) -> ModuleType:
             raise _load_error(needed_by, _version(), error) from error
         raise ImportError(
             f"{needed_by} needs torchvision (the vision extra): pip install {PAIR}, then "
-            "pip install -e '.[vision]' (or the torchvision release built for your torch)"
+            "pip install -e '.[vision]' (or the torchvision release built for your torch; "
+            f"CPU builds of the pair: add {CPU_INDEX})"
         ) from error
     except Exception as error:
         raise _load_error(needed_by, _version(), error) from error
@@ -65,7 +68,7 @@ def _load_error(needed_by: str, version: str, error: Exception) -> ImportError:
     return ImportError(
         f"{needed_by}: torchvision {version} cannot load with torch {torch.__version__} "
         f"({first_line}); they are not built for each other. Install a matching pair, e.g. "
-        f"pip install {PAIR}"
+        f"pip install {PAIR} (CPU builds: add {CPU_INDEX})"
     )
 
 
