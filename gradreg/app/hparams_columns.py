@@ -6,7 +6,7 @@ them, as nested ``_target_`` nodes, when it builds the callbacks).
   ``penalty=none,double_backprop penalty.weight=0.1,1`` gives ``none`` each weight);
 * :func:`log10`: TensorBoard's HParams declaration has no log-scale hint (``HParamInfo`` has a
   name, a type, a domain and whether it differs), so λ and the learning rate also get
-  ``log10_weight`` and ``log10_lr`` columns, blank where the value is 0 (``penalty=none``).
+  ``weight_log10`` and ``lr_log10`` columns, blank where the value is 0 (``penalty=none``).
 """
 
 from __future__ import annotations

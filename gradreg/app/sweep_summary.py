@@ -13,8 +13,7 @@ and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holdin
 (Images tab, tag ``sweep/metric_vs_weight``), ``summary.md`` (Text tab, ``sweep/summary``) and
 the HParams declaration of the sweep folder
 (:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
-jobs, :data:`LEADING_COLUMNS` first, and their metrics, the optimized one first), so that no
-stray run ``.`` holds it.
+jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ SUMMARY = "summary.md"
 #: the TensorBoard run of the sweep folder that holds the summary and the HParams declaration
 SUMMARY_RUN = "summary"
 FIGURE_TAG, TEXT_TAG = "sweep/metric_vs_weight", "sweep/summary"
-#: the HParams columns (configs/callbacks/hparams.yaml) shown first where they differ:
-#: TensorBoard shows five
-LEADING_COLUMNS = ("penalty", "weight", "lr", "log10_weight", "log10_lr")
 
 
 class SweepSummary(Callback):
@@ -79,4 +75,4 @@ def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None) 
     if figure is not None:
         writer.add_figure(FIGURE_TAG, figure, close=False)
     writer.close()
-    declare_folder(sweep_dir, first=optimized, run=SUMMARY_RUN, leading=LEADING_COLUMNS)
+    declare_folder(sweep_dir, first=optimized, run=SUMMARY_RUN)

@@ -159,12 +159,12 @@ def test_any_backbone_target_a_user_names(tmp_path: Path) -> None:
     (["penalty=none", "callbacks=dashboards"],
      {"penalty": "none", "weight": 0.0, "lr": 0.001, "generator_lr": None, "hidden": [128, 128],
       "channels": None, "width": None, "activation": "relu", "n_critic": None, "loss": None,
-      "batch_size": 64, "max_epochs": 10, "seed": 0, "log10_weight": None, "log10_lr": -3.0}),
+      "batch_size": 64, "max_epochs": 10, "seed": 0, "weight_log10": None, "lr_log10": -3.0}),
     (["experiment=gan_8gaussians_wgan_gp", "data.batch_size=128"],
      {"penalty": "wgan_gp", "weight": 0.1, "lr": 1e-4, "generator_lr": 1e-4,
       "hidden": [512, 512, 512], "channels": None, "width": None, "activation": None,
       "n_critic": 5, "loss": "wgan", "batch_size": 128, "max_epochs": 20, "seed": 0,
-      "log10_weight": -1.0, "log10_lr": -4.0}),
+      "weight_log10": -1.0, "lr_log10": -4.0}),
 ])
 def test_the_hparams_table_has_what_a_sweep_varies(overrides: list[str], expected: dict,
                                                     tmp_path: Path) -> None:

@@ -24,8 +24,11 @@ from .helpers import run_script
 
 # the module's runs of the app (a sweep and a GAN run), shared by its tests (~16 s)
 pytestmark = pytest.mark.slow
-# the runs are named after their penalty and weight: which run had which penalty
-SWEEP = ["0_none/tensorboard", "1_double_backprop:0.1/tensorboard"]
+# the runs are named after their zero-padded job number, penalty and weight: which run had
+# which penalty, in job order
+SWEEP = ["000_none", "001_double_backprop:0.1"]
+# the sweep's own run: its summary (text), metric-vs-λ figure and the HParams declaration
+SUMMARY = "summary"
 GAN_OVERRIDES = ["experiment=gan_8gaussians_wgan_gp", "data.n_train=5120", "data.n_val=256",
                  "data.n_test=256", "trainer.max_epochs=1"]
 CLASSIFIER_METRICS = ["val/acc", "val/acc_pgd", "test/acc", "test/acc_fgsm", "test/acc_pgd",
@@ -54,10 +57,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_names(root: Path) -> list[str]:
-    """The TensorBoard run names: the folders holding event files, relative to the log folder
-    (not the folder itself, ".", which holds the HParams declaration of the sweep's end)."""
+    """The TensorBoard run names of the trained runs: the folders holding event files, relative
+    to the log folder, but the sweep's summary run."""
     return sorted({path.parent.relative_to(root).as_posix()
-                   for path in root.rglob("events.out.tfevents.*") if path.parent != root})
+                   for path in root.rglob("events.out.tfevents.*")} - {SUMMARY})
 
 
 def event_file(root: Path, run: str) -> ea.EventAccumulator:
@@ -80,10 +83,12 @@ def test_the_runs_are_named_after_their_penalty_and_weight(logs: Path) -> None:
     (gan,) = names[2:]
     assert re.fullmatch(r"wgan_gp:0\.1_\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d_data\.n_test:256"
                         r"\+data\.n_train:5120\+data\.n_val:256"
-                        r"\+experiment:gan_8gaussians_wgan_gp\+trainer\.max_epochs:1/tensorboard",
+                        r"\+experiment:gan_8gaussians_wgan_gp\+trainer\.max_epochs:1",
                         gan), gan
     # what tells the runs apart is within TensorBoard's ~40 characters of a run list
-    assert all(":0.1" in name[:40] or name.startswith("0_none") for name in names)
+    assert all(":0.1" in name[:40] or name == "000_none" for name in names)
+    # nothing at the log folder's root: no run "."
+    assert not list(logs.glob("events.out.tfevents.*"))
 
 
 def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) -> None:
@@ -104,7 +109,8 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
     assert not {"train/total", "train/penalty/double_backprop"} & set(classifier_tags["scalars"])
     assert not {"train/critic/wgan_gp"} & set(gan_tags["scalars"])
     assert {"train/critic/adversarial", "train/generator/adversarial"} <= set(gan_tags["scalars"])
-    # the gradient split, every 5 steps: per layer; the penalty-free run's penalty part is 0
+    # the gradient split, every 5 steps: per layer; the penalty-free run has no penalty part,
+    # share or cosine (undefined, not 0), only the task's
     layers = ["backbone.fc1", "backbone.fc2", "backbone.out"]
     assert {f"grad_split/{quantity}/{layer}" for quantity in ("task", "penalty", "penalty_share",
                                                               "cosine") for layer in layers} <= (
@@ -112,7 +118,8 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
     shares = double_backprop.Scalars("grad_split/penalty_share/backbone.fc1")
     assert [e.step for e in shares] == [4, 9, 14, 19]
     assert all(0 < e.value < 1 for e in shares)
-    assert all(e.value == 0 for e in none.Scalars("grad_split/penalty/backbone.fc1"))
+    none_split = {tag for tag in none.Tags()["scalars"] if tag.startswith("grad_split/")}
+    assert none_split == {f"grad_split/task/{layer}" for layer in layers}
     # the penalty-free run's baseline: the double-backprop penalty it would have had, weight 0,
     # under the penalized run's tag
     baseline = none.Scalars("penalty/unweighted/penalties.double_backprop")
@@ -120,6 +127,9 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
         e.value > 0 for e in baseline)
     assert {e.value for e in none.Scalars("penalty/weight/penalties.double_backprop")} == {0.0}
     assert "grad_split/penalty/critic.fc1" in gan_tags["scalars"]
+    # the generator's loss has no penalty: its task part only, no all-zero penalty series
+    assert not [tag for tag in gan_tags["scalars"] if tag.startswith("grad_split/")
+                and "generator" in tag and not tag.startswith("grad_split/task/")]
     assert set(classifier_tags["histograms"]) == {"input_grad/norm"} | {
         f"{group}/backbone.{layer}" for group in ("param_grad", "param_grad_bias")
         for layer in ("fc1", "fc2", "out")}
@@ -137,27 +147,37 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
 
 
 def test_the_sweep_writes_its_summary(logs: Path) -> None:
+    """The baseline once at λ = 0, the penalized run at its λ with its difference from it (one
+    seed: no standard error); the figure in the folder and in the summary run."""
     summary = (logs / "summary.md").read_text()
-    rows = [line.split(" | ")[:2] for line in summary.splitlines()
-            if line.startswith("| penalty=")]
-    assert rows == [["| penalty=none", "1/1"], ["| penalty=double_backprop", "1/1"]]
+    section = summary.split("## test/acc_pgd (max)\n\n")[1].split("\n\n")[0]
+    rows = [line.split(" | ")[:3] for line in section.splitlines()[2:]]
+    assert rows == [["| none", "0", "1/1"], ["| double_backprop", "0.1", "1/1"]]
+    assert (logs / "metric_vs_weight.png").is_file()
+    run = event_file(logs, SUMMARY)
+    assert run.Tags()["images"] == ["sweep/metric_vs_weight"]
 
 
 def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, serve) -> None:
     url = serve(logs)
     names = run_names(logs)
-    assert sorted(poll(f"{url}/data/runs", lambda runs: len(runs) == 4)) == [".", *names]
+    assert sorted(poll(f"{url}/data/runs", lambda runs: len(runs) == 4)) == sorted(
+        [*names, SUMMARY])
     plugins = poll(f"{url}/data/plugins_listing",
                    lambda listing: listing.get("hparams", {}).get("enabled"))
     for plugin in ("scalars", "custom_scalars", "images", "text", "hparams", "histograms"):
         assert plugins[plugin]["enabled"], plugin
-    text = poll(f"{url}/data/plugin/text/tags", lambda tags: len(tags) == 3)
+    text = poll(f"{url}/data/plugin/text/tags", lambda tags: len(tags) == 4)
     assert all(set(text[run]) == {"autograd_graph/text/text_summary",
                                   "autograd_graph/dot/text_summary"} for run in names)
+    assert text[SUMMARY] == ["sweep/summary/text_summary"]
     experiment = hparams_request(url, "experiment", {"experimentName": ""})
     infos = {info["name"]: info.get("differs", False) for info in experiment["hparamInfos"]}
-    # the columns marked (shown first) are those whose values differ between the runs
-    assert {"penalty", "weight", "lr", "batch_size"} <= {name for name, on in infos.items() if on}
+    # the columns marked (shown first) are those whose values differ between the runs; one
+    # weight column, the effective λ
+    assert {"penalty", "weight", "lr", "lr_log10", "batch_size"} <= {
+        name for name, on in infos.items() if on}
+    assert not [name for name in infos if name.startswith("penalty/weight/")]
     assert not {"seed", "max_epochs", "n_critic", "activation"} & {
         name for name, on in infos.items() if on}
     assert "None" not in json.dumps(experiment)
@@ -184,30 +204,36 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
 TABS = {
     # Time Series opens on the parameter gradient norms, not on an epoch chart
     "timeseries": [*SWEEP, "grad_norm 3 cards", "grad_norm/total /critic", "graph 4 cards"],
-    "custom_scalars": [*SWEEP, "outcome: accuracy, clean / FGSM / PGD (validation)",
-                       "outcome: energy distance to held-out samples (validation)",
-                       "outcome: modes covered (validation)", "task loss (train)",
-                       "penalty double_backprop, unweighted P", "penalty wgan_gp, unweighted P",
-                       "penalties, weighted", "penalty's share of the parameter gradient",
+    # one outcome metric per chart, each saying where its final values are; one chart per
+    # layer of the gradient split
+    "custom_scalars": [*SWEEP, "outcome: val/acc, clean accuracy", "outcome: val/acc_fgsm",
+                       "outcome: val/acc_pgd", "outcome: val/energy_distance",
+                       "outcome: val/modes covered",
+                       "final values: HParams tab, smoothing and 'ignore outliers' hide them",
+                       "task loss (train)", "penalty double_backprop, unweighted P",
+                       "penalty wgan_gp, unweighted P", "penalties, weighted",
+                       "gradient of layer backbone.fc1", "gradient of layer critic.fc1",
                        "penalty weights λ", "loss + penalty (train)",
                        "penalty/weight/penalties.wgan_gp (wgan_gp:0.1_",
                        "critic gradient norm ‖∇D(x̂)‖ at interpolates"],
-    "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "weight", "penalty", "none",
-                "double_backprop", "wgan_gp", "val/acc", "val/energy_distance",
-                "Number of matching session groups: 3"],
-    "images": [*SWEEP, "graph/autograd", "graph/autograd/critic", "graph/autograd/generator",
-               "critic_landscape/grad_norm", "saliency"],
+    "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "lr_log10", "weight", "weight_log10",
+                "penalty", "none", "double_backprop", "wgan_gp", "val/acc",
+                "val/energy_distance", "Number of matching session groups: 3"],
+    "images": [*SWEEP, SUMMARY, "graph/autograd", "graph/autograd/critic",
+               "graph/autograd/generator", "critic_landscape/grad_norm", "saliency"],
+    "images&tagFilter=sweep/": [SUMMARY, "sweep/metric_vs_weight"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
     "histograms&tagFilter=param_grad/": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
     # Time Series with its filter set in the address: the penalty's share of each layer's gradient
     "?tagFilter=penalty_share#timeseries": [*SWEEP, "grad_split/penalty_share /backbone.fc1",
                                             "Tags matching filter"],
-    "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0"],
+    "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0",
+             "sweep/summary/text_summary", "Δ vs baseline ± SE"],
 }
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
-               "images": "dashboard_images.png",
+               "images": "dashboard_images.png", "images&tagFilter=sweep/": "dashboard_sweep.png",
                "histograms&tagFilter=param_grad/": "dashboard_histograms.png",
                "?tagFilter=penalty_share#timeseries": "dashboard_grad_split.png"}
 

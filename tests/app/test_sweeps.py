@@ -131,7 +131,7 @@ def test_optuna_study_of_the_classifier_prints_and_saves_the_best_weight(tmp_pat
         content["_hparams_/experiment"]).experiment
     assert experiment.metric_infos[0].name.tag == "val/acc_pgd"
     differ = {info.name for info in experiment.hparam_infos if info.differs}
-    assert {"weight", "lr", "log10_weight", "log10_lr"} <= differ and "seed" not in differ
+    assert {"weight", "lr", "weight_log10", "lr_log10"} <= differ and "seed" not in differ
     assert not list(tmp_path.rglob("*_hparams_run"))
     assert (tmp_path / "summary.md").is_file()
 
@@ -450,7 +450,7 @@ def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: 
         "000_none_seed:0", "001_none_seed:1",
         "002_double_backprop:0.3_seed:0", "003_double_backprop:0.3_seed:1"]
     rows = {folder.name: hparams(folder) for folder in runs}
-    assert [(row["penalty"], row["weight"], row.get("log10_weight"), row["log10_lr"])
+    assert [(row["penalty"], row["weight"], row.get("weight_log10"), row["lr_log10"])
             for row in rows.values()] == [
         ("none", 0.0, None, -3.0), ("none", 0.0, None, -3.0),
         ("double_backprop", 0.3, pytest.approx(math.log10(0.3)), -3.0),
@@ -463,7 +463,7 @@ def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: 
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
     differ = {info.name for info in experiment.hparam_infos if info.differs}
-    assert differ == {"penalty", "weight", "seed"}  # log10_weight: one value, blank for none
+    assert differ == {"penalty", "weight", "seed"}  # weight_log10: one value, blank for none
     assert (tmp_path / "metric_vs_weight.png").is_file()
     summary = (tmp_path / "summary.md").read_text()
     metrics = [value for _, value in runs.values()]

@@ -267,14 +267,14 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
     declare_folder(tmp_path)
     assert len(list(tmp_path.glob("events.out.tfevents.*_hparams_folder"))) == 1
     assert declare_folder(tmp_path / "run0" / "nothing") == []
-    # into a run of its own (no run "." in TensorBoard's lists), the leading columns first
-    declare_folder(tmp_path, run="summary", leading=["weight"])
+    # into a run of its own (no run "." in TensorBoard's lists)
+    declare_folder(tmp_path, run="summary")
     assert not list(tmp_path.glob("events.out.tfevents.*"))
     (declaration,) = (tmp_path / "summary").glob("events.out.tfevents.*_hparams_folder")
     content = ea.EventAccumulator(str(declaration.parent)).Reload().PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
-    assert [info.name for info in experiment.hparam_infos] == ["weight", "penalty/weight/gp", "lr"]
+    assert [info.name for info in experiment.hparam_infos] == ["penalty/weight/gp", "weight", "lr"]
 
 
 def test_the_penalty_weight_columns_can_be_left_to_one_weight_column(tmp_path: Path) -> None:

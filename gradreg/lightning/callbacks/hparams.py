@@ -104,15 +104,12 @@ def session_end(succeeded: bool, end_time: float) -> Summary:
                     plugin_data_pb2.HParamsPluginData(session_end_info=info))
 
 
-def experiment(hparams: Mapping[str, tuple[int, bool]], metrics: Iterable[str],
-               leading: Sequence[str] = ()) -> Summary:
+def experiment(hparams: Mapping[str, tuple[int, bool]], metrics: Iterable[str]) -> Summary:
     """The declaration: ``hparams`` (name -> (its ``api_pb2`` data type, whether its values
-    differ between runs)), listed with the differing ones first, each group in the order of
-    ``leading``, then by name (TensorBoard shows the first five differing columns), and the
-    metric tags in order."""
-    rank = {name: k for k, name in enumerate(leading)}
-    ordered = sorted(hparams.items(), key=lambda item: (
-        not item[1][1], rank.get(item[0], len(rank)), item[0]))
+    differ between runs)), listed with the differing ones first, then by name (as TensorBoard
+    sorts them; its table shows the first five differing columns), and the metric tags in
+    order."""
+    ordered = sorted(hparams.items(), key=lambda item: (not item[1][1], item[0]))
     declared = api_pb2.Experiment(
         hparam_infos=[api_pb2.HParamInfo(name=name, type=kind, differs=differs)
                       for name, (kind, differs) in ordered],
@@ -219,14 +216,13 @@ class HParamsLogger(pl.Callback):
         self._ended.add(writer.log_dir)
 
 
-def declare_folder(folder: str | Path, first: str | None = None, run: str | None = None,
-                   leading: Sequence[str] = ()) -> list[str]:
+def declare_folder(folder: str | Path, first: str | None = None, run: str | None = None
+                   ) -> list[str]:
     """Write the HParams declaration of the log folder ``folder`` from its runs (module
     docstring), replacing an earlier one; returns the metric tags declared. It goes in the
     run ``folder/run`` (a run without hyperparameters of its own, e.g. a sweep's summary), or at
-    ``folder``'s root without ``run`` (where TensorBoard lists it as a run named ``.``);
-    ``leading`` columns come first (:func:`experiment`). Nothing is written where no run under
-    ``folder`` has hyperparameters."""
+    ``folder``'s root without ``run`` (where TensorBoard lists it as a run named ``.``). Nothing
+    is written where no run under ``folder`` has hyperparameters."""
     folder = Path(folder)
     values: dict[str, list[Value]] = {}
     kinds: dict[str, int] = {}
@@ -257,7 +253,7 @@ def declare_folder(folder: str | Path, first: str | None = None, run: str | None
     for old in folder.rglob(f"events.out.tfevents.*{FOLDER_DECLARATION}"):
         old.unlink()
     writer = FileWriter(str(folder / run if run else folder), filename_suffix=FOLDER_DECLARATION)
-    writer.add_summary(experiment(columns, metrics, leading))
+    writer.add_summary(experiment(columns, metrics))
     writer.close()
     for run_declaration in folder.rglob(f"events.out.tfevents.*{RUN_DECLARATION}"):
         run_declaration.unlink()
