@@ -122,15 +122,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (args.out / "transformer.md").write_text(transformer_table(rows) + "\n")
         return rows
     if args.param_gradient:
-        from benchmarking.param_gradient import main as param_gradient
-        from benchmarking.param_gradient import table as param_gradient_table
+        from benchmarking import param_gradient
 
-        rows = param_gradient(args.quick, args.reps,
-                              time.perf_counter if args.clock == "wall" else time.process_time)
+        rows = param_gradient.main(args.quick, args.reps, time.perf_counter
+                                   if args.clock == "wall" else time.process_time)
+        errors = param_gradient.errors(args.quick)
+        print(param_gradient.error_table(errors))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "param_gradient.json").write_text(json.dumps(
-            {"machine": machine(device), "clock": args.clock, "rows": rows}, indent=1))
-        (args.out / "param_gradient.md").write_text(param_gradient_table(rows) + "\n")
+            {"machine": machine(device), "clock": args.clock, "rows": rows, "errors": errors},
+            indent=1))
+        (args.out / "param_gradient.md").write_text(
+            param_gradient.table(rows) + "\n\n" + param_gradient.error_table(errors) + "\n")
         return rows
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     autocast = None if args.autocast is None else DTYPES[args.autocast]
