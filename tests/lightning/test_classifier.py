@@ -233,3 +233,28 @@ def test_epoch_end_settles_pending_finite_checks() -> None:
         _Recorded(7, torch.tensor(float("nan")), lambda: False, lambda: None))
     with pytest.raises(GradientError, match="penalty of call 7 is nan"):
         module.on_train_epoch_end()
+
+
+def test_sam_trains_with_the_gradient_at_the_ascent_point() -> None:
+    """One Lightning step of a Classifier with ``sam(0.05)`` (SGD, lr 0.1), against davda54/sam's
+    two steps written here: the parameters after it agree to float rounding. The step takes
+    the task's gradient inside the penalty (two forwards, two backwards)."""
+    x, y = data()
+    module = classifier({"sam": make_penalty("sam")},
+                        optimizer=partial(torch.optim.SGD, lr=0.1))
+    reference = classifier({})
+    params = list(reference.parameters())
+    F.cross_entropy(reference(x), y).backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in params))
+    with torch.no_grad():
+        shifts = [p.grad * (0.05 / norm) for p in params]
+        for p, e in zip(params, shifts, strict=True):
+            p.add_(e)
+    reference.zero_grad()
+    F.cross_entropy(reference(x), y).backward()
+    with torch.no_grad():
+        for p, e in zip(params, shifts, strict=True):
+            p.sub_(e).sub_(0.1 * p.grad)
+    trainer(max_steps=1).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    for got, want in zip(module.backbone.parameters(), params, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
