@@ -37,6 +37,25 @@ VISIBLE_TEXT = """(() => {
 })()"""
 
 
+# click the checkbox (Polymer's paper-checkbox, Angular's mat-checkbox) labelled LABEL (a JSON
+# string), through shadow roots; true where one was found
+CLICK_CHECKBOX = """(() => {
+  const label = LABEL;
+  const find = (node) => {
+    if (['PAPER-CHECKBOX', 'MAT-CHECKBOX'].includes(node.tagName)
+        && node.textContent.trim() === label) return node;
+    for (const child of [...(node.shadowRoot ? [node.shadowRoot] : []), ...node.childNodes]) {
+      const found = find(child);
+      if (found) return found;
+    }
+    return null;
+  };
+  const box = find(document.body);
+  if (box) box.click();
+  return box !== null;
+})()"""
+
+
 def executable() -> str | None:
     """Debian's ``chromium``, or None where it is not installed."""
     return shutil.which("chromium")
@@ -122,6 +141,14 @@ class Chromium:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never showed {missing}; it shows: {text[:2000]}")
             time.sleep(0.5)
+
+    def click_checkbox(self, label: str) -> None:
+        """Click the checkbox labelled ``label`` (e.g. a column of the HParams table)."""
+        result = self.call("Runtime.evaluate", session=True,
+                           expression=CLICK_CHECKBOX.replace("LABEL", json.dumps(label)),
+                           returnByValue=True)
+        if not result["result"].get("value"):
+            raise LookupError(f"no checkbox labelled {label!r} on the page")
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", session=True, format="png")["data"]

@@ -250,6 +250,8 @@ def test_the_tabs_render_in_a_browser(logs: Path, serve, tmp_path: Path) -> None
             text = browser.wait_for_text(*needles)
             if tab == "timeseries":
                 assert "epoch" not in text.split()
+            if tab == "hparams":  # TensorBoard shows five differing columns: also λ
+                browser.click_checkbox("weight")
             if tab in SCREENSHOTS:
                 time.sleep(2)  # the charts' drawing animations
                 browser.screenshot(shots / SCREENSHOTS[tab])
