@@ -23,13 +23,14 @@ micro-batches' :math:`L` by their number, which turns means over the micro-batch
 over the accumulated batch; a penalty with ``reduction="sum"`` is multiplied by that number, so
 that it is the sum over the accumulated batch too (one batch of 8 and two accumulated batches of
 4 give the same gradient). A parameter-gradient penalty (``points="parameters"``) is not a mean
-over samples: it is the norm of the gradient of the whole batch's loss, which no sum of the
-micro-batches' penalties gives (each would penalize its own micro-batch's gradient), and the
-accumulated gradient is known only after the last micro-batch's backward, so it is refused with
-``accumulate_grad_batches > 1`` (a bigger batch, or the two-phase plain loop of
-:func:`gradreg.penalties.accumulation.accumulated_backward`, gives the penalty of the accumulated
-batch). DDP averages the ranks' gradients (a global-batch strategy weights
-them by their share of the batch), so ``reduction="sum"`` on more than one rank is refused.
+over samples: it is the norm of the gradient of the whole accumulated batch's loss, which no sum
+of the micro-batches' penalties gives (each would penalize its own micro-batch's gradient); it is
+taken in two phases (:mod:`gradreg.penalties.accumulation`): each micro-batch's step takes its
+gradient, and the one after which the optimizer steps runs the second pass of every micro-batch
+of the window (kept until then with the random state of its forward), so the step equals one
+big batch's within float rounding (one such penalty, ``every=1``). DDP averages the ranks'
+gradients (a global-batch strategy weights them by their share of the batch), so
+``reduction="sum"`` on more than one rank is refused.
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
 ``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
@@ -44,11 +45,12 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from lightning import Trainer
 from torch import Tensor, nn
 
 from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
-from gradreg.lightning.compat import attached_trainer
+from gradreg.lightning.compat import accumulating, attached_trainer
 from gradreg.lightning.loss_terms import TASK, record_terms, terms_requested
 from gradreg.lightning.penalized import (
     OptimizerFactory,
@@ -58,8 +60,9 @@ from gradreg.lightning.penalized import (
 )
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
+from gradreg.penalties.accumulation import Accumulation
 from gradreg.penalties.param_gradient import LossAt
-from gradreg.penalties.two_pass import penalized_loss
+from gradreg.penalties.two_pass import Carried, penalized_loss
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -111,6 +114,7 @@ class Classifier(PenalizedModule):
         self.save_hyperparameters(ignore=["backbone", "penalties", "optimizer"])
         self.backbone = backbone
         self.penalties = nn.ModuleDict(penalties)
+        self._accumulations: dict[str, Accumulation] = {}  # under accumulate_grad_batches
         self.optimizer = optimizer or partial(torch.optim.Adam, lr=1e-3)
         if not (isinstance(pgd_steps, int) and pgd_steps >= 0):
             raise ValueError(f"pgd_steps must be an integer >= 0 (0: no PGD), got {pgd_steps!r}")
@@ -170,6 +174,11 @@ class Classifier(PenalizedModule):
             elif gp.config.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.config.layers],
                                      loss_scale=scale)
+            elif accumulated > 1:  # "parameters", of the accumulated batch: two phases
+                task, value = self._accumulated(name, gp, loss, state, x, y, trainer,
+                                                retain_graph=len(due) > 1)
+                if value is not None:  # on the micro-batch after which the optimizer steps
+                    penalties[name] = value
             elif gp.needs_callable and task is loss:  # "parameters" in two passes
                 at = LossAt(partial(self._mean_loss, x, y), loss, state)
                 task, penalties[name] = penalized_loss(gp, at, self._trainable(),
@@ -183,6 +192,28 @@ class Classifier(PenalizedModule):
                 # a sum over the accumulated batch, as a mean is the mean over it
                 penalties[name] = penalties[name] * accumulated
         return task, penalties
+
+    def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor, state: GeneratorState,
+                     x: Tensor, y: Tensor, trainer: Trainer, *, retain_graph: bool
+                     ) -> tuple[Tensor, Tensor | None]:
+        r"""A parameter penalty of the accumulated batch's gradient under
+        ``accumulate_grad_batches`` (:class:`~gradreg.penalties.accumulation.Accumulation`):
+        each micro-batch's task term carries its loss's gradient :math:`g_k` (Lightning divides
+        it by the count :math:`N`, so ``.grad`` sums :math:`\bar g`); on the micro-batch after
+        which the optimizer steps, the penalty :math:`c\,P(\bar g)` is returned and the task
+        term also carries :math:`N c\,\bar H v`, from the second phase over the window's
+        micro-batches (kept with their random states until then)."""
+        accumulation = self._accumulations.get(name)
+        if accumulation is None:
+            accumulation = self._accumulations[name] = Accumulation(gp, self._trainable())
+        g = accumulation.add(partial(self._mean_loss, x, y), state, loss,
+                             retain_graph=retain_graph)
+        value = None
+        if not accumulating(trainer):
+            value, hv = accumulation.finish()
+            count = trainer.accumulate_grad_batches
+            g = [a.add_(b, alpha=count) for a, b in zip(g, hv, strict=True)]
+        return Carried.apply(loss.detach(), g, *accumulation.params), value
 
     def _outputs(
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
@@ -226,17 +257,19 @@ class Classifier(PenalizedModule):
 
     def on_fit_start(self) -> None:
         """Refuse per-sample ``reduction="sum"`` penalties on more than one rank (DDP averages
-        the ranks' gradients, which makes a sum the mean of the ranks' sums), and
-        parameter-gradient penalties with gradient accumulation (module docstring)."""
-        parameter = sorted(name for name, gp in self.penalties.items()
-                           if gp.config.points == "parameters")
-        if parameter and self.trainer.accumulate_grad_batches > 1:
+        the ranks' gradients, which makes a sum the mean of the ranks' sums), and, with gradient
+        accumulation, more than one parameter-gradient penalty or a lazy one (module
+        docstring)."""
+        parameter = {name: gp for name, gp in self.penalties.items()
+                     if gp.config.points == "parameters"}
+        accumulated = self.trainer.accumulate_grad_batches
+        if accumulated > 1 and (len(parameter) > 1 or any(gp.config.every > 1
+                                                          for gp in parameter.values())):
             raise ValueError(
-                f"penalties {parameter} penalize the gradient of the whole batch's loss, which "
-                f"accumulate_grad_batches={self.trainer.accumulate_grad_batches} splits: each "
-                "micro-batch would penalize its own gradient's norm instead; use one batch of "
-                "the accumulated size, or the two-phase loop gradreg.penalties.accumulation"
-                ".accumulated_backward")
+                f"penalties {sorted(parameter)} with accumulate_grad_batches={accumulated}: the "
+                "penalty of the accumulated batch's gradient is taken for one parameter penalty "
+                "computed at every step (every=1); use one, or a batch of the accumulated size")
+        self._accumulations.clear()
         summed = sorted(name for name, gp in self.penalties.items()
                         if gp.config.reduction == "sum" and gp.config.per_sample)
         if summed and self.trainer.world_size > 1:

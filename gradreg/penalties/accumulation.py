@@ -25,15 +25,17 @@ unaccumulated step per micro-batch; memory that of one micro-batch. The result e
 big batch's step within float rounding (for models whose samples do not interact: BatchNorm in
 training mode normalizes per micro-batch, as any accumulation does).
 
-Lightning's automatic optimization backpropagates each micro-batch before it sees the next, so
-the direction :math:`v` is not known when the first micro-batches' backward runs: the Lightning
-modules refuse ``accumulate_grad_batches > 1`` with a parameter-gradient penalty, and this loop
-is the form that accumulates::
+The plain-loop form::
 
     optimizer.zero_grad()
     accumulated_backward(gnp, [partial(loss_fn, xb, yb) for xb, yb in micro_batches],
                          params, on=(x,))
     optimizer.step()
+
+A training loop that hands over one micro-batch per backward (Lightning's automatic optimization
+with ``accumulate_grad_batches``) uses :class:`Accumulation`: each micro-batch's backward carries
+its :math:`g_k`, and the last one's also the penalty's gradient, after the second phase over the
+micro-batches kept until then (the Lightning ``Classifier`` does so).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from gradreg.penalties.param_gradient import _gradient, _shifted_gradient, train
 from gradreg.penalties.precision import default_step, unit_roundoff
 from gradreg.penalties.randomness import GeneratorState
 
-__all__ = ["accumulated_backward"]
+__all__ = ["Accumulation", "accumulated_backward"]
 
 WHAT = "accumulated_backward"
 
@@ -65,68 +67,116 @@ def _mean(parts: Iterator[list[Tensor]], count: int) -> list[Tensor]:
     return [t.div_(count) for t in total]
 
 
-def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],
-                         params: Sequence[Tensor], *, on: Sequence[Tensor] = ()
-                         ) -> tuple[Tensor, Tensor]:
-    r"""Add to each parameter's ``.grad`` the gradient of :math:`L + c\,P(\bar g)` of the
-    accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
-    mean loss (micro-batches of equal size); ``penalty``: on ``points="parameters"`` by
-    ``"finite_difference"`` or ``"double_backward"`` (weighted as it is, :math:`c` its weight
-    times ``every`` and ``gain``; call it only on steps where ``penalty.due()``); ``on``: the
-    batch's tensors, whose devices' random states are replayed. Returns the detached mean loss
-    and weighted penalty."""
-    config = penalty.config
-    if config.points != "parameters" or config.method not in ("finite_difference",
-                                                                "double_backward"):
-        raise GradientError(
-            f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' or "
-            f"'double_backward', got points={config.points!r}, method={config.method!r}.")
-    if not losses:
-        raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")
-    penalty._check_due()
-    params = trainable(list(params), WHAT)
-    states, values = [], []
+class Accumulation:
+    r"""The two phases (module docstring) for micro-batches handed over one at a time:
+    :meth:`add` runs a micro-batch's first phase, :meth:`finish` the second phase of all of
+    them. ``penalty``: on ``points="parameters"`` by ``"finite_difference"`` or
+    ``"double_backward"``, weighted as it is (:math:`c`: its weight times ``every`` and
+    ``gain``)."""
 
-    def first(fn: Callable[[], Tensor]) -> list[Tensor]:
-        states.append(GeneratorState.capture(*on, *params))
-        loss = fn()
-        values.append(loss.detach())
-        return _gradient(loss, params, retain=False)
+    def __init__(self, penalty: GradientPenalty, params: Sequence[Tensor]) -> None:
+        config = penalty.config
+        if config.points != "parameters" or config.method not in ("finite_difference",
+                                                                    "double_backward"):
+            raise GradientError(
+                f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' "
+                f"or 'double_backward', got points={config.points!r}, "
+                f"method={config.method!r}.")
+        self.penalty, self.params = penalty, trainable(list(params), WHAT)
+        self._buffers = KeptBuffers(WHAT)
+        self._reset()
 
-    count = len(losses)
-    g = _mean((first(fn) for fn in losses), count)  # phase 1: the graphs freed one by one
-    leaves = [t.detach().requires_grad_() for t in g]
-    factor = penalty.weight * config.every * config.gain
-    with torch.enable_grad():
-        value = penalty._of_norms(per_sample_norm(leaves, config.p, squared=config.squared,
-                                                  per_sample=False))
-        v = [factor * d for d in torch.autograd.grad(value, leaves)]
-    buffers = KeptBuffers(WHAT)
-    if config.method == "double_backward":  # phase 2: H_k v exactly, by double backward
-        hv = _mean((_hessian_vector(fn, state, params, v, buffers)
-                    for fn, state in zip(losses, states, strict=True)), count)
-    else:  # phase 2: the mean gradient at θ + r v̂
-        length = torch.sqrt(sum(d.square().sum() for d in v))
+    def _reset(self) -> None:
+        self._stored: list[tuple[Callable[[], Tensor], GeneratorState]] = []
+        self._sum: list[Tensor] | None = None
+        self._roundoff = 0.0
+
+    def add(self, fn: Callable[[], Tensor], state: GeneratorState, loss: Tensor | None = None,
+            *, retain_graph: bool = False) -> list[Tensor]:
+        """The first phase of one micro-batch: the gradient :math:`g_k` of its loss ``loss``
+        (computed by ``fn()`` from ``state`` where not given), returned and summed; ``fn`` and
+        ``state`` (the random state its forward began with) are kept for :meth:`finish`."""
+        if loss is None:
+            with state.replayed():
+                loss = fn()
+        g = _gradient(loss, self.params, retain=retain_graph)
+        self._stored.append((fn, state))
+        self._roundoff = max(self._roundoff, unit_roundoff(loss))
+        if self._sum is None:
+            self._sum = [t.clone() for t in g]
+        else:
+            for total, t in zip(self._sum, g, strict=True):
+                total.add_(t)
+        return g
+
+    def finish(self) -> tuple[Tensor, list[Tensor]]:
+        r"""The weighted penalty :math:`c\,P(ar g)` (detached) of the mean gradient of the
+        micro-batches added since the last call, and its parameter gradient :math:`c\,ar H
+        v`, by the second phase over them (their forwards replayed from their states)."""
+        if self._sum is None:
+            raise GradientError(f"{WHAT}: no micro-batch was added before finish().")
+        penalty, params, config = self.penalty, self.params, self.penalty.config
+        stored, count = self._stored, len(self._stored)
+        g = [t.div_(count) for t in self._sum]
+        roundoff = self._roundoff
+        self._reset()
+        leaves = [t.detach().requires_grad_() for t in g]
+        factor = penalty.weight * config.every * config.gain
+        with torch.enable_grad():
+            value = penalty._of_norms(per_sample_norm(leaves, config.p, squared=config.squared,
+                                                      per_sample=False))
+            v = [factor * d for d in torch.autograd.grad(value, leaves)]
+        penalty.last_value = value.detach()
+        if config.method == "double_backward":  # H_k v exactly, by double backward
+            return value.detach() * factor, _mean(
+                (_hessian_vector(fn, state, params, v, self._buffers) for fn, state in stored),
+                count)
+        length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + r v̂
         step = (config.step if config.step is not None
-                else default_step(unit_roundoff(values[0]), parameters=True))
+                else default_step(roundoff, parameters=True))
         shift = torch.where(length > 0, step / length, 0.0)
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():
                 for p, d in zip(params, v, strict=True):
                     p.data.add_(d * shift.to(d.dtype))
-            shifted = _mean((_shifted_gradient(fn, state, True, params, buffers)
-                             for fn, state in zip(losses, states, strict=True)), count)
+            shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
+                             for fn, state in stored), count)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
-        hv = [(b - a) * (length / step).to(a.dtype) for a, b in zip(g, shifted, strict=True)]
+        return value.detach() * factor, [b.sub_(a).mul_((length / step).to(a.dtype))
+                                         for a, b in zip(g, shifted, strict=True)]
+
+
+def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],
+                         params: Sequence[Tensor], *, on: Sequence[Tensor] = ()
+                         ) -> tuple[Tensor, Tensor]:
+    r"""Add to each parameter's ``.grad`` the gradient of :math:`L + c\,P(\bar g)` of the
+    accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
+    mean loss (micro-batches of equal size); ``penalty``: as for :class:`Accumulation` (call it
+    only on steps where ``penalty.due()``); ``on``: the batch's tensors, whose devices' random
+    states are replayed. Returns the detached mean loss and weighted penalty."""
+    accumulation = Accumulation(penalty, params)
+    if not losses:
+        raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")
+    penalty._check_due()
+    values = []
+    for fn in losses:  # the first phase: the graphs freed one by one
+        state = GeneratorState.capture(*on, *accumulation.params)
+        loss = fn()
+        values.append(loss.detach())
+        part = accumulation.add(fn, state, loss)
+        with torch.no_grad():
+            for p, t in zip(accumulation.params, part, strict=True):
+                t.div_(len(losses))
+                p.grad = t if p.grad is None else p.grad.add_(t)
+    value, hv = accumulation.finish()
     with torch.no_grad():
-        for p, a, b in zip(params, g, hv, strict=True):
-            p.grad = a + b if p.grad is None else p.grad.add_(a + b)
-    penalty.last_value = value.detach()
-    return torch.stack(values).mean(), value.detach() * factor
+        for p, t in zip(accumulation.params, hv, strict=True):
+            p.grad.add_(t)
+    return torch.stack(values).mean(), value
 
 
 def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],

@@ -258,3 +258,34 @@ def test_sam_trains_with_the_gradient_at_the_ascent_point() -> None:
     trainer(max_steps=1).fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH))
     for got, want in zip(module.backbone.parameters(), params, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("options", [{"method": "finite_difference", "step": 1e-4}, {}],
+                         ids=["finite_difference", "double_backward"])
+def test_a_parameter_penalty_under_accumulation_is_that_of_the_accumulated_batch(
+        options: dict) -> None:
+    """SGD on 32 samples, three steps: 2 accumulated micro-batches of 8 == batches of 16 (float
+    rounding), with the step of a batch of 16 taken by the same penalty. Each micro-batch
+    penalizing its own gradient ends 0.148 away (measured in the plain loop of
+    tests/penalties/test_two_pass.py)."""
+    dataset = TensorDataset(*data(n=32))
+    models = {}
+    for batch_size, accumulate in [(8, 2), (16, 1)]:
+        models[batch_size] = model = classifier(
+            {"gnp": make_penalty("param_grad_norm", weight=0.5, **options)},
+            optimizer=partial(torch.optim.SGD, lr=0.5))
+        trainer(max_steps=3, accumulate_grad_batches=accumulate, limit_val_batches=0).fit(
+            model, DataLoader(dataset, batch_size=batch_size))
+    initial = classifier({}).backbone.state_dict()
+    small, large = (models[b].backbone.state_dict() for b in (8, 16))
+    for name in initial:
+        torch.testing.assert_close(small[name], large[name], rtol=0, atol=1e-12)
+        assert not torch.allclose(small[name], initial[name], atol=1e-3)  # they did move
+
+
+def test_two_parameter_penalties_under_accumulation_are_refused() -> None:
+    model = classifier({"a": make_penalty("sam"), "b": make_penalty("param_grad_norm")})
+    with pytest.raises(ValueError, match=r"penalties \['a', 'b'\] with "
+                                         r"accumulate_grad_batches=2: .* for one parameter"):
+        trainer(max_steps=1, accumulate_grad_batches=2).fit(
+            model, DataLoader(TensorDataset(*data()), batch_size=4))

@@ -7,14 +7,12 @@ from __future__ import annotations
 from functools import partial
 from typing import ClassVar
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gradreg import GradientError
-from gradreg.lightning.classifier import Classifier
 from gradreg.penalties import param_grad_norm, sam
 from gradreg.penalties.accumulation import accumulated_backward
 from gradreg.penalties.param_gradient import LossAt
@@ -219,15 +217,3 @@ def test_accumulated_dropout_batches_replay_each_micro_batchs_mask() -> None:
                              params, on=(x,))
         results.append(grads(model))
     assert (results[1] - results[0]).norm() <= 1e-5 * results[0].norm()
-
-
-def test_the_classifier_refuses_accumulation_with_a_parameter_penalty(tmp_path) -> None:
-    model = Classifier(nn.Sequential(nn.Linear(4, 3)), {"gnp": sam(0.05)})
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
-        torch.randn(8, 4), torch.randint(0, 3, (8,))), batch_size=4)
-    trainer = L.Trainer(max_steps=1, accumulate_grad_batches=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"penalties \['gnp'\] penalize the gradient of the "
-                                         r"whole batch's loss, which accumulate_grad_batches=2"):
-        trainer.fit(model, data)
