@@ -65,12 +65,17 @@ softmax's differential :math:`dP = P \odot (dS - \operatorname{rowsum}(P \odot d
 reductions :math:`D` (from :math:`O`), :math:`r`, :math:`c` and :math:`Pz` take a first sweep
 over the key blocks, the gradients a second (one, with the first sweep's blocks kept, where the
 keys fit one block). The blocks are batched matmuls over the batch and head dimensions.
+
+float16 and bfloat16 inputs are computed in float32 (their sums over blocks would lose the
+precision that one product accumulating in float32 keeps) and returned in their dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,6 +86,37 @@ __all__ = ["Attention", "jvp", "log_sum_exp", "second_order", "vjp"]
 QUERY_BLOCK = 128
 #: Keys per block; a sequence of up to this many keys takes one sweep per query block.
 KEY_BLOCK = 512
+
+
+#: Dtypes computed in float32: sums over blocks in them would lose what one product keeps.
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _cast(value: Any, source: torch.dtype, target: torch.dtype) -> Any:
+    """``value`` (a tensor, None or nested tuples of them) with its ``source`` tensors in
+    ``target``."""
+    if isinstance(value, tuple):
+        return tuple(_cast(x, source, target) for x in value)
+    if isinstance(value, Tensor) and value.dtype == source:
+        return value.to(target)
+    return value
+
+
+def _in_float32(keep: bool = False) -> Callable:
+    """Runs a function of an :class:`Attention` in float32 where its queries are float16 or
+    bfloat16, its results back in their dtype (in float32 where ``keep``)."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(a: Attention, *args: Any, **options: Any) -> Any:
+            dtype = a.q.dtype
+            if dtype not in _HALF:
+                return fn(a, *args, **options)
+            wide = replace(a, **{name: _cast(getattr(a, name), dtype, torch.float32)
+                                 for name in ("q", "k", "v", "mask")})
+            result = fn(wide, *_cast(args, dtype, torch.float32), **options)
+            return result if keep else _cast(result, torch.float32, dtype)
+        return run
+    return decorate
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -153,9 +189,10 @@ class Attention:
         return ds
 
 
+@_in_float32(keep=True)
 def log_sum_exp(a: Attention, out: Tensor) -> Tensor:
-    """:math:`\\ell` [..., L]; :math:`+\\infty` on a query with no allowed key (NaN where the
-    kernel's output ``out`` is NaN there)."""
+    """:math:`\\ell` [..., L] (float32 at least); :math:`+\\infty` on a query with no allowed
+    key (NaN where the kernel's output ``out`` is NaN there)."""
     lse = torch.full(a.q.shape[:-1], float("-inf"), dtype=a.q.dtype, device=a.q.device)
     for rows in a.rows():
         for cols in a.columns(rows):
@@ -169,6 +206,7 @@ def _zeros_like_mask(a: Attention, wanted: bool) -> Tensor | None:
     return torch.zeros_like(a.mask) if wanted and a.mask is not None else None
 
 
+@_in_float32()
 def vjp(a: Attention, lse: Tensor, out: Tensor, g: Tensor, mask_grad: bool
         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:math:`(\\bar Q, \\bar K, \\bar V, \\bar M)` for the output cotangent ``g`` (module
@@ -194,6 +232,7 @@ def _accumulate_mask(a: Attention, gm: Tensor, block: Tensor, rows: slice, cols:
     target += block.sum_to_size(target.shape)
 
 
+@_in_float32()
 def jvp(a: Attention, lse: Tensor, out: Tensor, dq: Tensor | None, dk: Tensor | None,
         dv: Tensor | None, dm: Tensor | None) -> Tensor:
     """:math:`\\dot O` for tangents (None: zero) of :math:`(Q, K, V, M)` (module docstring)."""
@@ -212,6 +251,7 @@ def jvp(a: Attention, lse: Tensor, out: Tensor, dq: Tensor | None, dk: Tensor | 
     return acc - rho * out
 
 
+@_in_float32()
 def second_order(a: Attention, lse: Tensor, out: Tensor, g: Tensor,
                  cotangents: tuple[Tensor | None, ...], mask_grad: bool, with_vjp: bool
                  ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor | None], Tensor,
