@@ -213,7 +213,8 @@ class Classifier(PenalizedModule):
             value, hv = accumulation.finish()
             count = trainer.accumulate_grad_batches
             g = [a.add_(b, alpha=count) for a, b in zip(g, hv, strict=True)]
-        return Carried.apply(loss.detach(), g, *accumulation.params), value
+        hand_over = not terms_requested(self)  # a gradient split differentiates it again
+        return Carried.apply(loss.detach(), g, hand_over, *accumulation.params), value
 
     def _outputs(
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,

@@ -52,26 +52,31 @@ __all__ = ["Carried", "penalized_loss"]
 
 
 class Carried(torch.autograd.Function):
-    """``Carried.apply(value, gradients, *params)``: ``value`` (detached), whose backward sends
-    ``gradients[j] * grad_output`` to ``params[j]``; one node for all the parameters (a sum of
-    products would be three per parameter), first order only. The gradients are scaled in
-    place and handed over (``.grad`` takes their memory): a second backward is refused."""
+    """``Carried.apply(value, gradients, hand_over, *params)``: ``value`` (detached), whose
+    backward sends ``gradients[j] * grad_output`` to ``params[j]``; one node for all the
+    parameters (a sum of products would be three per parameter), first order only. With
+    ``hand_over`` the gradients are scaled in place and handed over (``.grad`` takes their
+    memory) and a second backward is refused; without, they are kept (a graph retained for
+    several backwards: a per-term gradient split)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, value: Tensor,
-                gradients: list[Tensor], *params: Tensor) -> Tensor:
-        ctx.gradients = gradients
+                gradients: list[Tensor], hand_over: bool, *params: Tensor) -> Tensor:
+        ctx.gradients, ctx.hand_over = gradients, hand_over
         return value.detach().clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx,
                  scale: Tensor) -> tuple[Tensor | None, ...]:
-        gradients, ctx.gradients = ctx.gradients, None
+        gradients = ctx.gradients
         if gradients is None:
-            raise GradientError("the task term of penalized_loss hands its gradient over in its "
+            raise GradientError("the task term of penalized_loss handed its gradient over in its "
                                 "first backward: call penalized_loss again for another one.")
-        return (None, None, *(g.mul_(scale.to(g.dtype)) for g in gradients))
+        if not ctx.hand_over:
+            return (None, None, None, *(g * scale.to(g.dtype) for g in gradients))
+        ctx.gradients = None
+        return (None, None, None, *(g.mul_(scale.to(g.dtype)) for g in gradients))
 
 
 def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
@@ -104,4 +109,4 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
         gradient = at.task.gradient
     finally:
         at.task = None
-    return Carried.apply(at.loss.detach(), gradient, *params), value
+    return Carried.apply(at.loss.detach(), gradient, not split, *params), value
