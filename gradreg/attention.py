@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 
 from gradreg import blockwise_attention as blockwise
 from gradreg.autograd import GradientError
+from gradreg.blockwise_attention import add_optional
 from gradreg.torch_compat import attention_in_functional
 
 __all__ = ["differentiable_attention", "explain_fused_attention", "scaled_dot_product_attention"]
@@ -115,14 +116,8 @@ def _tangent_scores(q: Tensor, k: Tensor, tangents: tuple[Tensor | None, ...], s
     dq, dk, _, dm = tangents
     ds = None if dq is None else torch.matmul(dq * scale, k.transpose(-2, -1))
     if dk is not None:
-        ds = _add(ds, torch.matmul(q * scale, dk.transpose(-2, -1)))
-    return _add(ds, dm)
-
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
+        ds = add_optional(ds, torch.matmul(q * scale, dk.transpose(-2, -1)))
+    return add_optional(ds, dm)
 
 
 def _softmax_jvp(p: Tensor, ds: Tensor | None) -> Tensor | None:
@@ -139,7 +134,7 @@ def _reference_jvp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Te
     r""":math:`\dot O = \dot P V + P \dot V` in differentiable ops on :math:`L \times S`
     tensors (the third-order derivatives differentiate it)."""
     p = _scores(q, k, mask, is_causal, scale, out)
-    dout = _add(_matmul(_softmax_jvp(p, _tangent_scores(q, k, tangents, scale)), v),
+    dout = add_optional(_matmul(_softmax_jvp(p, _tangent_scores(q, k, tangents, scale)), v),
                 _matmul(p, tangents[2]))
     return torch.zeros_like(out) if dout is None else dout
 
@@ -160,13 +155,13 @@ def _jvp_of_jvp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tenso
     if dq is not None and second[1] is not None:
         s_ddot = torch.matmul(dq * scale, second[1].transpose(-2, -1))
     if dk is not None and second[0] is not None:
-        s_ddot = _add(s_ddot, torch.matmul(second[0] * scale, dk.transpose(-2, -1)))
+        s_ddot = add_optional(s_ddot, torch.matmul(second[0] * scale, dk.transpose(-2, -1)))
     p_dot, p_tilde = _softmax_jvp(p, s_dot), _softmax_jvp(p, s_tilde)
     p_ddot = _softmax_jvp(p, s_ddot)
     if p_tilde is not None and s_dot is not None:
-        cross = p_tilde * s_dot
-        p_ddot = _add(p_ddot, p_tilde * (s_dot - (p * s_dot).sum(dim=-1, keepdim=True))
-                      - p * cross.sum(dim=-1, keepdim=True))
+        rho = (p * s_dot).sum(dim=-1, keepdim=True)
+        cross = (p_tilde * s_dot).sum(dim=-1, keepdim=True)
+        p_ddot = add_optional(p_ddot, p_tilde * (s_dot - rho) - p * cross)
     result = _reference_jvp(q, k, v, mask, out, of_tangents, is_causal, scale)
     for a, b in ((p_ddot, v), (p_dot, second[2]), (p_tilde, dv)):
         product = _matmul(a, b)

@@ -119,7 +119,7 @@ def _in_float32(keep: bool = False) -> Callable:
     return decorate
 
 
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+def add_optional(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     """``a + b``, None standing for zero."""
     if a is None:
         return b
@@ -185,7 +185,7 @@ class Attention:
             right = torch.cat([y[..., cols, :] for _, y in pairs], -1)
             ds = torch.matmul(left * self.scale, right.transpose(-2, -1))
         if dm is not None:
-            ds = _add(ds, self.mask_block(dm, rows, cols))
+            ds = add_optional(ds, self.mask_block(dm, rows, cols))
         return ds
 
 
