@@ -179,8 +179,9 @@ class ParameterFiniteDifference:
     shift, :data:`~gradreg.penalties.precision.PARAMETER_STEPS`)."""
 
     def __init__(self, penalty: PenaltyFunctions, step: float | None, p: float,
-                 squared: bool) -> None:
+                 squared: bool, *, linear: bool = False) -> None:
         self.penalty, self.step, self.p, self.squared = penalty, step, p, squared
+        self.linear = linear and not squared  # P(n) = n (target 0, power 1): P'(n) = 1
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
         self._buffers = KeptBuffers(WHAT)
 
@@ -242,17 +243,22 @@ class ParameterFiniteDifference:
         2-norm, :math:`v_j / \lVert v \rVert` otherwise). For
         the 2-norm, :math:`P` is a function of :math:`n = \lVert g \rVert` alone, so
         :math:`v = P'(n)\, g / n` is along :math:`g` (no parameter-sized tensor besides
-        :math:`g`; one scalar derivative); other norms differentiate :math:`P` w.r.t. each
-        :math:`g_j`."""
+        :math:`g`; one scalar derivative, none for the plain norm :math:`P(n) = n`); other
+        norms differentiate :math:`P` w.r.t. each :math:`g_j`."""
         if self.p == 2:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
-            leaf = (norm.square() if self.squared else norm).requires_grad_()
-            with torch.enable_grad():
-                value = self.penalty.of_norms(leaf)
-                (slope,) = torch.autograd.grad(value, leaf)
-            slope = 2 * norm * slope if self.squared else slope
-            length = slope.abs()
-            coefficient = torch.where(length > 0, torch.sign(slope) / norm, 0.0)
+            if self.linear:  # the plain norm (param_grad_norm, sam): no derivative to take
+                value, slope = self.penalty.of_norms(norm), torch.ones_like(norm)
+            else:
+                leaf = (norm.square() if self.squared else norm).requires_grad_()
+                with torch.enable_grad():
+                    value = self.penalty.of_norms(leaf)
+                    (slope,) = torch.autograd.grad(value, leaf)
+                slope = 2 * norm * slope if self.squared else slope
+            moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
+            length = torch.where(moving, slope.abs(), 0.0)
+            coefficient = torch.where(moving, torch.sign(slope) / torch.where(moving, norm, 1.0),
+                                      0.0)
             return value, length, ((t, coefficient.to(t.dtype)) for t in g)
         leaves = [t.detach().requires_grad_() for t in g]
         with torch.enable_grad():

@@ -217,3 +217,18 @@ def test_accumulated_dropout_batches_replay_each_micro_batchs_mask() -> None:
                              params, on=(x,))
         results.append(grads(model))
     assert (results[1] - results[0]).norm() <= 1e-5 * results[0].norm()
+
+
+def half_square(theta: torch.Tensor) -> torch.Tensor:
+    return theta.square().sum() / 2
+
+
+def test_at_a_stationary_point_nothing_is_shifted_and_the_gradient_is_zero() -> None:
+    """g = 0 (the minimum of ‖θ‖²/2): the direction is the subgradient 0, the step's gradient
+    0, finite, for the plain norm and the squared one."""
+    for penalty in (sam(0.05), param_grad_norm(WEIGHT, method="finite_difference"),
+                    param_grad_norm(WEIGHT, power=2.0, method="finite_difference")):
+        theta = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+        task, value = penalized_loss(penalty, LossAt.run(partial(half_square, theta)), [theta])
+        (task + value).backward()
+        assert value.item() == 0 and torch.equal(theta.grad, torch.zeros(3, dtype=torch.float64))
