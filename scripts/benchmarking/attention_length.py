@@ -9,8 +9,9 @@ around the reals' forward), ``math`` (R1 with ``sdpa_kernel(SDPBackend.MATH)`` a
 forward: both exact methods run the fakes through the fused kernel).
 
 Each (method, L) runs in a process of its own, one thread: the peak resident memory of its first
-step above the resident memory before it (``ru_maxrss``), then the process CPU time of the next
-steps (median). FLOPs (matrix products, torch's formulas, :func:`benchmarking.timing.count_flops`)
+step above the resident memory before it (``VmHWM``, reset before the step), then the process
+CPU time of the next steps (median). FLOPs (matrix products, torch's formulas,
+:func:`benchmarking.timing.count_flops`)
 are counted at L = 256 and 512, where they are exactly ``a L + b L^2``, and extrapolated, with
 the fused forwards counted as MATH's matrix products (:func:`flops`); the ``math`` step's FLOPs
 over the plain step's is the floor of exact R1's time ratio.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -75,9 +75,18 @@ def steps(length: int, batch: int = 2, dim: int = 64) -> tuple[nn.Module, dict[s
                     "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH))}
 
 
-def resident_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+def status_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in MB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak() -> None:
+    """Starts ``VmHWM`` afresh (``ru_maxrss`` cannot be reset, and a child process's starts at
+    least at its parent's resident memory at the fork)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def measure(method: str, length: int, timed_steps: int) -> dict:
@@ -91,9 +100,10 @@ def measure(method: str, length: int, timed_steps: int) -> dict:
         losses[method]().backward()
         optimizer.step()
 
-    before = resident_mb()
+    before = status_mb("VmRSS")
+    reset_peak()
     step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = status_mb("VmHWM")
     seconds = []
     for _ in range(timed_steps):
         start = time.process_time()
