@@ -43,13 +43,20 @@ def batch(step: int, size: int = 16) -> Tensor:
     return torch.randn(size, FEATURES, generator=torch.Generator().manual_seed(step))
 
 
+def per_sample_losses(outputs: Tensor) -> Tensor:
+    """The task's loss of each sample, ``[B]``."""
+    return (outputs - 1.0).square().mean(1)
+
+
 def task_loss(model: nn.Module, x: Tensor) -> Tensor:
-    return (model(x) - 1.0).square().mean()
+    return per_sample_losses(model(x)).mean()
 
 
 def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: object) -> Tensor:
-    """``gp`` evaluated on ``model`` at the points its ``points`` names, made from batch ``x``;
+    """``gp`` evaluated on ``model`` at the points its ``points`` names, made from batch ``x``,
+    of the model's outputs, or of the per-sample losses for a penalty of losses (``of="loss"``);
     ``options`` go to ``gp.forward`` (``loss_scale``)."""
+    of = per_sample_losses if gp.config.of == "loss" else (lambda outputs: outputs)
     if gp.config.points == "parameters" and gp.config.method == "finite_difference":
         loss = task_loss(model, x)  # the GNP form: the loss as a closure, its value shared
         return gp(LossAt(lambda: task_loss(model, x), loss), list(model.parameters()), **options)
@@ -57,7 +64,7 @@ def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: o
         return gp(task_loss(model, x), list(model.parameters()), **options)
     if gp.config.points == "activations":
         with capture(model, *gp.config.layers) as activations:
-            outputs = model(x)
+            outputs = of(model(x))
         return gp(outputs, [activations[layer] for layer in gp.config.layers], **options)
     make_points = {
         "inputs": as_points, "real": as_points, "latents": as_points,
@@ -66,7 +73,9 @@ def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: o
         "perturbed": perturb_dragan,
     }[gp.config.points]
     points = make_points(x)
-    return gp(model if gp.needs_callable else model(points), points, **options)
+    if not gp.needs_callable:
+        return gp(of(model(points)), points, **options)
+    return gp(model if gp.config.of != "loss" else lambda q: of(model(q)), points, **options)
 
 
 def penalty_under(dtype: torch.dtype | None, gp: GradientPenalty, model: nn.Module,
