@@ -16,8 +16,9 @@ a sum over micro-batches of Hessian-vector products along *one* direction that d
 them. :func:`accumulated_backward` therefore runs two phases: the first takes :math:`g_k` of
 each micro-batch (a forward and a backward each, the graph freed) and sums :math:`\bar g`; the
 second, with :math:`v` known, takes :math:`H_k v` of each micro-batch, by a forward and backward
-at :math:`\theta + r\hat v` (``method="finite_difference"``: :math:`\bar H v \approx \lVert v
-\rVert (\bar g' - \bar g)/r`, :math:`\bar g'` the mean gradient there) or by a forward and a
+at :math:`\theta + h\hat v` (``method="finite_difference"``: :math:`\bar H v \approx \lVert v
+\rVert (\bar g' - \bar g)/h`, :math:`\bar g'` the mean gradient there, :math:`h` by the
+``shift`` rule of :mod:`~gradreg.penalties.param_gradient`) or by a forward and a
 double backward at :math:`\theta` (``"double_backward"``, exact). Each micro-batch's second
 forward draws the random numbers of its first (dropout's masks) and leaves the modules' buffers
 as the first left them (BatchNorm counts each micro-batch once). The cost is that of the
@@ -49,7 +50,13 @@ from gradreg.autograd import GradientError
 from gradreg.penalties.buffers import KeptBuffers
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.param_gradient import _gradient, _shifted_gradient, trainable
+from gradreg.penalties.param_gradient import (
+    _gradient,
+    _shifted_gradient,
+    adaptive_norm_terms,
+    shift_length,
+    trainable,
+)
 from gradreg.penalties.precision import default_step, unit_roundoff
 from gradreg.penalties.randomness import GeneratorState
 
@@ -123,30 +130,32 @@ class Accumulation:
         leaves = [t.detach().requires_grad_() for t in g]
         factor = penalty.weight * config.every * config.gain
         with torch.enable_grad():
-            value = penalty._of_norms(per_sample_norm(leaves, config.p, squared=config.squared,
+            terms = adaptive_norm_terms(leaves, params) if config.adaptive else leaves
+            value = penalty._of_norms(per_sample_norm(terms, config.p, squared=config.squared,
                                                       per_sample=False))
-            v = [factor * d for d in torch.autograd.grad(value, leaves)]
+            v = torch.autograd.grad(value, leaves)
         penalty.last_value = value.detach()
         if config.method == "double_backward":  # H_k v exactly, by double backward
             return value.detach() * factor, _mean(
-                (_hessian_vector(fn, state, params, v, self._buffers) for fn, state in stored),
-                count)
-        length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + r v̂
+                (_hessian_vector(fn, state, params, [factor * d for d in v], self._buffers)
+                 for fn, state in stored), count)
+        length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + h v̂
         step = (config.step if config.step is not None
                 else default_step(roundoff, parameters=True))
-        shift = torch.where(length > 0, step / length, 0.0)
+        shift, scale = shift_length(config.shift, step, length, config.gain)
+        along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():
                 for p, d in zip(params, v, strict=True):
-                    p.data.add_(d * shift.to(d.dtype))
+                    p.data.add_(d * along.to(d.dtype))
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
                              for fn, state in stored), count)
         finally:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
-        return value.detach() * factor, [b.sub_(a).mul_((length / step).to(a.dtype))
+        return value.detach() * factor, [b.sub_(a).mul_(scale * factor)
                                          for a, b in zip(g, shifted, strict=True)]
 
 

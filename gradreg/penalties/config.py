@@ -19,14 +19,15 @@ import torch
 from torch import Tensor
 
 __all__ = ["HESSIAN_REDUCTIONS", "KINDS", "KIND_METHODS", "METHODS", "POINTS", "PROJECTION_NAMES",
-           "REDUCTIONS", "RENAMED", "PenaltyConfig", "check_count", "check_hessian_options",
-           "check_iterations", "check_step", "finite_number", "require", "squared_norm_penalty"]
+           "REDUCTIONS", "RENAMED", "SHIFTS", "PenaltyConfig", "check_count",
+           "check_hessian_options", "check_iterations", "check_step", "finite_number", "require",
+           "squared_norm_penalty"]
 
 #: The options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
 #: ``float`` at construction; ``target`` also takes ``"ema"``, ``step`` also ``None``.
 NUMBERS = ("target", "power", "p", "gain", "ema_decay", "subsample", "step")
 #: The options that are flags.
-FLAGS = ("one_sided", "check_finite", "central")
+FLAGS = ("one_sided", "check_finite", "central", "adaptive")
 
 POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
           "parameters")
@@ -39,6 +40,10 @@ PROJECTION_NAMES = ("sum", "orthonormal", "gaussian")
 #: number of directions (projections, probes, Rademacher directions) is ``count``.
 RENAMED = {"fd_eps": "step", "sigma": "step", "epsilon": "step", "num_projections": "count",
            "probes": "count", "k": "count"}
+#: How far a parameter-gradient penalty by finite difference shifts the parameters along the
+#: direction :math:`v = \partial P/\partial g` (:mod:`gradreg.penalties.param_gradient`): a
+#: fixed length ``step`` (``"normalized"``), or ``step`` times :math:`v` (``"gradient"``).
+SHIFTS = ("normalized", "gradient")
 #: What is penalized (:mod:`gradreg.penalties.kinds`): the gradient norm of the module docstring
 #: of :mod:`gradreg.penalties.mechanism`, the Jacobian's spectral norm, or the Hessian penalty.
 KINDS = ("gradient_norm", "spectral", "hessian")
@@ -122,6 +127,17 @@ class PenaltyConfig:
             ``method`` ``"finite_difference"`` or ``"double_backward"``, the exact form). Both
             need ``outputs`` as a callable (:mod:`gradreg.penalties.kinds`).
         iterations: power-iteration steps of ``kind="spectral"``, >= 1.
+        shift: for ``points="parameters"`` by ``method="finite_difference"``, how far the
+            parameters are shifted along :math:`v = \partial P/\partial g` (the penalty's
+            derivative in the loss gradient :math:`g`, its ``gain`` included): ``"normalized"``
+            by the length ``step`` (:math:`\theta + r\hat v`: GNP, SAM) or ``"gradient"`` by
+            ``step`` times :math:`v` (:math:`\theta + \epsilon v`; for GR's
+            :math:`\tfrac12\lVert g\rVert^2`, :math:`\theta + \epsilon g`; ASAM). One of
+            :data:`SHIFTS`; see :mod:`~gradreg.penalties.param_gradient`.
+        adaptive: for ``points="parameters"`` by ``method="finite_difference"``, the norm of
+            :math:`\lvert\theta\rvert \odot g` (elementwise, :math:`\lvert\theta\rvert`
+            held constant) in place of that of :math:`g`: ASAM's adaptive sharpness (Kwon et
+            al. 2021).
 
     Examples:
         >>> import dataclasses
@@ -157,6 +173,8 @@ class PenaltyConfig:
     central: bool = False
     kind: str = "gradient_norm"
     iterations: int = 10
+    shift: str = "normalized"
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
@@ -190,6 +208,7 @@ class PenaltyConfig:
             "per-sample points other than 'activations' (and points='parameters' with "
             "method='finite_difference'); use method='double_backward'")
         self._check_perturbation()
+        self._check_parameter_shift()
         self._check_kind()
         self._check_step_and_count()
         require(self.reduction != "max" or (self.subsample == 1 and self.chunks == 1),
@@ -234,6 +253,14 @@ class PenaltyConfig:
                 "method='double_backward' or 'finite_difference'")
         require(self.chunks == 1, "method='perturbation' keeps no double-backward graph to "
                                   "split: use chunks=1")
+
+    def _check_parameter_shift(self) -> None:
+        require(self.shift in SHIFTS, f"shift must be one of {SHIFTS}, got {self.shift!r}")
+        shifts = self.points == "parameters" and self.method == "finite_difference"
+        require(shifts or self._at_defaults("shift", "adaptive"),
+                f"shift and adaptive set how param_grad_norm by method='finite_difference' "
+                f"shifts the parameters; they do nothing with points={self.points!r}, "
+                f"method={self.method!r}: pass points='parameters', method='finite_difference'")
 
     def _check_kind(self) -> None:
         require(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")

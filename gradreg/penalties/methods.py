@@ -297,9 +297,8 @@ def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method
 BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
     "finite_difference": lambda config, penalty: (
-        ParameterFiniteDifference(penalty, config.step, config.p, config.squared,
-                                  linear=config.target == 0 and config.power == 1)
-        if config.points == "parameters" else FiniteDifference(penalty, config.step)),
+        ParameterFiniteDifference(penalty, config) if config.points == "parameters"
+        else FiniteDifference(penalty, config.step)),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
     "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }

@@ -5,19 +5,42 @@ norm (``param_grad_norm``: :math:`P = \lVert g \rVert_2`), the chain rule gives
 :math:`\nabla_\theta P = H v` with :math:`H = \nabla^2_\theta L` and :math:`v = \partial P /
 \partial g` (for :math:`P = \lVert g\rVert_2`, :math:`v = g / \lVert g \rVert`). The
 Hessian-vector product is a forward difference of gradients along :math:`\hat v = v/\lVert v
-\rVert` with step :math:`r` (``step``):
+\rVert`, over a shift of length :math:`h`:
 
 .. math::
 
     H v \approx \lVert v \rVert\,
-        \frac{\nabla L(\theta + r \hat v) - \nabla L(\theta)}{r},
-    \qquad \text{error} = \tfrac{r}{2} \lVert v \rVert\, \nabla^3 L[\hat v, \hat v]
-                        + O(u \lVert \nabla L \rVert \lVert v \rVert / r),
+        \frac{\nabla L(\theta + h \hat v) - \nabla L(\theta)}{h},
+    \qquad \text{error} = \tfrac{h}{2} \lVert v \rVert\, \nabla^3 L[\hat v, \hat v]
+                        + O(u \lVert \nabla L \rVert \lVert v \rVert / h),
 
-:math:`u` the unit roundoff. With weight :math:`\lambda`, :math:`P = \lVert g \rVert` and
-:math:`\alpha = \lambda / r`, the step's gradient :math:`\nabla L + \lambda H \hat g` is the
-paper's :math:`(1-\alpha)\nabla L(\theta) + \alpha \nabla L(\theta + r \hat g)`. It costs one
-forward and backward at the shifted parameters, and the backward of :math:`g` at
+:math:`u` the unit roundoff. The option ``shift`` sets :math:`h` from ``step``
+(:func:`shift_length`):
+
+* ``"normalized"`` (the default): :math:`h = r`, ``step``, a fixed length (Zhao et al.; SAM).
+  With weight :math:`\lambda`, :math:`P = \lVert g \rVert` and :math:`\alpha = \lambda / r`,
+  the step's gradient :math:`\nabla L + \lambda H \hat g` is the paper's :math:`(1-\alpha)\nabla
+  L(\theta) + \alpha \nabla L(\theta + r \hat g)`.
+* ``"gradient"``: :math:`h = \epsilon \lVert v \rVert`, :math:`\epsilon` = ``step``: the shift
+  is :math:`\epsilon v` (:math:`v` of :math:`P` with its ``gain``) and the quotient
+  :math:`(\nabla L(\theta + \epsilon v) - \nabla L(\theta))/\epsilon`. For GR, :math:`P =
+  \tfrac12 \lVert g \rVert^2` (``power=2, gain=0.5``, weight :math:`\lambda`), :math:`v = g`
+  and the step's gradient is that of gradientregularization_trl (Ackermann et al. 2026):
+
+  .. math::
+
+      g_1 + \frac{\lambda}{\epsilon} \bigl(\nabla L(\theta + \epsilon g_1) - g_1\bigr),
+      \qquad g_1 = \nabla L(\theta)
+
+  (their recipe also clips :math:`g_1` and the shifted gradient to norm 10 and leaves the
+  embeddings and the output layer unshifted). The shift shrinks with the gradient: less
+  truncation than a fixed :math:`r` where :math:`\epsilon\lVert v\rVert < r`, more relative
+  rounding. With ``adaptive`` (ASAM, Kwon et al. 2021) :math:`P = \lVert \lvert\theta\rvert
+  \odot g\rVert`, so :math:`v = \lvert\theta\rvert^2 \odot g / \lVert \lvert\theta\rvert \odot
+  g \rVert` (:math:`\lvert\theta\rvert` held constant), and with weight = step = :math:`\rho`
+  the step's gradient is :math:`\nabla L(\theta + \rho v)`, davda54/sam's ``adaptive=True``.
+
+It costs one forward and backward at the shifted parameters, and the backward of :math:`g` at
 :math:`\theta` (kept for the caller's backward of the task loss), no double backward: it runs on
 fused attention kernels, on compiled models (``torch.compile``; their loss at
 :math:`\theta` is computed again rather than shared, as their backward cannot retain its
@@ -25,7 +48,7 @@ graph) and on FSDP2-sharded modules inside :func:`gradreg.sharding.penalty_step`
 differentiates the unsharded parameters the step holds: each rank's penalty is that of its own
 batch's gradient, as for the exact form, and the step reduces the gradients as FSDP does).
 Where :math:`L` is piecewise linear (ReLU), :math:`H` is zero almost everywhere and the
-difference measures the kinks crossed within :math:`r`, as in the paper; the exact form
+difference measures the kinks crossed within :math:`h`, as in the paper; the exact form
 (``method="double_backward"``) gives :math:`H v` without them.
 
 The forward at the shifted parameters is one of the same function: it draws the random numbers
@@ -65,9 +88,11 @@ from gradreg.penalties.randomness import GeneratorState
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
     from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
 
-__all__ = ["LossAt", "ParameterFiniteDifference", "TaskGradient", "trainable"]
+__all__ = ["LossAt", "ParameterFiniteDifference", "TaskGradient", "adaptive_norm_terms",
+           "shift_length", "trainable"]
 
 WHAT = "param_grad_norm by method='finite_difference'"
 
@@ -133,6 +158,30 @@ def trainable(params: Sequence[Tensor], what: str) -> tuple[Tensor, ...]:
     return tuple(params)
 
 
+def shift_length(shift: str, step: float, length: Tensor, gain: float
+                 ) -> tuple[Tensor, Tensor | float]:
+    r"""The length :math:`h` of the shift along :math:`\hat v` (module docstring) and the
+    difference quotient's factor :math:`\lVert v \rVert / h` (:math:`H v \approx` factor
+    times the difference of gradients), ``length`` :math:`\lVert v \rVert` without the
+    ``gain``: ``"normalized"``, :math:`h` = ``step`` (0 where :math:`v = 0`: no shift);
+    ``"gradient"``, :math:`h` = ``step`` times ``gain`` times ``length``, the factor
+    :math:`1/(\epsilon\,\mathrm{gain})`. No host sync."""
+    if shift == "gradient":
+        return length * (step * gain), 1 / (step * gain)
+    return (length > 0).to(length.dtype) * step, length / step
+
+
+def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
+    r""":math:`\lvert\theta\rvert \odot g` per parameter (ASAM's norm is of these), the
+    parameters' magnitudes detached: held constant in :math:`v = \partial P/\partial g`."""
+    return [t * p.detach().abs() for t, p in zip(g, params, strict=True)]
+
+
+def _as(number: Tensor | float, like: Tensor) -> Tensor | float:
+    """``number`` in ``like``'s dtype (a Python float as it is)."""
+    return number.to(like.dtype) if isinstance(number, Tensor) else number
+
+
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
@@ -173,15 +222,18 @@ def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bo
 
 
 class ParameterFiniteDifference:
-    """The method (module docstring): value :math:`P(g)` exact, its parameter gradient
-    :math:`H v` by a difference of gradients with step ``step`` (``None``: the
+    """The method (module docstring) of the penalty ``penalty`` configured by ``config``: value
+    :math:`P(g)` exact, its parameter gradient :math:`H v` by a difference of gradients over a
+    shift of ``config.shift``'s rule with ``config.step`` (``None``: the
     :func:`~gradreg.penalties.precision.default_step` of the loss's arithmetic for a parameter
     shift, :data:`~gradreg.penalties.precision.PARAMETER_STEPS`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, step: float | None, p: float,
-                 squared: bool, *, linear: bool = False) -> None:
-        self.penalty, self.step, self.p, self.squared = penalty, step, p, squared
-        self.linear = linear and not squared  # P(n) = n (target 0, power 1): P'(n) = 1
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty, self.step, self.p, self.squared = (penalty, config.step, config.p,
+                                                         config.squared)
+        self.shift, self.gain, self.adaptive = config.shift, config.gain, config.adaptive
+        # P(n) = n (target 0, power 1): P'(n) = 1
+        self.linear = config.target == 0 and config.power == 1 and not config.squared
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
         self._buffers = KeptBuffers(WHAT)
 
@@ -210,10 +262,10 @@ class ParameterFiniteDifference:
                 f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
-        value, length, unit = self._direction(g)
+        value, length, unit = self._direction(g, params)
         step = (self.step if self.step is not None
                 else default_step(unit_roundoff(loss), parameters=True))
-        shift = (length > 0).to(length.dtype) * step  # no host sync
+        shift, scale = shift_length(self.shift, step, length, self.gain)
         saved = [p.detach().clone() for p in params]
         try:
             with torch.no_grad():
@@ -225,17 +277,16 @@ class ParameterFiniteDifference:
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
         del saved
-        scale = length / step
         if task is None or task.split:
-            hvp = [b.sub_(a).mul_(scale.to(a.dtype)) for a, b in zip(g, shifted, strict=True)]
+            hvp = [b.sub_(a).mul_(_as(scale, a)) for a, b in zip(g, shifted, strict=True)]
             if task is not None:
                 task.gradient = g
             return with_gradients(value, list(params), hvp)
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
-        task.gradient = [a.lerp_(b, factor.to(a.dtype)) for a, b in zip(g, shifted, strict=True)]
+        task.gradient = [a.lerp_(b, _as(factor, a)) for a, b in zip(g, shifted, strict=True)]
         return value.detach()
 
-    def _direction(self, g: list[Tensor]
+    def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
                    ) -> tuple[Tensor, Tensor, Iterator[tuple[Tensor, Tensor]]]:
         r"""The penalty :math:`P(g)`, the length :math:`\lVert v \rVert` of :math:`v = \partial
         P/\partial g` and the unit direction :math:`\hat v`, produced one parameter at a time
@@ -244,8 +295,9 @@ class ParameterFiniteDifference:
         the 2-norm, :math:`P` is a function of :math:`n = \lVert g \rVert` alone, so
         :math:`v = P'(n)\, g / n` is along :math:`g` (no parameter-sized tensor besides
         :math:`g`; one scalar derivative, none for the plain norm :math:`P(n) = n`); other
-        norms differentiate :math:`P` w.r.t. each :math:`g_j`."""
-        if self.p == 2:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
+        norms and ASAM's (``adaptive``: of :math:`\lvert\theta\rvert \odot g`) differentiate
+        :math:`P` w.r.t. each :math:`g_j`."""
+        if self.p == 2 and not self.adaptive:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
             if self.linear:  # the plain norm (param_grad_norm, sam): no derivative to take
                 value, slope = self.penalty.of_norms(norm), torch.ones_like(norm)
@@ -262,7 +314,8 @@ class ParameterFiniteDifference:
             return value, length, ((t, coefficient.to(t.dtype)) for t in g)
         leaves = [t.detach().requires_grad_() for t in g]
         with torch.enable_grad():
-            value = self.penalty.of_norms(per_sample_norm(leaves, self.p, squared=self.squared,
+            terms = adaptive_norm_terms(leaves, params) if self.adaptive else leaves
+            value = self.penalty.of_norms(per_sample_norm(terms, self.p, squared=self.squared,
                                                           per_sample=False))
             v = torch.autograd.grad(value, leaves, allow_unused=True)
         v = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, v, strict=True)]

@@ -13,9 +13,9 @@ from typing import Any
 from gradreg.penalties.config import PenaltyConfig, check_renamed
 from gradreg.penalties.mechanism import GradientPenalty
 
-__all__ = ["PRESETS", "approx_r1", "approx_r2", "derivative", "double_backprop", "dragan",
-           "hessian", "intermediate", "jacobian", "make_penalty", "max_gp", "param_grad_norm",
-           "path_length", "r1", "r2", "sam", "spectral", "wgan_gp", "wgan_lp"]
+__all__ = ["PRESETS", "approx_r1", "approx_r2", "asam", "derivative", "double_backprop",
+           "dragan", "gr", "hessian", "intermediate", "jacobian", "make_penalty", "max_gp",
+           "param_grad_norm", "path_length", "r1", "r2", "sam", "spectral", "wgan_gp", "wgan_lp"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "wgan_gp": {"weight": 10.0, "target": 1.0, "points": "interpolates"},
@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "param_grad_norm": {"weight": 0.01, "power": 1.0, "points": "parameters", "of": "loss"},
     "sam": {"weight": 0.05, "step": 0.05, "power": 1.0, "points": "parameters", "of": "loss",
             "method": "finite_difference"},
+    "asam": {"weight": 0.5, "step": 0.5, "power": 1.0, "points": "parameters", "of": "loss",
+             "method": "finite_difference", "shift": "gradient", "adaptive": True},
+    "gr": {"weight": 1e-3, "power": 2.0, "gain": 0.5, "points": "parameters", "of": "loss",
+           "method": "finite_difference", "shift": "gradient"},
     "path_length": {"weight": 2.0, "target": "ema", "ema_decay": 0.01, "projection": "gaussian",
                     "points": "latents"},
     "derivative": {"weight": 0.01, "order": 2, "points": "inputs"},
@@ -334,6 +338,84 @@ def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
         tensor([3.0300, 4.0400], dtype=torch.float64)
     """
     return make_penalty("sam", weight=weight, **{"step": weight, **options})
+
+
+def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
+    r"""Adaptive SAM (Kwon et al. 2021) as a penalty: :math:`\rho\,\lVert \lvert\theta\rvert
+    \odot g \rVert` with ``shift="gradient"`` and step :math:`\rho`.
+
+    ``loss + asam(rho)(LossAt(fn, loss), params)``, one backward, gives ASAM's gradient
+    :math:`\nabla L(\theta + \epsilon)`, :math:`\epsilon = \rho\, T^2 g / \lVert T g
+    \rVert`, :math:`T = \lvert\theta\rvert` elementwise, :math:`g = \nabla L(\theta)`
+    (davda54/sam with ``adaptive=True``; no :math:`\eta` offset for biases, as there): the
+    penalty's :math:`v = \partial P/\partial g = T^2 g/\lVert T g\rVert` (:math:`T` held
+    constant, as ASAM's update does), the shift is :math:`\rho v = \epsilon`, and the task's
+    :math:`\nabla L(\theta)` cancels (:mod:`~gradreg.penalties.param_gradient`). Its value is
+    the first-order adaptive sharpness :math:`\rho \lVert T g \rVert`. Taken in two passes by
+    :func:`~gradreg.penalties.two_pass.penalized_loss` and the Lightning modules, the shifted
+    forward replaying the random state, as for :func:`sam`.
+
+    Preset options: those of :func:`sam`, ``shift="gradient"``, ``adaptive=True`` and ``step``
+    equal to the weight.
+
+    Args:
+        weight: the neighbourhood radius :math:`\rho` (ten times SAM's, as the ASAM authors
+            suggest for the adaptive norm); also the step unless ``step`` is given.
+        **options: any other option of :class:`GradientPenalty`, by keyword.
+
+    Examples:
+        :math:`L = \lVert \theta \rVert^2 / 2`: :math:`g = \theta`, :math:`\epsilon = \rho
+        \theta^3/\lVert\theta^2\rVert` = (27, 64) x 0.5/√337 and the gradient is
+        :math:`\theta + \epsilon`:
+
+        >>> import torch
+        >>> from gradreg.penalties import asam
+        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+        >>> at = LossAt.run(lambda: theta.square().sum() / 2)
+        >>> (at.loss + asam(0.5)(at, [theta])).backward()
+        >>> theta.grad
+        tensor([3.7354, 5.7432], dtype=torch.float64)
+    """
+    return make_penalty("asam", weight=weight, **{"step": weight, **options})
+
+
+def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
+    r"""Gradient regularization as in gradientregularization_trl (Ackermann et al. 2026):
+    :math:`\tfrac{\lambda}{2} \lVert \nabla_\theta L \rVert^2` by finite difference over the
+    shift :math:`\epsilon g` (``shift="gradient"``).
+
+    ``loss + gr(lam, step=eps)(LossAt(fn, loss), params)``, one backward, gives their step's
+    gradient :math:`g + (\lambda/\epsilon)(\nabla L(\theta + \epsilon g) - g)`, :math:`g =
+    \nabla L(\theta)`: :math:`\nabla L + \lambda H g` up to :math:`O(\epsilon)`
+    (:mod:`~gradreg.penalties.param_gradient`). Their clipping of both gradients to norm 10 and
+    their unshifted embeddings and output layer are not part of it (pass the parameters to
+    penalize). In two passes by :func:`~gradreg.penalties.two_pass.penalized_loss`, the
+    Lightning modules and :mod:`gradreg.hf_trainer`.
+
+    Preset options: ``power=2.0``, ``gain=0.5`` (the squared norm's :math:`\tfrac12`),
+    ``points="parameters"``, ``of="loss"``, ``method="finite_difference"``,
+    ``shift="gradient"``; ``step`` :math:`\epsilon` by default that of the loss's precision
+    (:data:`~gradreg.penalties.precision.PARAMETER_STEPS`: 1e-3 in float32, their default).
+
+    Args:
+        weight: :math:`\lambda` (their ``grad_reg_strength``, default 1e-3).
+        **options: any other option of :class:`GradientPenalty`, by keyword.
+
+    Examples:
+        :math:`L = \lVert \theta \rVert^2 / 2` has :math:`H = I`, so the gradient is
+        :math:`(1 + \lambda)\,\theta` = (3, 4) x 1.1 at :math:`\lambda = 0.1`:
+
+        >>> import torch
+        >>> from gradreg.penalties import gr
+        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+        >>> at = LossAt.run(lambda: theta.square().sum() / 2)
+        >>> (at.loss + gr(0.1)(at, [theta])).backward()
+        >>> theta.grad
+        tensor([3.3000, 4.4000], dtype=torch.float64)
+    """
+    return make_penalty("gr", weight=weight, **options)
 
 
 def path_length(weight: float = 2.0, **options: Any) -> GradientPenalty:

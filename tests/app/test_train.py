@@ -163,8 +163,8 @@ BAD_CONFIGS = {
     "critic penalty for a classifier": (["penalty=wgan_gp"], 2, [
         "error: model: penalty 'wgan_gp' has points='interpolates', which a Classifier cannot",
         "supports points ['inputs', 'activations', 'parameters'], i.e. the presets "
-        "['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', 'sam', "
-        "'derivative', 'spectral']"]),
+        "['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', 'sam', 'asam', "
+        "'gr', 'derivative', 'spectral']"]),
     "negative weight": (["penalty.weight=-1"], 2, [
         "error: penalty: weight must be a finite number >= 0, got -1"]),
     "n_critic below 1": (["experiment=gan_8gaussians_wgan_gp", "model.n_critic=0"], 2, [

@@ -17,10 +17,11 @@ CRITIC_PRESETS = ("wgan_gp", "wgan_lp", "r1", "r2", "dragan")
 CLASSIFIER_PRESETS = ("double_backprop", "intermediate", "jacobian", "param_grad_norm",
                       "derivative")
 ALL_PRESETS = (*CRITIC_PRESETS, *CLASSIFIER_PRESETS, "path_length")
-#: Presets with their own tests (test_catalogue_presets.py; sam: test_two_pass.py): they run the
-#: model themselves or reduce by a maximum, so the shared cases above (tensor outputs,
-#: micro-batch means) do not fit.
-CATALOGUE_PRESETS = ("approx_r1", "approx_r2", "max_gp", "spectral", "hessian", "sam")
+#: Presets with their own tests (test_catalogue_presets.py; sam, asam: test_two_pass.py; gr:
+#: test_param_grad_norm.py): they run the model themselves or reduce by a maximum, so the shared
+#: cases above (tensor outputs, micro-batch means) do not fit.
+CATALOGUE_PRESETS = ("approx_r1", "approx_r2", "max_gp", "spectral", "hessian", "sam", "asam",
+                     "gr")
 
 
 def mlp(n_in: int, n_out: int, hidden: int = 6) -> nn.Sequential:

@@ -340,3 +340,99 @@ def test_the_default_float32_step_is_within_1_percent(case: str, measured: float
     error = ((estimate - exact).norm() / exact.norm()).item()
     assert error == pytest.approx(measured, rel=0.2)
     assert error < 1e-2
+
+
+def gr_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, penalty: presets.GradientPenalty,
+            *, two_pass: bool = False) -> torch.Tensor:
+    """The gradient of loss + penalty (on the loss of ``model``), flat."""
+    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    at = LossAt.run(lambda: F.cross_entropy(model(x), y), x)
+    if two_pass:
+        task, value = penalized_loss(penalty, at, params)
+        (task + value).backward()
+    else:
+        (at.loss + penalty(at, params)).backward()
+    return torch.cat([p.grad.flatten() for p in params])
+
+
+def trl_gradient_regularization(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                                strength: float, eps: float) -> torch.Tensor:
+    r"""gradientregularization_trl's step, written here: :math:`g_1 = \nabla L(\theta)`, the
+    parameters shifted by ``eps`` :math:`g_1`, :math:`g_2` there, then :math:`g_1 +
+    (\lambda/\epsilon)(g_2 - g_1)`; their clipping of both to norm 10 left out (a no-op here:
+    the norms are below 1)."""
+    params = list(model.parameters())
+    g1 = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, g in zip(params, g1, strict=True):
+            p.add_(g, alpha=eps)
+    g2 = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    with torch.no_grad():
+        for p, original in zip(params, saved, strict=True):
+            p.copy_(original)
+    assert torch.sqrt(sum(g.square().sum() for g in g1)) < 1
+    return torch.cat([a.add(b - a, alpha=strength / eps).flatten()
+                      for a, b in zip(g1, g2, strict=True)])
+
+
+@pytest.mark.parametrize("two_pass", [False, True], ids=["loss + gr", "penalized_loss"])
+def test_gr_is_the_recipe_of_gradientregularization_trl(two_pass: bool) -> None:
+    """``gr(λ, step=ε)`` (``shift="gradient"``) gives their step's gradient to float rounding."""
+    model, x, y = problem()
+    strength, eps = 0.01, 1e-3
+    reference = trl_gradient_regularization(model, x, y, strength, eps)
+    ours = gr_step(model, x, y, presets.gr(strength, step=eps), two_pass=two_pass)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-14)
+
+
+def test_the_gradient_shift_is_the_normalized_one_at_step_eps_times_the_length_of_v() -> None:
+    """One rule, two parameterizations: GR's shift ε g is the normalized shift of length
+    r = ε ‖v‖ (‖v‖ = ‖g‖ for ½‖g‖²); for the plain norm (‖v‖ = 1) the two rules are the same."""
+    model, x, y = problem()
+    eps = 1e-3
+    norm = torch.sqrt(sum(g.square().sum() for g in torch.autograd.grad(
+        F.cross_entropy(model(x), y), list(model.parameters())))).item()
+    gradient_rule = gr_step(model, x, y, presets.gr(WEIGHT, step=eps))
+    normalized = gr_step(model, x, y, presets.param_grad_norm(
+        WEIGHT, power=2.0, gain=0.5, method="finite_difference", step=eps * norm))
+    torch.testing.assert_close(gradient_rule, normalized, rtol=1e-9, atol=1e-12)
+    plain = {"method": "finite_difference", "step": eps}
+    torch.testing.assert_close(
+        gr_step(model, x, y, presets.param_grad_norm(WEIGHT, shift="gradient", **plain)),
+        gr_step(model, x, y, presets.param_grad_norm(WEIGHT, **plain)), rtol=1e-12, atol=1e-15)
+
+
+def test_gr_is_the_exact_gradient_plus_eps_over_2_times_the_third_derivative_along_g() -> None:
+    r"""Against :math:`\nabla(L + \tfrac{\lambda}{2}\lVert g\rVert^2)` by double backward, written
+    here: the error is :math:`\tfrac{\epsilon}{2}\lambda\,\nabla^3 L[g, g] + O(\epsilon^2)`."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    g = torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True)
+    exact = torch.cat([t.flatten() for t in torch.autograd.grad(
+        F.cross_entropy(model(x), y) + WEIGHT / 2 * sum(t.square().sum() for t in g), params,
+        retain_graph=True)])
+    fixed = [t.detach() for t in g]
+    hvp = torch.autograd.grad(sum((a * b).sum() for a, b in zip(g, fixed, strict=True)), params,
+                              create_graph=True)
+    third = torch.autograd.grad(sum((a * b).sum() for a, b in zip(hvp, fixed, strict=True)), params)
+    leading = WEIGHT / 2 * torch.cat([t.flatten() for t in third])
+    errors = []
+    for eps in (1e-2, 1e-3, 1e-4):
+        error = gr_step(model, x, y, presets.gr(WEIGHT, step=eps)) - exact
+        assert (error / eps - leading).norm() <= 5 * eps * leading.norm()
+        errors.append(error.norm().item())
+    assert errors[0] / errors[1] == pytest.approx(10, rel=0.01)
+    assert errors[1] / errors[2] == pytest.approx(10, rel=0.01)
+
+
+def test_the_shift_options_are_refused_where_nothing_is_shifted() -> None:
+    with pytest.raises(ValueError, match="shift must be one of"):
+        presets.param_grad_norm(shift="relative", method="finite_difference")
+    with pytest.raises(ValueError, match="shift and adaptive set how param_grad_norm"):
+        presets.param_grad_norm(shift="gradient")  # double backward shifts nothing
+    with pytest.raises(ValueError, match="shift and adaptive set how param_grad_norm"):
+        presets.double_backprop(adaptive=True)
+    with pytest.raises(ValueError, match="adaptive is a flag"):
+        presets.asam(adaptive="yes")
