@@ -1,4 +1,5 @@
-r"""Parameter-gradient penalties (``param_grad_norm``, ``sam``) in Hugging Face's ``Trainer``.
+r"""Parameter-gradient penalties (``param_grad_norm``, ``sam``, ``asam``, ``gr``) in Hugging Face's
+``Trainer``.
 
 :class:`PenaltyMixin` adds penalties on ``points="parameters"`` to ``transformers.Trainer`` or
 any trainer built on it (TRL's ``SFTTrainer``, ``GRPOTrainer``...) without a ``compute_loss``
@@ -14,6 +15,9 @@ of the user's::
     class SAMSFTTrainer(PenaltyMixin, SFTTrainer): ...   # TRL: the mixin first
     SAMSFTTrainer(..., penalties={"sam": sam(0.05)})
 
+    class GRPOTrainerGR(PenaltyMixin, GRPOTrainer): ...  # GR in place of a KL term
+    GRPOTrainerGR(..., penalties={"gr": gr(1e-3, step=1e-3)})  # g + (λ/ε)(∇L(θ + ε g) - g)
+
 In training, the trainer's own loss :math:`L` (``super().compute_loss``: the model's loss, or
 ``compute_loss_func``, normalized as the trainer normalizes it) becomes :math:`L + \sum_k P_k`,
 each penalty due at the step (``penalty.due()``, once per optimizer step) evaluated at the
@@ -22,7 +26,8 @@ inputs, its forward drawing the random numbers of the first (dropout's masks: th
 captured before the trainer's forward) and leaving BatchNorm's running statistics as one forward
 does. The first finite-difference penalty takes the loss's gradient for the trainer
 (:func:`~gradreg.penalties.two_pass.penalized_loss`): the step costs the hand-written two passes
-(Zhao et al.; SAM's two steps), and the trainer's backward, clipping and optimizer run unchanged.
+(Zhao et al.; SAM's two steps; gradientregularization_trl's), and the trainer's backward,
+clipping and optimizer run unchanged.
 Evaluation (no grad, or the model in eval mode) computes the loss alone.
 
 Refused in one line: penalties on other points (a trainer's loss is a batch mean, not per-sample
@@ -70,8 +75,8 @@ class PenaltyMixin:
                        else type(penalty).__name__)
                 raise GradientError(
                     f"penalty {name!r}: a Trainer adds penalties on points='parameters' "
-                    f"(param_grad_norm, sam), got {got}: a trainer's loss is a batch mean, not "
-                    "per-sample outputs at points.")
+                    f"(param_grad_norm, sam, asam, gr), got {got}: a trainer's loss is a batch "
+                    "mean, not per-sample outputs at points.")
         self.penalties = penalties
         self.penalty_values: dict[str, Tensor] = {}
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gradreg import GradientError
-from gradreg.penalties import param_grad_norm, r1, sam
+from gradreg.penalties import gr, param_grad_norm, r1, sam
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer's dependency
@@ -62,9 +62,11 @@ def arguments(tmp_path, **overrides) -> transformers.TrainingArguments:
 
 
 def hand_written(model: nn.Module, params: list[torch.Tensor], r: float,
-                 alpha: float) -> list[torch.Tensor]:
-    """``(1-α) ∇L(θ) + α ∇L(θ + r g/‖g‖)`` at ``params``, the loss the model's own (mean
-    next-token cross-entropy of the whole batch)."""
+                 alpha: float, *, along_g: bool = False) -> list[torch.Tensor]:
+    """``(1-α) ∇L(θ) + α ∇L(θ + r g/‖g‖)`` at ``params`` (``along_g``: ``∇L(θ + r g)``,
+    gradientregularization_trl's shift, whose ``(1-α) g + α g'`` with α = λ/ε is their
+    ``g + (λ/ε)(g' - g)``), the loss the model's own (mean next-token cross-entropy of the
+    whole batch)."""
     with torch.no_grad():
         for p, value in zip(model.parameters(), params, strict=True):
             p.copy_(value)
@@ -75,7 +77,7 @@ def hand_written(model: nn.Module, params: list[torch.Tensor], r: float,
                                         list(model.parameters())))
 
     g = gradient()
-    norm = torch.sqrt(sum(t.square().sum() for t in g))
+    norm = 1.0 if along_g else torch.sqrt(sum(t.square().sum() for t in g))
     with torch.no_grad():
         for p, t in zip(model.parameters(), g, strict=True):
             p.add_(t * (r / norm))
@@ -83,11 +85,14 @@ def hand_written(model: nn.Module, params: list[torch.Tensor], r: float,
     return [(1 - alpha) * a + alpha * b for a, b in zip(g, shifted, strict=True)]
 
 
-@pytest.mark.parametrize(("penalty", "r", "alpha"), [
-    (lambda: param_grad_norm(WEIGHT, method="finite_difference", step=STEP), STEP, WEIGHT / STEP),
-    (lambda: sam(0.05), 0.05, 1.0)], ids=["gnp", "sam"])
+@pytest.mark.parametrize(("penalty", "r", "alpha", "along_g"), [
+    (lambda: param_grad_norm(WEIGHT, method="finite_difference", step=STEP), STEP, WEIGHT / STEP,
+     False),
+    (lambda: sam(0.05), 0.05, 1.0, False),
+    (lambda: gr(1e-4, step=STEP), STEP, 1e-4 / STEP, True)], ids=["gnp", "sam", "gr"])
 def test_each_steps_gradient_is_the_hand_written_two_pass_recipe(tmp_path, penalty, r: float,
-                                                                alpha: float) -> None:
+                                                                alpha: float,
+                                                                along_g: bool) -> None:
     model, record = tiny_llama(), Record()
     trainer = PenalizedTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
                                callbacks=[record], penalties={"p": penalty()})
@@ -95,7 +100,7 @@ def test_each_steps_gradient_is_the_hand_written_two_pass_recipe(tmp_path, penal
     assert len(record.grads) == 2 and trainer.penalty_values["p"].item() > 0
     reference = tiny_llama()
     for params, grads in zip(record.params, record.grads, strict=True):
-        expected = hand_written(reference, params, r, alpha)
+        expected = hand_written(reference, params, r, alpha, along_g=along_g)
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     moved = sum((a - b).norm() for a, b in zip(record.params[1], record.params[0], strict=True))

@@ -161,12 +161,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-#: Finite-difference steps r (the shift's length) whose float32 error is measured.
+#: Finite-difference steps (``step``: the shift's length r, or GR's ε) whose float32 error is
+#: measured.
 STEPS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+#: The penalties swept, by option: GNP's norm and GR's half squared norm (their exact gradients
+#: :math:`H\hat g` and :math:`H g`), GR by each shift rule (:math:`\theta + r\hat g`,
+#: :math:`\theta + \epsilon g`).
+SWEPT = {"gnp": {}, "gr normalized": {"power": 2.0, "gain": 0.5},
+         "gr gradient": {"power": 2.0, "gain": 0.5, "shift": "gradient"}}
 
 
 def penalty_gradient(model: nn.Module, x: Tensor, y: Tensor, **options: object) -> Tensor:
-    """The parameter gradient of ``param_grad_norm(1)`` alone (the task's taken out), flat."""
+    """The parameter gradient of ``param_grad_norm(1, **options)`` alone (the task's taken
+    out), flat."""
     params = list(model.parameters())
 
     def loss_fn() -> Tensor:
@@ -180,26 +187,38 @@ def penalty_gradient(model: nn.Module, x: Tensor, y: Tensor, **options: object) 
 
 
 def errors(quick: bool) -> list[dict]:
-    """The relative error of the float32 finite difference of each step against float64 double
-    backward, per case (dropout off: one function)."""
+    """The relative error of the float32 finite difference of each penalty of :data:`SWEPT` and
+    each step against float64 double backward, per case (dropout off: one function), with the
+    case's float32 loss-gradient norm (GR's shift is ε times it)."""
     rows = []
     for name, (model, x, y) in cases(quick).items():
         model.eval()
-        exact = penalty_gradient(model.double(), x.double(), y)
         model.float()
-        for step in STEPS:
-            estimate = penalty_gradient(model, x, y, method="finite_difference", step=step)
-            rows.append({"case": name, "step": step,
-                         "error": ((estimate.double() - exact).norm() / exact.norm()).item()})
+        params = list(model.parameters())
+        norm = torch.sqrt(sum(g.square().sum() for g in torch.autograd.grad(
+            F.cross_entropy(model(x), y), params))).item()
+        for penalty, options in SWEPT.items():
+            exact_options = {k: v for k, v in options.items() if k != "shift"}
+            exact = penalty_gradient(model.double(), x.double(), y, **exact_options)
+            model.float()
+            for step in STEPS:
+                estimate = penalty_gradient(model, x, y, method="finite_difference", step=step,
+                                            **options)
+                rows.append({"case": name, "penalty": penalty, "step": step,
+                             "gradient_norm": norm,
+                             "error": ((estimate.double() - exact).norm()
+                                       / exact.norm()).item()})
         model.train()
     return rows
 
 
 def error_table(rows: list[dict]) -> str:
-    names = sorted({r["case"] for r in rows})
-    lines = ["| step r | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    columns = list(dict.fromkeys((r["case"], r["penalty"]) for r in rows))
+    lines = ["| step r | " + " | ".join(f"{c} {p}" for c, p in columns) + " |",
+             "|---:|" + "---:|" * len(columns)]
     for step in STEPS:
-        cells = [next(f"{r['error']:.1e}" for r in rows if r["case"] == n and r["step"] == step)
-                 for n in names]
+        cells = [next(f"{r['error']:.1e}" for r in rows
+                      if (r["case"], r["penalty"]) == column and r["step"] == step)
+                 for column in columns]
         lines.append(f"| {step:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
