@@ -305,11 +305,11 @@ def test_a_transformer_at_dropout_0_1_in_the_classifier(steps: tuple[float, floa
     torch.manual_seed(5)
     task = flat(torch.autograd.grad(F.cross_entropy(backbone(x), y), params, allow_unused=True))
     exact = gradient() - task
-    assert exact.norm().item() == pytest.approx(22.59, rel=1e-3)
+    assert exact.norm().item() > 1  # 22.6 with torch 2.13's initialization, 19.9 with 2.4's
     errors = [(gradient(method="finite_difference", step=r) - task - exact).norm() / exact.norm()
               for r in steps]
-    assert errors[0] / errors[1] == pytest.approx(10, rel=0.01)
-    assert errors[1].item() == pytest.approx(8.08e-6, rel=0.01)
+    assert errors[0] / errors[1] == pytest.approx(10, rel=0.01)  # O(r): no mask drawn anew
+    assert errors[1].item() < 1e-4  # 8.1e-6 with torch 2.13, 2.6e-5 with 2.4 (fresh masks: > 1)
 
 
 def penalty_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **options
