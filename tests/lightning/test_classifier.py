@@ -209,7 +209,7 @@ def test_critic_and_generator_penalties_are_refused(preset: str) -> None:
             rf"penalty '{preset}' has points='\w+', which a Classifier cannot evaluate; a "
             r"Classifier supports points \['inputs', 'activations', 'parameters'\], i.e. the "
             r"presets \['double_backprop', 'intermediate', 'jacobian', 'param_grad_norm', "
-            r"'sam', 'derivative', 'spectral'\]")):
+            r"'sam', 'asam', 'gr', 'derivative', 'spectral'\]")):
         classifier({preset: make_penalty(preset)})
 
 
