@@ -71,7 +71,7 @@ three backward passes. :func:`~gradreg.penalties.two_pass.penalized_loss` hands 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -177,9 +177,16 @@ def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[T
     return [t * p.detach().abs() for t, p in zip(g, params, strict=True)]
 
 
-def _as(number: Tensor | float, like: Tensor) -> Tensor | float:
-    """``number`` in ``like``'s dtype (a Python float as it is)."""
-    return number.to(like.dtype) if isinstance(number, Tensor) else number
+def _in_dtypes(number: Tensor | float, tensors: Sequence[Tensor]) -> list[Tensor | float]:
+    """``number`` in the dtype of each of ``tensors`` (converted once per dtype; a Python float
+    as it is)."""
+    if not isinstance(number, Tensor):
+        return [number] * len(tensors)
+    converted: dict[torch.dtype, Tensor] = {}
+    for t in tensors:
+        if t.dtype not in converted:
+            converted[t.dtype] = number.to(t.dtype)
+    return [converted[t.dtype] for t in tensors]
 
 
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
@@ -262,15 +269,16 @@ class ParameterFiniteDifference:
                 f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
-        value, length, unit = self._direction(g, params)
+        value, length, vectors, coefficient = self._direction(g, params)
         step = (self.step if self.step is not None
                 else default_step(unit_roundoff(loss), parameters=True))
         shift, scale = shift_length(self.shift, step, length, self.gain)
         saved = [p.detach().clone() for p in params]
         try:
-            with torch.no_grad():
-                for p, (d, coefficient) in zip(params, unit, strict=True):
-                    p.data.addcmul_(d, coefficient * shift.to(d.dtype))
+            with torch.no_grad():  # θ + h v̂, v̂ = coefficient * vectors
+                for p, d, amount in zip(params, vectors,
+                                        _in_dtypes(coefficient * shift, vectors), strict=True):
+                    p.data.addcmul_(d, amount)
             shifted = _shifted_gradient(fn, state, known, params, self._buffers)
         finally:
             with torch.no_grad():
@@ -278,20 +286,22 @@ class ParameterFiniteDifference:
                     p.data.copy_(original)
         del saved
         if task is None or task.split:
-            hvp = [b.sub_(a).mul_(_as(scale, a)) for a, b in zip(g, shifted, strict=True)]
+            hvp = [b.sub_(a).mul_(c) for a, b, c in zip(g, shifted, _in_dtypes(scale, g),
+                                                         strict=True)]
             if task is not None:
                 task.gradient = g
             return with_gradients(value, list(params), hvp)
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
-        task.gradient = [a.lerp_(b, _as(factor, a)) for a, b in zip(g, shifted, strict=True)]
+        task.gradient = [a.lerp_(b, c) for a, b, c in zip(g, shifted, _in_dtypes(factor, g),
+                                                          strict=True)]
         return value.detach()
 
     def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
-                   ) -> tuple[Tensor, Tensor, Iterator[tuple[Tensor, Tensor]]]:
+                   ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
         r"""The penalty :math:`P(g)`, the length :math:`\lVert v \rVert` of :math:`v = \partial
-        P/\partial g` and the unit direction :math:`\hat v`, produced one parameter at a time
-        as a tensor and a scalar factor (:math:`\hat v_j = g_j / \lVert g \rVert` for the
-        2-norm, :math:`v_j / \lVert v \rVert` otherwise). For
+        P/\partial g` and the unit direction :math:`\hat v` as a list of tensors and a scalar
+        factor (:math:`\hat v_j = g_j / \lVert g \rVert` for the 2-norm, :math:`v_j /
+        \lVert v \rVert` otherwise; 0 where :math:`v = 0`). For
         the 2-norm, :math:`P` is a function of :math:`n = \lVert g \rVert` alone, so
         :math:`v = P'(n)\, g / n` is along :math:`g` (no parameter-sized tensor besides
         :math:`g`; one scalar derivative, none for the plain norm :math:`P(n) = n`); other
@@ -299,19 +309,19 @@ class ParameterFiniteDifference:
         :math:`P` w.r.t. each :math:`g_j`."""
         if self.p == 2 and not self.adaptive:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
-            if self.linear:  # the plain norm (param_grad_norm, sam): no derivative to take
-                value, slope = self.penalty.of_norms(norm), torch.ones_like(norm)
-            else:
-                leaf = (norm.square() if self.squared else norm).requires_grad_()
-                with torch.enable_grad():
-                    value = self.penalty.of_norms(leaf)
-                    (slope,) = torch.autograd.grad(value, leaf)
-                slope = 2 * norm * slope if self.squared else slope
             moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
+            if self.linear:  # the plain norm (param_grad_norm, sam): P' = 1, no derivative
+                return (self.penalty.of_norms(norm), moving.to(norm.dtype), g,
+                        torch.where(moving, 1 / norm, 0.0))
+            leaf = (norm.square() if self.squared else norm).requires_grad_()
+            with torch.enable_grad():
+                value = self.penalty.of_norms(leaf)
+                (slope,) = torch.autograd.grad(value, leaf)
+            slope = 2 * norm * slope if self.squared else slope
             length = torch.where(moving, slope.abs(), 0.0)
             coefficient = torch.where(moving, torch.sign(slope) / torch.where(moving, norm, 1.0),
                                       0.0)
-            return value, length, ((t, coefficient.to(t.dtype)) for t in g)
+            return value, length, g, coefficient
         leaves = [t.detach().requires_grad_() for t in g]
         with torch.enable_grad():
             terms = adaptive_norm_terms(leaves, params) if self.adaptive else leaves
@@ -320,5 +330,4 @@ class ParameterFiniteDifference:
             v = torch.autograd.grad(value, leaves, allow_unused=True)
         v = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, v, strict=True)]
         length = torch.sqrt(sum(d.square().sum() for d in v))
-        inverse = torch.where(length > 0, 1 / length, 0.0)
-        return value, length, ((d, inverse.to(d.dtype)) for d in v)
+        return value, length, v, torch.where(length > 0, 1 / length, 0.0)
