@@ -155,7 +155,8 @@ class Accumulation:
             with torch.no_grad():
                 for p, original in zip(params, saved, strict=True):
                     p.data.copy_(original)
-        return value.detach() * factor, [b.sub_(a).mul_(scale * factor)
+        scale = scale * factor
+        return value.detach() * factor, [b.sub_(a).mul_(scale.to(a.dtype))
                                          for a, b in zip(g, shifted, strict=True)]
 
 

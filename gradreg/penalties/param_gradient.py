@@ -159,16 +159,19 @@ def trainable(params: Sequence[Tensor], what: str) -> tuple[Tensor, ...]:
 
 
 def shift_length(shift: str, step: float, length: Tensor, gain: float
-                 ) -> tuple[Tensor, Tensor | float]:
+                 ) -> tuple[Tensor, Tensor]:
     r"""The length :math:`h` of the shift along :math:`\hat v` (module docstring) and the
     difference quotient's factor :math:`\lVert v \rVert / h` (:math:`H v \approx` factor
     times the difference of gradients), ``length`` :math:`\lVert v \rVert` without the
     ``gain``: ``"normalized"``, :math:`h` = ``step`` (0 where :math:`v = 0`: no shift);
     ``"gradient"``, :math:`h` = ``step`` times ``gain`` times ``length``, the factor
-    :math:`1/(\epsilon\,\mathrm{gain})`. No host sync."""
+    :math:`1/(\epsilon\,\mathrm{gain})` (0 where :math:`v = 0`: a difference of two
+    gradients at the same point, which a nondeterministic kernel need not make 0, is not
+    amplified). No host sync."""
+    moving = (length > 0).to(length.dtype)
     if shift == "gradient":
-        return length * (step * gain), 1 / (step * gain)
-    return (length > 0).to(length.dtype) * step, length / step
+        return length * (step * gain), moving / (step * gain)
+    return moving * step, length / step
 
 
 def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
@@ -177,11 +180,8 @@ def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[T
     return [t * p.detach().abs() for t, p in zip(g, params, strict=True)]
 
 
-def _in_dtypes(number: Tensor | float, tensors: Sequence[Tensor]) -> list[Tensor | float]:
-    """``number`` in the dtype of each of ``tensors`` (converted once per dtype; a Python float
-    as it is)."""
-    if not isinstance(number, Tensor):
-        return [number] * len(tensors)
+def _in_dtypes(number: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``number`` in the dtype of each of ``tensors`` (converted once per dtype)."""
     converted: dict[torch.dtype, Tensor] = {}
     for t in tensors:
         if t.dtype not in converted:

@@ -263,9 +263,10 @@ def half_square(theta: torch.Tensor) -> torch.Tensor:
 
 def test_at_a_stationary_point_nothing_is_shifted_and_the_gradient_is_zero() -> None:
     """g = 0 (the minimum of ‖θ‖²/2): the direction is the subgradient 0, the step's gradient
-    0, finite, for the plain norm and the squared one."""
+    0, finite, for the plain norm and the squared one, by either shift rule (GR, ASAM)."""
     for penalty in (sam(0.05), param_grad_norm(WEIGHT, method="finite_difference"),
-                    param_grad_norm(WEIGHT, power=2.0, method="finite_difference")):
+                    param_grad_norm(WEIGHT, power=2.0, method="finite_difference"),
+                    gr(WEIGHT), asam(0.5)):
         theta = torch.zeros(3, dtype=torch.float64, requires_grad=True)
         task, value = penalized_loss(penalty, LossAt.run(partial(half_square, theta)), [theta])
         (task + value).backward()
