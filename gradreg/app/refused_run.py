@@ -32,7 +32,8 @@ def named_on_command_line(overrides: Iterable[str]) -> bool:
 
 def discard_folder() -> None:
     """Remove the folder of this run, where the app named it and it holds only Hydra's record
-    (``.hydra/``) and the log files; then the date folder above it, where that is left empty.
+    (``.hydra/``) and the log files; then the date folder above it and the runs folder above
+    that (``outputs/``), each where it is left empty.
     The log files are closed first (their handlers leave the root logger)."""
     if not HydraConfig.initialized():
         return
@@ -50,5 +51,7 @@ def discard_folder() -> None:
     for log in logs:
         log.unlink(missing_ok=True)
     folder.rmdir()
-    if not any(folder.parent.iterdir()):
-        folder.parent.rmdir()
+    for above in (folder.parent, folder.parent.parent):  # <runs>/<label>_<date>, then <runs>
+        if any(above.iterdir()):
+            break
+        above.rmdir()

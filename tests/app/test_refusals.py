@@ -224,7 +224,7 @@ def test_a_refused_run_leaves_no_folder(args: list[str], tmp_path: Path) -> None
     result = run_script(*args, f"paths.runs={tmp_path / 'runs'}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert one_error_line(result.stderr).startswith("error: ")
-    assert [path for path in (tmp_path / "runs").rglob("*")] == []
+    assert not (tmp_path / "runs").exists()  # nor an empty runs folder
 
 
 def test_a_refused_run_keeps_a_folder_named_on_the_command_line(tmp_path: Path) -> None:
