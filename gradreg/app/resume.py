@@ -153,7 +153,7 @@ def exit_stopped(trainer: pl.Trainer | None, overrides: Iterable[str],
     :func:`stopped_by` names, else ``signum``) with status 128 + its number and one line on
     stderr (from rank 0): the checkpoint to resume from (the one saved when the signal came, else
     the run's ``last.ckpt``) and the command that resumes from it. ``trainer`` None: stopped
-    before the trainer was built, nothing saved."""
+    before there was a trainer, nothing saved."""
     signum = stopped_by(trainer) or signum
     saved = next((c.saved for c in trainer.callbacks
                   if isinstance(c, PreemptionCheckpoint) and c.saved), None) if trainer else None
