@@ -18,7 +18,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient
 from gradreg.graph import graph_node_names
-from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.norms import per_sample_norm
@@ -50,6 +50,7 @@ def finite_difference(
     *,
     step: float | None = None,
     check: bool = True,
+    losses: bool = False,
 ) -> Tensor:
     r"""Exact :math:`P`, whose parameter gradient is a forward difference (no double backward).
 
@@ -73,6 +74,8 @@ def finite_difference(
     .SharedForward`: its outputs at :math:`x`, the loss from them, and the random state that
     forward began with, which the shifted forward replays; a plain
     ``lambda q: losses if q is x else ...`` also works for a model that draws no random numbers).
+    ``losses``: ``fn`` returns per-sample losses (a penalty with ``of="loss"``), so outputs with
+    more than one value per sample (logits) are refused.
 
     Error: relative :math:`O(\text{step})` (third derivatives) plus :math:`O(u/\text{step})`
     (rounding, :math:`u` the unit roundoff of the arithmetic as it ran, :func:`unit_roundoff`);
@@ -94,6 +97,8 @@ def finite_difference(
     forward = Replaying(fn, "method='finite_difference'")
     outputs = forward(*inputs)
     check_per_sample(outputs, inputs)
+    if losses:  # a penalty of per-sample losses (of="loss"): one value per sample
+        check_per_sample_losses(outputs)
     compiled = runs_compiled(outputs)  # one backward per compiled graph: forwards of their own
     if check:
         check_smooth(outputs)

@@ -223,13 +223,13 @@ class FiniteDifference:
     (smooth, samples independent) on the first call. The forward at the shifted points replays
     the random state of the one at the points (:meth:`PenaltyCall.forward`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, step: float | None) -> None:
-        self.penalty, self.step = penalty, step
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty, self.step, self.losses = penalty, config.step, config.of == "loss"
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
         value = finite_difference(call.forward(), call.inputs, self.penalty.of_gradients,
-                                  step=self.step, check=not self._checked)
+                                  step=self.step, check=not self._checked, losses=self.losses)
         self._checked = True  # only once the check has passed
         return value
 
@@ -247,7 +247,8 @@ class Perturbation:
         self.options = {
             "step": DEFAULT_STEP if config.step is None else config.step,
             "central": config.central,
-            "count": DEFAULT_COUNT if config.count is None else config.count}
+            "count": DEFAULT_COUNT if config.count is None else config.count,
+            "losses": config.of == "loss"}
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -298,7 +299,7 @@ BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "double_backward": _double_backward,
     "finite_difference": lambda config, penalty: (
         ParameterFiniteDifference(penalty, config) if config.points == "parameters"
-        else FiniteDifference(penalty, config.step)),
+        else FiniteDifference(penalty, config)),
     "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
     "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.checks import check_per_sample
+from gradreg.penalties.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.compiled import runs_compiled
 from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.precision import check_difference_rounding
@@ -84,6 +84,7 @@ def perturbation_sq_norms(
     generator: torch.Generator | None = None,
     random_state: GeneratorState | None = None,
     check_samples: bool = True,
+    losses: bool = False,
 ) -> Tensor:
     r"""Per-sample estimates of :math:`\lVert \partial f(x_i)/\partial x_i \rVert_F^2`, shape [B].
 
@@ -100,7 +101,9 @@ def perturbation_sq_norms(
     ``generator``: the random generator of the probes (drawn in float32, then cast to each
     input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
     ``check_samples``: probe that the samples do not interact (one backward of the first
-    perturbed forward; a method runs it on its first call only).
+    perturbed forward; a method runs it on its first call only). ``losses``: ``fn`` returns
+    per-sample losses (a penalty with ``of="loss"``), so outputs with more than one value per
+    sample (logits) are refused.
 
     The mean over probes of :math:`\lVert f(x_i + \sigma\varepsilon_i) - f(x_i)\rVert^2/\sigma^2`
     (or of :math:`\lVert f(x_i+\sigma\varepsilon_i) - f(x_i-\sigma\varepsilon_i)\rVert^2 /
@@ -137,6 +140,8 @@ def perturbation_sq_norms(
         plus = forward(*shifted)
         if probe == 0:
             check_per_sample(plus, inputs)
+            if losses:  # a penalty of per-sample losses (of="loss"): one value per sample
+                check_per_sample_losses(plus)
             check_difference_rounding(
                 [plus], step=step, order=1, weight=1 if central else 2, step_name="step",
                 what="the perturbation estimate's difference quotient of outputs",

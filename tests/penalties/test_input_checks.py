@@ -134,6 +134,26 @@ def test_logits_given_to_a_penalty_of_per_sample_losses_are_refused(build) -> No
                                                                             rel=1e-6)
 
 
+@pytest.mark.parametrize("method", ["finite_difference", "perturbation"])
+def test_logits_from_the_callable_of_an_approximate_method_are_refused(method: str) -> None:
+    """The methods that run the callable themselves check what it returns too: logits [B, 3]
+    from a double backprop by finite difference or perturbation are refused; the per-sample
+    losses of the same model give the exact value 0.1 mean_i |d l_i / d x_i|^2 (by hand)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = as_points(torch.randn(6, 4, dtype=torch.float64)), torch.tensor([0, 1, 2, 0, 1, 2])
+    gp = double_backprop(0.1, method=method)
+    with pytest.raises(GradientError, match=r"shape \(6, 3\), but this penalty is of per-sample "
+                                            r"losses .*reduction='none'"):
+        gp(model, x)
+    if method == "finite_difference":  # its value is exact; the perturbation's an estimate
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        (g,) = torch.autograd.grad(losses.sum(), x)
+        value = gp(lambda q, labels: F.cross_entropy(model(q), labels, reduction="none"), x,
+                   fn_args=(y,))
+        assert value.item() == pytest.approx(0.1 * g.square().sum(1).mean().item(), rel=1e-10)
+
+
 def test_outputs_of_another_batch_size_are_refused() -> None:
     x = as_points(torch.randn(8, 4))
     with pytest.raises(GradientError, match=r"shape \(4, 1\), but the points are a batch of 8 "
