@@ -28,16 +28,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gradreg import differentiable_attention
-from gradreg.penalties import as_points, presets
+from benchmarking.transformer import Step, r1_steps
 
 METHODS = ("plain", "exact", "math")
 
@@ -53,26 +50,12 @@ class SequenceCritic(nn.Module):
         return self.head(self.encoder(x).mean(dim=1)).squeeze(-1)
 
 
-def steps(length: int, batch: int = 2, dim: int = 64) -> tuple[nn.Module, dict[str, Callable]]:
+def steps(length: int, batch: int = 2, dim: int = 64) -> tuple[nn.Module, dict[str, Step]]:
+    """The critic and its steps (:func:`benchmarking.transformer.r1_steps`) at length L."""
     torch.manual_seed(0)
     critic = SequenceCritic(dim)
     real, fake = torch.randn(batch, length, dim), torch.randn(batch, length, dim)
-    r1 = presets.r1(10.0)
-
-    def loss(d_real: Tensor) -> Tensor:
-        return F.softplus(critic(fake)).mean() + F.softplus(-d_real).mean()
-
-    def plain() -> Tensor:
-        return loss(critic(real))
-
-    def exact(context: Callable = differentiable_attention) -> Tensor:
-        x = as_points(real)
-        with context():
-            d_real = critic(x)
-        return loss(d_real) + r1(d_real, x)
-
-    return critic, {"plain": plain, "exact": exact,
-                    "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH))}
+    return critic, r1_steps(critic, real, fake)
 
 
 def status_mb(field: str) -> float:

@@ -56,6 +56,14 @@ def critic_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str,
                        heads=size["heads"]).to(device)
     real = torch.rand(size["batch"], *size["image"], device=device)
     fake = torch.rand(size["batch"], *size["image"], device=device)
+    return critic, r1_steps(critic, real, fake)
+
+
+def r1_steps(critic: nn.Module, real: Tensor, fake: Tensor) -> dict[str, Step]:
+    """The critic's non-saturating loss at ``real`` and ``fake`` alone (``plain``), and with R1
+    (weight 10) at the reals sharing their forward: exact through differentiable attention
+    (``exact``) or the MATH backend (``math``), each around the reals' forward only (the fakes
+    run the fused kernel), or estimated without a double backward (``approx_r1``)."""
     r1, approx = presets.r1(10.0), presets.approx_r1(10.0)
 
     def loss(d_real: Tensor) -> Tensor:
@@ -75,9 +83,8 @@ def critic_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str,
         d_real = critic(x)
         return loss(d_real) + approx(lambda q: d_real if q is x else critic(q), x)
 
-    return critic, {"plain": plain, "exact": exact,
-                    "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH)),
-                    "approx_r1": approx_r1}
+    return {"plain": plain, "exact": exact,
+            "math": lambda: exact(lambda: sdpa_kernel(SDPBackend.MATH)), "approx_r1": approx_r1}
 
 
 def classifier_steps(size: dict, device: torch.device) -> tuple[nn.Module, dict[str, Step]]:
