@@ -54,6 +54,21 @@ def kernel_gives_nan_on_a_dead_row() -> bool:
     return bool(FUSED(q, k, v, attn_mask=with_dead_row())[..., 2, :].isnan().all())
 
 
+def check_derivatives(options: dict, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Finite differences (float64) of attention with ``options`` at ``inputs`` (q, k, v and a
+    learned float mask where there are four): the gradient, the JVP, the double backward, and the
+    JVP's own gradient (the spectral norm and the exact Hessian penalty differentiate it)."""
+
+    def attention(*xs: torch.Tensor) -> torch.Tensor:
+        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
+        return scaled_dot_product_attention(*xs[:3], **options, **extra)
+
+    assert gradcheck(attention, inputs, check_forward_ad=True)
+    assert gradgradcheck(attention, inputs)
+    tangents = tuple(torch.randn_like(x) for x in inputs)
+    assert gradcheck(lambda *xs: torch.func.jvp(attention, xs, tangents)[1], inputs)
+
+
 @pytest.mark.parametrize("options", [
     {}, {"attn_mask": "bool"}, {"is_causal": True}, {"scale": 0.3}, {"attn_mask": "float"},
 ], ids=["plain", "bool_mask", "causal", "scale", "float_mask"])
@@ -67,15 +82,7 @@ def test_gradcheck_and_gradgradcheck(options: dict) -> None:
         mask = torch.randn(2, 1, 5, 6, dtype=torch.float64, requires_grad=True)
         inputs = (q, k, v, mask)
 
-    def attention(*xs: torch.Tensor) -> torch.Tensor:
-        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
-        return scaled_dot_product_attention(*xs[:3], **options, **extra)
-
-    assert gradcheck(attention, inputs, check_forward_ad=True)
-    assert gradgradcheck(attention, inputs)
-    # the JVP's own gradient (the spectral norm and the exact Hessian penalty differentiate it)
-    tangents = tuple(torch.randn_like(x) for x in inputs)
-    assert gradcheck(lambda *xs: torch.func.jvp(attention, xs, tangents)[1], inputs)
+    check_derivatives(options, inputs)
 
 
 def test_causal_with_more_queries_than_keys_is_top_left_aligned() -> None:
@@ -410,14 +417,7 @@ def test_blockwise_gradgradcheck(kind: str, small_blocks: None) -> None:
     """Finite differences: the blockwise gradient, double backward, JVP and JVP's gradient."""
     options, inputs = attention_case(kind, 5, 6)
 
-    def attention(*xs: torch.Tensor) -> torch.Tensor:
-        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
-        return scaled_dot_product_attention(*xs[:3], **options, **extra)
-
-    assert gradcheck(attention, inputs, check_forward_ad=True)
-    assert gradgradcheck(attention, inputs)
-    tangents = tuple(torch.randn_like(x) for x in inputs)
-    assert gradcheck(lambda *xs: torch.func.jvp(attention, xs, tangents)[1], inputs)
+    check_derivatives(options, inputs)
 
 
 def test_third_order_derivatives(small_blocks: None) -> None:
