@@ -52,11 +52,13 @@ class RunningMean:
     ``load_state_dict(..., assign=True)`` put another tensor in its place. ``decay``: the
     option ``ema_decay``.
 
-    The mean is kept and updated in at least float32 and in the norms' dtype where that is
-    wider: a float64 run promotes the buffer to float64 (its ``.data``, in place, so optimizers,
-    DDP and checkpoints keep the same tensor), a bf16 run does not lose the small updates to
-    bf16 rounding, and a buffer cast to bf16 or float16 (``module.to(torch.bfloat16)``,
-    Lightning's ``precision="bf16-true"``) is widened back to float32 before its next update.
+    The mean is kept on the norms' device (a penalty module left on the CPU while the model
+    trains on a GPU moves its buffer there at the first update) and updated in at least float32
+    and in the norms' dtype where that is wider: a float64 run promotes the buffer to float64
+    (its ``.data``, in place, so optimizers, DDP and checkpoints keep the same tensor), a bf16
+    run does not lose the small updates to bf16 rounding, and a buffer cast to bf16 or float16
+    (``module.to(torch.bfloat16)``, Lightning's ``precision="bf16-true"``) is widened back to
+    float32 before its next update.
 
     Examples:
         >>> import torch
@@ -85,7 +87,7 @@ class RunningMean:
         (``torch.where``, no host sync): its penalty is not finite (refused by
         ``check_finite``), and the next finite batch goes on from the last finite mean.
         """
-        self.promote(norms.dtype)
+        self.promote(norms.dtype, norms.device)
         ema = self.value
         mean = norms.mean().to(ema.dtype)
         updated = torch.where(torch.isfinite(mean), ema.lerp(mean, self.decay), ema)
@@ -105,12 +107,15 @@ class RunningMean:
             self.buffers[self.name] = before.detach().to(
                 device=after.device, dtype=torch.promote_types(before.dtype, torch.float32))
 
-    def promote(self, dtype: torch.dtype) -> None:
-        """Widen the buffer to ``dtype``, and to at least float32, where that is wider, in
-        place."""
+    def promote(self, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        """Widen the buffer to ``dtype``, and to at least float32, where that is wider (in
+        place), and move it to ``device`` (None: where it is; a new tensor in the buffer's place,
+        as ``module.to(device)`` puts there)."""
         ema = self.value
         wider = torch.promote_types(torch.promote_types(dtype, ema.dtype), torch.float32)
-        if wider != ema.dtype:
+        if device is not None and device != ema.device:
+            self.buffers[self.name] = ema.detach().to(device=device, dtype=wider)
+        elif wider != ema.dtype:
             ema.data = ema.data.to(wider)
 
 

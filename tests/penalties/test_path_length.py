@@ -98,6 +98,16 @@ def test_bf16_norms_update_a_float32_running_mean() -> None:
     assert penalty.ema.item() == pytest.approx(1 - 0.99**300, rel=1e-5)
 
 
+def test_the_running_mean_follows_the_norms_to_their_device() -> None:
+    """A penalty left on the CPU while the model runs elsewhere: its buffer moves to the norms'
+    device at the first update (the meta device stands in for a GPU), in float32, as the
+    module's registered buffer."""
+    penalty = path_length()
+    penalty._running_mean.update(torch.ones(4, device="meta"))
+    assert penalty.ema.device.type == "meta" and penalty.ema.dtype == torch.float32
+    assert dict(penalty.named_buffers())["ema"] is penalty.ema
+
+
 @pytest.mark.parametrize("make", [jacobian, path_length], ids=["jacobian", "path_length"])
 def test_random_projections_do_not_depend_on_the_autocast_dtype(make: object) -> None:
     """A linear map under bf16 autocast: the same seed gives the float32 run's directions, so the

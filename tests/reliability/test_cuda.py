@@ -21,6 +21,7 @@ from penalty_cases import (
     penalty,
     penalty_under,
     penalty_value,
+    per_sample_losses,
     tiny_model,
     train_with_grad_scaler,
 )
@@ -64,8 +65,9 @@ def evaluate(name: str, model: nn.Module, device: torch.device, dtype: torch.dty
         cpu_points = {"fake": lambda r: r + 0.5,
                       "interpolates": lambda r: interpolate(r, r.flip(0) + 0.5),
                       "perturbed": perturb_dragan}.get(gp.config.points, lambda r: r)(x)
-        points = as_points(cpu_points.to(device, dtype))
-        value = gp(model(points), points)
+        points = as_points(cpu_points.detach().to(device, dtype))
+        outputs = model(points)
+        value = gp(per_sample_losses(outputs) if gp.config.of == "loss" else outputs, points)
     return value.item(), flat_grads(value, model)
 
 
@@ -100,7 +102,7 @@ def test_conv_critic_penalties_in_tf32_are_within_its_rounding(name: str) -> Non
         critic = conv_critic().to(device, dtype)
         torch.manual_seed(0)
         cpu_points = interpolate(x, x.flip(0)) if name == "wgan_gp" else x
-        points = as_points(cpu_points.to(device, dtype))
+        points = as_points(cpu_points.detach().to(device, dtype))
         value = make_penalty(name)(critic(points), points)
         results.append((value.item(), flat_grads(value, critic)))
     (value, grads), (value64, grads64) = results
@@ -159,7 +161,7 @@ def test_finite_difference_error_within_its_documented_bound(model: object,
     p64 = as_points(cpu_points)
     exact = flat_grads(make_penalty("wgan_gp")(exact64(p64), p64), exact64)
     critic = critic.to(CUDA)
-    points = as_points(cpu_points.to(CUDA, torch.float32))
+    points = as_points(cpu_points.detach().to(CUDA, torch.float32))
     penalty = make_penalty("wgan_gp", method="finite_difference")
     estimate = flat_grads(penalty(critic, points), critic)
     assert relative_error(estimate, exact) < bound
@@ -191,11 +193,12 @@ def test_check_finite_needs_no_host_sync() -> None:
     gp = make_penalty("wgan_gp")
     x = batch(0).to(CUDA)
     penalty_value(gp, model, x)  # the first call's one-off checks
+    batches = [batch(step).to(CUDA) for step in range(3)]  # a pageable host copy synchronizes
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step in range(3):
-            penalty_value(gp, model, batch(step).to(CUDA))
+        for step_batch in batches:
+            penalty_value(gp, model, step_batch)
         x_nan = x.clone()
         x_nan[0, 0] = float("nan")
         penalty_value(gp, model, x_nan)
