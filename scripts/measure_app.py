@@ -7,7 +7,7 @@ pytest ...``, after the runs, one at a time), records its wall time, its CPU tim
 system, of the command and its children) and its results (a run's test metrics, a tier's counts
 of passed and skipped tests) in ``docs/measured/app.json``, with the machine, the torch release
 and the load average, and then
-rewrites the blocks of ``README.md`` and ``docs/app.md`` between ``<!-- measured:<table> -->``
+rewrites the blocks of :data:`PAGES` between ``<!-- measured:<table> -->``
 and ``<!-- /measured:<table> -->`` from that file (:data:`TABLES`). ``--render`` rewrites the
 blocks from the recorded file without running anything; ``--only NAME ...`` re-runs some runs
 or tiers.
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the torch release of the runs: the one this Python imports (scripts/train.py runs in it)
 TORCH = metadata.version("torch")
 RECORD = ROOT / "docs" / "measured" / "app.json"
-PAGES = (ROOT / "README.md", ROOT / "docs" / "app.md")
+PAGES = (ROOT / "docs" / "install.md", ROOT / "docs" / "app.md", ROOT / "docs" / "benchmarks.md")
 
 #: run name -> the overrides of ``python scripts/train.py`` (seed 0 unless they say otherwise)
 RUNS: dict[str, list[str]] = {

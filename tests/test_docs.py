@@ -63,6 +63,12 @@ def test_the_pages_with_code_are_found() -> None:
     assert len(README_BLOCKS) == 4
 
 
+def test_the_readme_is_a_front_page_of_at_most_10_kb() -> None:
+    """The README is what it is, install, a first example per entry point and links; the
+    measured tables, the CI matrix and the install details live in docs/."""
+    assert len(README.read_bytes()) <= 10 * 1024
+
+
 def test_a_printed_line_is_checked_against_its_comment() -> None:
     block = 'x = 1\nprint(x + 1)  # 2: one more\nprint("a#b")    # a#b\n'
     assert printed_comments(block) == ["2: one more", "a#b"]

@@ -1,7 +1,8 @@
 """The numbers the documentation quotes are those ``scripts/measure_app.py`` measured: each
-measured block of README.md and docs/app.md is the rendering of docs/measured/app.json, and the
+measured block of its pages (docs/install.md: the test tiers; docs/app.md: the runs and sweeps;
+docs/benchmarks.md: the digits GAN's seeds) is the rendering of docs/measured/app.json, and the
 recorded runs, sweeps and test tiers are those of the script, with the same arguments, on one
-torch release."""
+torch release. The README, a front page, quotes no measured number."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def test_the_measured_blocks_are_the_recorded_numbers(page: Path) -> None:
     assert measure_app.blocks(text) == measure_app.blocks(measure_app.render(text, RECORD)), (
         f"{page.name} differs from docs/measured/app.json: python scripts/measure_app.py "
         "--render")
+
+
+def test_the_script_renders_the_pages_that_hold_the_tables() -> None:
+    assert [page.relative_to(ROOT).as_posix() for page in measure_app.PAGES] == [
+        "docs/install.md", "docs/app.md", "docs/benchmarks.md"]
+    assert not measure_app.blocks((ROOT / "README.md").read_text())
 
 
 def test_every_table_is_shown_once() -> None:

@@ -71,8 +71,8 @@ print(penalty.item(), w.grad.tolist())
     ("gradreg.lightning.dashboards", "tensorboard", "gradreg.lightning needs tensorboard"),
     ("gradreg.lightning.callbacks", "matplotlib", "gradreg.lightning needs matplotlib"),
     ("gradreg.lightning", "numpy", "gradreg.lightning needs numpy"),
-    ("gradreg.data", "sklearn", "gradreg.data needs scikit-learn"),
-    ("gradreg.data.toy", "lightning", "gradreg.data needs lightning"),
+    ("gradreg.lightning.data", "sklearn", "gradreg.lightning.data needs scikit-learn"),
+    ("gradreg.lightning.data.toy", "lightning", "gradreg.lightning needs lightning"),
 ])
 def test_a_missing_extra_is_one_line_naming_it(module: str, missing: str, message: str):
     result = python(f"import {module}", blocked=(missing,))
@@ -149,11 +149,11 @@ DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision", "hydra": "hydra
                 "omegaconf": "hydra-core", "yaml": "hydra-core"}
 #: the extras of each package of gradreg ("": the top-level modules)
 LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": ("lightning",),
-          "data": ("lightning",), "app": ("app", "lightning")}
+          "app": ("app", "lightning")}
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
-                    "data/image_folder.py": "vision", "hf_trainer.py": "transformers"}
+                    "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers"}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:
@@ -232,16 +232,16 @@ def test_help_says_what_the_app_does_and_lists_the_groups_without_lightning():
     assert text.rstrip().endswith("lightning imported: False")
 
 
-#: the pair of the README's install commands for the vision extra, from PyTorch's CPU index too
+#: the pair of the install page's commands for the vision extra, from PyTorch's CPU index too
 PAIR = re.compile(r"^pip install torch==(\S+) torchvision==(\S+)( --index-url (\S+))?",
                   re.MULTILINE)
 
 
-def test_the_readme_installs_a_matching_vision_pair_and_says_how_to_get_cpu_builds():
-    """The README's torchvision commands install one pair, of a torch in the project's range,
+def test_the_install_page_installs_a_matching_vision_pair_and_says_how_to_get_cpu_builds():
+    """docs/install.md's torchvision commands install one pair, of a torch in the project's range,
     once from PyPI and once from PyTorch's CPU wheel index (adding the extra alone to a CPU
     torch of another release replaces it with PyPI's CUDA build)."""
-    commands = PAIR.findall((ROOT / "README.md").read_text())
+    commands = PAIR.findall((ROOT / "docs" / "install.md").read_text())
     assert {(torch, vision) for torch, vision, _, _ in commands} == {("2.14.1", "0.29.1")}
     assert [index for *_, index in commands] == ["", "https://download.pytorch.org/whl/cpu"]
     (torch_requirement,) = PROJECT["dependencies"]
