@@ -2,13 +2,14 @@
 
 ``pip install gradreg`` installs the core (``gradreg``, :mod:`gradreg.penalties`,
 :mod:`gradreg.models`, :mod:`gradreg.evaluation`), which needs torch alone. The Lightning layer
-(:mod:`gradreg.lightning`, :mod:`gradreg.data`) needs the packages of the ``lightning`` extra; its
-packages check them with :func:`missing_extra` when they are imported, so that a missing one is
-an ``ImportError`` of one line naming the extra to install, raised by the package itself (a
-traceback of two frames: the import and the package), instead of a ``ModuleNotFoundError``
-from deep inside a module; the app (:mod:`gradreg.app`) checks the ``app`` extra (Hydra and the
-``lightning`` extra) the same way and prints the line alone (``error: ...``, status 2). The
-check looks the packages up without importing them: ``import gradreg.lightning`` stays cheap.
+(:mod:`gradreg.lightning`, its data modules in :mod:`gradreg.lightning.data` included) needs
+the packages of the ``lightning`` extra; its packages check them with :func:`missing_extra`
+when they are imported, so that a missing one is an ``ImportError`` of one line naming the
+extra to install, raised by the package itself (a traceback of two frames: the import and the
+package), instead of a ``ModuleNotFoundError`` from deep inside a module; the app
+(:mod:`gradreg.app`) checks the ``app`` extra (Hydra and the ``lightning`` extra) the same way
+and prints the line alone (``error: ...``, status 2). The check looks the packages up without
+importing them: ``import gradreg.lightning`` stays cheap.
 """
 
 from __future__ import annotations

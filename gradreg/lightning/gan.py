@@ -24,10 +24,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from gradreg.data.toy import MIXTURES, TOY_SETS
 from gradreg.evaluation.metrics import energy_distance, mode_metrics
 from gradreg.evaluation.sample_quality import SampleScorer
 from gradreg.lightning.compat import attached_trainer
+from gradreg.lightning.data.toy import MIXTURES, TOY_SETS
 from gradreg.lightning.gan_loss import CRITIC_POINTS, GENERATOR_POINTS, GANLoss
 from gradreg.lightning.loss_terms import TASK, record_terms
 from gradreg.lightning.penalized import (

@@ -1,7 +1,7 @@
 r"""DDP over global batches (``data.global_batch``): W ranks take exactly the steps of one process.
 
-:class:`~gradreg.data.splits.RankSlices` cuts every batch of :math:`N` samples into W contiguous
-slices of :math:`n_r` samples. DDP averages the ranks' gradients with equal weights, so
+:class:`~gradreg.lightning.data.splits.RankSlices` cuts every batch of :math:`N` samples into W
+contiguous slices of :math:`n_r` samples. DDP averages the ranks' gradients with equal weights, so
 :class:`GlobalBatchDDPStrategy` scales each rank's loss (task and penalties, whatever the module
 backpropagates, automatic or manual optimization) by the slice's weight
 :math:`w_r = n_r W / N` before its backward:
@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
-from gradreg.data.splits import RankSlices
+from gradreg.lightning.data.splits import RankSlices
 from gradreg.penalties import GradientPenalty
 
 __all__ = ["GlobalBatchDDPStrategy", "check_splittable"]
@@ -55,9 +55,11 @@ class GlobalBatchDDPStrategy(DDPStrategy):
     ``start_method="spawn"`` ...) whose backward scales the loss by the weight of the rank's
     slice of the global batch (module docstring). Use it with a data module built with
     ``global_batch=True`` and ``Trainer(use_distributed_sampler=False)``; a training loader
-    without :class:`~gradreg.data.splits.RankSlices` raises ``ValueError`` at its first step."""
+    without :class:`~gradreg.lightning.data.splits.RankSlices` raises ``ValueError`` at its
+    first step."""
 
-    #: what :class:`~gradreg.data.splits.SplitDataModule` asks of a strategy for global batches
+    #: what :class:`~gradreg.lightning.data.splits.SplitDataModule` asks of a strategy for global
+    #: batches
     weights_global_batches = True
     #: the weight of the slice of the current training step (1 outside training steps)
     _slice_weight = 1.0

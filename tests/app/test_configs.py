@@ -19,7 +19,7 @@ from gradreg.app.training import build
 from gradreg.lightning.classifier import CLASSIFIER_POINTS, Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.penalties import PRESETS
-from tests.data.images import write_image_folder
+from tests.lightning.data.images import write_image_folder
 
 from .conftest import compose_config, options
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.images import write_image_folder, write_truncated_jpeg
+from tests.lightning.data.images import write_image_folder, write_truncated_jpeg
 
 from .helpers import one_error_line, run_in_process, run_script
 

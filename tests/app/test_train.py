@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradreg.app import run_names
-from tests.data.images import write_image_folder
+from tests.lightning.data.images import write_image_folder
 
 from .conftest import options
 from .helpers import TINY, run_in_process, run_script

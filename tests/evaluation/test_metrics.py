@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gradreg.data import MIXTURES
 from gradreg.evaluation.metrics import accuracy, energy_distance, fgsm, mode_metrics, pgd
+from gradreg.lightning.data import MIXTURES
 
 
 def test_fgsm_steps_along_the_gradient_sign_and_clips() -> None:

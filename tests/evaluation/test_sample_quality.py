@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradreg.data import DigitsDataModule
 from gradreg.evaluation.sample_quality import SampleScorer, class_histogram_metrics
+from gradreg.lightning.data import DigitsDataModule
 
 
 def test_one_class_covers_one_mode_and_its_kl_is_log_of_one_over_its_share() -> None:

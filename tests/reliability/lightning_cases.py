@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from gradreg.data import sample_toy
 from gradreg.lightning import gan_loss
 from gradreg.lightning.classifier import Classifier
+from gradreg.lightning.data import sample_toy
 from gradreg.lightning.gan import GAN
 from gradreg.models import MLP
 from gradreg.penalties import as_points, make_penalty

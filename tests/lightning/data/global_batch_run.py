@@ -1,5 +1,6 @@
 """Steps of the digits classifier with data.global_batch, in one process or on two gloo ranks:
-``python -m tests.data.global_batch_run <devices> <out.pt> <steps> <batch_size> <val_fraction>``
+``python -m tests.lightning.data.global_batch_run <devices> <out.pt> <steps> <batch_size>
+<val_fraction>``
 saves the parameters of rank 0 (double backprop, weight 0.1; the digits' training split is
 1797 - 270 - round(val_fraction 1797) samples: 1257 with 0.15).
 With 2 devices the test starts both ranks itself (``LOCAL_RANK``, ``WORLD_SIZE``,
@@ -16,8 +17,8 @@ import sys
 import lightning as L
 import torch
 
-from gradreg.data import DigitsDataModule
 from gradreg.lightning.classifier import Classifier
+from gradreg.lightning.data import DigitsDataModule
 from gradreg.lightning.global_batch import GlobalBatchDDPStrategy
 from gradreg.models import MLP
 from gradreg.penalties import double_backprop

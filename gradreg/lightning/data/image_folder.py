@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Subset
 
-from gradreg.data.splits import SplitDataModule, seeded_split
+from gradreg.lightning.data.splits import SplitDataModule, seeded_split
 from gradreg.models.torchvision_import import import_torchvision
 
 #: PIL modes of 16-bit grayscale images (the byte orders of ``I;16``)

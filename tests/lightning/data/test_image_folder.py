@@ -14,8 +14,13 @@ pytest.importorskip("torchvision")
 import numpy as np
 from PIL import Image
 
-from gradreg.data.image_folder import ImageFolderDataModule
-from tests.data.images import COLOURS, write_image_folder, write_png16, write_truncated_jpeg
+from gradreg.lightning.data.image_folder import ImageFolderDataModule
+from tests.lightning.data.images import (
+    COLOURS,
+    write_image_folder,
+    write_png16,
+    write_truncated_jpeg,
+)
 
 
 def test_classes_split_and_pixels(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from gradreg.data import DigitsDataModule
-from gradreg.data.splits import RankSlices
+from gradreg.lightning.data import DigitsDataModule
+from gradreg.lightning.data.splits import RankSlices
 from gradreg.lightning.global_batch import check_splittable
 from gradreg.penalties import make_penalty
 from tests.distributed import run_processes
@@ -130,12 +130,12 @@ def test_two_ranks_with_global_batches_take_the_single_process_steps(
     """Real DDP (2 gloo ranks): after a whole epoch of double backprop with Adam, the parameters
     are those of one process to float rounding (measured 1.5e-8 after the digits' 20 steps, where
     an unweighted mean was 4.4e-5 off; 4.5e-8 after 158 steps of batch 8)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for devices in (1, 2):
         ranks = [{"PYTHONPATH": str(root)}] if devices == 1 else [
             {"PYTHONPATH": str(root), "WORLD_SIZE": "2", "NODE_RANK": "0", "LOCAL_RANK": str(rank)}
             for rank in range(2)]
-        run_processes([sys.executable, "-m", "tests.data.global_batch_run", str(devices),
+        run_processes([sys.executable, "-m", "tests.lightning.data.global_batch_run", str(devices),
                        str(tmp_path / f"{devices}.pt"), str(steps), str(batch_size),
                        str(val_fraction)], ranks, cwd=root)
     one, two = (torch.load(tmp_path / f"{d}.pt") for d in (1, 2))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gradreg.data.image_folder import load_image, readable_image
-from tests.data.images import write_png16, write_truncated_jpeg
+from gradreg.lightning.data.image_folder import load_image, readable_image
+from tests.lightning.data.images import write_png16, write_truncated_jpeg
 
 EXTENSIONS = (".png", ".jpg", ".tif")
 # 16-bit values and round(v / 257): 257 k -> k exactly; 1000 / 257 = 3.89 -> 4;

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from gradreg.data.splits import SplitDataModule
+from gradreg.lightning.data.splits import SplitDataModule
 
 Sampler = Callable[[int, torch.Generator], tuple[Tensor, Tensor]]
 

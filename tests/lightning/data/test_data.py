@@ -8,7 +8,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from gradreg.data import MIXTURES, TOY_SETS, DigitsDataModule, ToyDataModule, sample_toy
+from gradreg.lightning.data import MIXTURES, TOY_SETS, DigitsDataModule, ToyDataModule, sample_toy
 
 
 def test_digits_split_is_fixed_disjoint_and_complete() -> None:

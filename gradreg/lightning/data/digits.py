@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch.utils.data import TensorDataset
 
-from gradreg.data.splits import SplitDataModule, seeded_split
+from gradreg.lightning.data.splits import SplitDataModule, seeded_split
 
 
 class DigitsDataModule(SplitDataModule):
