@@ -39,8 +39,8 @@ synchronize (none on CPU). The JSON names the GPU and the torch version.
 Writes ``benchmark.json``, ``benchmark.md`` (the table) and ``benchmark.png`` (log-log cost
 against batch size and against parameter count) into ``--out``.
 
-    python scripts/benchmark.py            # full grid (minutes on 2 CPU cores; compiles)
-    python scripts/benchmark.py --quick    # seconds: tiny grid, one thread, no compile
+    python scripts/benchmark.py            # full grid (minutes on 2 CPU cores)
+    python scripts/benchmark.py --quick    # seconds: tiny grid, one thread
     python scripts/benchmark.py --suite gpu --device cuda [--autocast bf16]
     python scripts/benchmark.py --transformer --threads 1 [--suite gpu --device cuda]
     python scripts/benchmark.py --param-gradient --threads 1 --clock cpu   # GNP, SAM vs by hand
@@ -77,8 +77,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh",
                         help="relu makes finite_difference refuse (piecewise linear)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="include method 'compiled' (default: on, off with --quick)")
     parser.add_argument("--reps", type=int, default=None, help="timed steps per method")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's; 1 with --quick)")
@@ -138,19 +136,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     autocast = None if args.autocast is None else DTYPES[args.autocast]
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    use_compile = (not args.quick) if args.compile is None else args.compile
-    methods = tuple(m for m in METHODS if use_compile or m != "compiled")
     reps = args.reps or (3 if args.quick else 25)
     rows: list[dict] = []
     kinds = None if args.cases is None else set(args.cases.split(","))
     for kind, batch, width in grid(args.quick, args.suite):
         if kinds is not None and kind not in kinds:
             continue
-        torch.compiler.reset()  # each case compiles afresh, below dynamo's recompile limit
         build = (kind, batch, width, args.activation, dtype, device)
         case = make_case(*build)
         twin = make_case(*build, gradreg_batchnorm=True) if case.has_batchnorm else None
-        rows += measure(case, applicable(case, methods), reps, device, clock, autocast, twin)
+        rows += measure(case, applicable(case, METHODS), reps, device, clock, autocast, twin)
         print(table([r for r in rows if r["case"] == case.name and r["batch"] == batch
                      and r["width"] == width]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradreg.autograd import GradientError
+
 __all__ = ["HESSIAN_REDUCTIONS", "KINDS", "KIND_METHODS", "METHODS", "POINTS", "PROJECTION_NAMES",
            "REDUCTIONS", "RENAMED", "SHIFTS", "PenaltyConfig", "check_count",
            "check_hessian_options", "check_iterations", "check_step", "finite_number", "require",
@@ -33,7 +35,7 @@ POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", 
           "parameters")
 REDUCTIONS = ("mean", "sum", "max")
 #: How the parameter gradient is computed (:mod:`gradreg.penalties.methods` builds each).
-METHODS = ("double_backward", "finite_difference", "compiled", "perturbation")
+METHODS = ("double_backward", "finite_difference", "perturbation")
 #: Where the per-sample gradient comes from (:mod:`gradreg.penalties.projections`).
 PROJECTION_NAMES = ("sum", "orthonormal", "gaussian")
 #: Options of earlier releases and the one that replaced each: a step size is ``step``, a
@@ -90,9 +92,9 @@ class PenaltyConfig:
         method: how the parameter gradient is computed, one of :data:`METHODS`:
             ``"double_backward"`` (exact),
             ``"finite_difference"`` (no double backward, error O(step); refused on
-            piecewise-linear models) or ``"compiled"`` (exact, through compiled ``torch.func``;
-            falls back to double backward with a warning). The two latter need ``outputs`` as a
-            callable; see :mod:`gradreg.penalties.methods`.
+            piecewise-linear models) or ``"perturbation"`` (squared norms with target 0 from
+            perturbed forwards). The two latter need ``outputs`` as a callable; see
+            :mod:`gradreg.penalties.methods`.
         subsample: evaluate on the first ``max(2, ceil(subsample * B))`` samples only
             (StyleGAN2's batch shrink; two at least, so that coupled samples show; needs
             ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
@@ -199,7 +201,7 @@ class PenaltyConfig:
         require(self.order == 1 or self.projection == "sum", "order > 1 needs projection='sum'")
         require(0 < self.ema_decay <= 1, f"ema_decay must be in (0, 1], got {self.ema_decay!r}")
         require(self.gain > 0, f"gain must be > 0, got {self.gain!r}")
-        require(method in METHODS, f"method must be one of {METHODS}, got {method!r}")
+        check_method_name(method)
         require(method in ("double_backward", "perturbation") or (
             self.projection == "sum" and self.order == 1 and target != "ema"
             and self.points != "activations"
@@ -207,9 +209,9 @@ class PenaltyConfig:
             f"method={method!r} supports projection='sum', order=1, a numeric target and "
             "per-sample points other than 'activations' (and points='parameters' with "
             "method='finite_difference'); use method='double_backward'")
+        self._check_kind()
         self._check_perturbation()
         self._check_parameter_shift()
-        self._check_kind()
         self._check_step_and_count()
         require(self.reduction != "max" or (self.subsample == 1 and self.chunks == 1),
                 f"reduction='max' takes the largest value over the whole batch; subsample="
@@ -365,6 +367,17 @@ class PenaltyConfig:
         """Target 0, power 2, norm order 2: the penalty is the squared norm, taken without a
         root (whose derivative is infinite at a zero norm)."""
         return squared_norm_penalty(self.target, self.power, self.p)
+
+
+def check_method_name(method: object) -> None:
+    """Refuse a ``method`` that is not one of :data:`METHODS`; ``"compiled"`` (compiled
+    ``torch.func``, removed: slower than the eager double backward in every case measured) with
+    a :class:`~gradreg.GradientError` naming the method to pass."""
+    if method == "compiled":
+        raise GradientError("method='compiled' was removed (it was slower than the eager double "
+                            "backward in every case measured): use method='double_backward', "
+                            "which is exact.")
+    require(method in METHODS, f"method must be one of {METHODS}, got {method!r}")
 
 
 def check_step(step: float | None) -> None:

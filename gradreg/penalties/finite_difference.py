@@ -135,6 +135,6 @@ def check_smooth(outputs: Tensor) -> None:
         raise GradientError(
             f"method='finite_difference' on a piecewise-linear model ({', '.join(ops)} in its "
             "graph): where a unit changes sign between x and the shifted point the estimate is "
-            "off by O(1), and a smaller step does not help. Use method='double_backward' (or "
-            "'compiled'), or a smooth activation (softplus, elu, tanh, gelu, silu)."
+            "off by O(1), and a smaller step does not help. Use method='double_backward', or a "
+            "smooth activation (softplus, elu, tanh, gelu, silu)."
         )

@@ -1,5 +1,5 @@
 r"""How a penalty's parameter gradient is computed (``double_backward``, ``finite_difference``,
-``compiled``), and the cost levers that keep the method (``subsample``, lazy ``every``).
+``perturbation``), and the cost levers that keep the method (``subsample``, lazy ``every``).
 
 Notation: per-sample outputs :math:`f_i`, points :math:`x_i`, input gradients
 :math:`g_i = \nabla_{x_i} \sum_j f_j`, the unweighted penalty :math:`P(g)` (a function of the
@@ -12,7 +12,7 @@ By the chain rule, with :math:`v_i = \partial P / \partial g_i` held fixed,
                     = \nabla_\theta \sum_i \langle \nabla_{x_i} f_i, v_i \rangle ,
 
 a mixed second derivative. ``double_backward`` gets it exactly by differentiating the graph of
-:math:`g` (reverse over reverse); ``finite_difference`` and ``compiled`` return the exact value
+:math:`g` (reverse over reverse); ``finite_difference`` returns the exact value
 of :math:`P` plus a zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter
 gradient is the estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter
 gradients are estimated; the gradient the surrogate sends to the points themselves is not
@@ -26,7 +26,6 @@ ordinary first-order backward: value and parameter gradient are :math:`P`'s in e
 |                   | backward (about 2x a plain step)       |                                   |
 | finite_difference | input backward, forward + backward at  | O(step) + O(u/step) when smooth;  |
 |                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
-| compiled          | its own forward, compiled torch.func   | exact (float rounding)            |
 | perturbation      | a forward at x + σε, first-order       | an estimate: sampling noise       |
 |                   | backward only (squared norms, target 0)| (rel. std √2 per probe), O(σ²)    |
 
@@ -40,24 +39,22 @@ Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 
 The helpers of the methods live in their own modules and are importable from here too:
 :mod:`~gradreg.penalties.precision` (the unit roundoff and the finite-difference step),
-:mod:`~gradreg.penalties.finite_difference`, :mod:`~gradreg.penalties.compiled` and
+:mod:`~gradreg.penalties.finite_difference` and
 :mod:`~gradreg.penalties.chunks` (micro-batches, subsample, the gradient surrogate).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch  # noqa: F401  (``methods.torch.compile`` is what tests replace)
 from torch import Tensor
 
 from gradreg.attention import differentiable_attention, explain_fused_attention
 from gradreg.autograd import GradientError
 from gradreg.penalties.chunks import in_chunks, subsample, with_gradients
-from gradreg.penalties.compiled import CompiledPenalty, CompileUnavailable, check_not_compiled
+from gradreg.penalties.compiled import check_not_compiled
 from gradreg.penalties.config import METHODS
 from gradreg.penalties.coupling import check_independent_samples
 from gradreg.penalties.finite_difference import PIECEWISE_LINEAR, check_smooth, finite_difference
@@ -83,8 +80,6 @@ __all__ = [
     "PIECEWISE_LINEAR",
     "STEPS",
     "TF32_ROUNDOFF",
-    "Compiled",
-    "CompiledPenalty",
     "DoubleBackward",
     "FiniteDifference",
     "InChunks",
@@ -258,36 +253,6 @@ class Perturbation:
         return self.penalty.of_norms(sq)
 
 
-class Compiled:
-    """Exact, through compiled ``torch.func`` (:class:`~gradreg.penalties.compiled
-    .CompiledPenalty`, rebuilt when the callable changes). Where compiling fails it warns once
-    and hands this call and every later one to ``fallback`` (double backward)."""
-
-    def __init__(self, penalty: PenaltyFunctions, fallback: Method) -> None:
-        self.penalty = penalty
-        self._run: Method = self._compiled
-        self._fallback = fallback
-        self._penalty: CompiledPenalty | None = None
-
-    def __call__(self, call: PenaltyCall) -> Tensor:
-        return self._run(call)
-
-    def _compiled(self, call: PenaltyCall) -> Tensor:
-        if self._penalty is None or self._penalty.module is not call.fn:
-            self._penalty = CompiledPenalty(call.fn, self.penalty.of_gradients)
-        try:
-            return self._penalty(call.inputs, call.fn_args)
-        except CompileUnavailable as err:
-            warnings.warn(
-                f"method='compiled' is unavailable here ({err}); falling back to "
-                "method='double_backward' (exact, uncompiled).",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._run = self._fallback
-            return self._fallback(call)
-
-
 def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
     if config.chunks > 1:
         return InChunks(penalty, config.chunks, mean=config.reduction == "mean")
@@ -300,7 +265,6 @@ BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
     "finite_difference": lambda config, penalty: (
         ParameterFiniteDifference(penalty, config) if config.points == "parameters"
         else FiniteDifference(penalty, config)),
-    "compiled": lambda config, penalty: Compiled(penalty, DoubleBackward(penalty)),
     "perturbation": lambda config, penalty: Perturbation(penalty, config),
 }
 

@@ -75,7 +75,7 @@ IMAGE_CLASSIFIERS: dict[str, tuple[Callable[[int, str], nn.Module],
 
 
 class PerSampleLoss(nn.Module):
-    """Per-sample cross-entropy of a classifier: a module, as 'compiled' needs; the labels are
+    """Per-sample cross-entropy of a classifier: a module; the labels are
     the penalty's ``fn_args`` (split with the points by ``subsample`` and ``chunks``)."""
 
     def __init__(self, model: nn.Module) -> None:

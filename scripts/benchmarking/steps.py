@@ -3,7 +3,7 @@
 ``plain``: the task loss alone. ``hand``: the straight hand-written double backward (written
 here, not imported). ``exact``: :class:`gradreg.penalties.GradientPenalty` by double backward.
 ``lazy16``: ``every=16``. ``subsample``: ``subsample=0.25``. ``chunks``: ``chunks=4``.
-``finite_difference``, ``compiled`` and ``perturbation`` (R1 and double backprop only): those
+``finite_difference`` and ``perturbation`` (R1 and double backprop only): those
 methods. ``plain_bn`` and ``exact_bn``: ``plain`` and ``exact`` on the twin of the model whose
 BatchNorm layers are gradreg's. For the Hessian penalty ``exact`` is its exact form and
 ``finite_difference`` the authors' central difference.
@@ -20,11 +20,11 @@ from benchmarking.cases import Case
 from gradreg.penalties import GradientPenalty, make_penalty
 
 METHODS = ("plain", "plain_bn", "hand", "exact", "exact_bn", "lazy16", "subsample", "chunks",
-           "finite_difference", "compiled", "perturbation")
+           "finite_difference", "perturbation")
 #: Methods run on the twin with gradreg's BatchNorm, and the method each one runs there.
 TWIN_METHODS = {"plain_bn": "plain", "exact_bn": "exact"}
 #: Methods whose gradient is not the exact one by construction, or is computed another way.
-APPROXIMATE = ("subsample", "chunks", "finite_difference", "compiled", "perturbation")
+APPROXIMATE = ("subsample", "chunks", "finite_difference", "perturbation")
 
 
 def hand_written(penalty: str, g: Tensor) -> Tensor:
@@ -47,8 +47,7 @@ def gradreg_options(case: Case) -> dict[str, dict]:
                 "lazy16": {"method": "double_backward", "every": 16},
                 "finite_difference": {"method": "finite_difference"}}
     options = {"exact": {}, "lazy16": {"every": 16}, "subsample": {"subsample": 0.25},
-               "chunks": {"chunks": 4}, "finite_difference": {"method": "finite_difference"},
-               "compiled": {"method": "compiled"}}
+               "chunks": {"chunks": 4}, "finite_difference": {"method": "finite_difference"}}
     if case.penalty in ("r1", "double_backprop"):
         options["perturbation"] = {"method": "perturbation"}
     return options
@@ -81,14 +80,13 @@ def step_losses(case: Case, pens: dict[str, GradientPenalty]) -> dict[str, Calla
         """The task plus the penalty, sharing the task's forward at the points where the math
         allows: double backward differentiates it; finite differences, the perturbation
         estimate and the Hessian penalty get a callable that hands it back at the points
-        themselves; subsample, chunks and compiled run their own forward."""
+        themselves; subsample and chunks run their own forward."""
         p = case.points()
         if not pen.needs_callable:
             loss, out = case.task_with(p)
             return loss + pen(out, p)
         config = pen.config
-        if (case.shared and config.subsample == 1 and config.chunks == 1
-                and config.method != "compiled"):
+        if case.shared and config.subsample == 1 and config.chunks == 1:
             loss, out = case.task_with(p)
             return loss + pen(lambda q, *args: out if q is p else case.fn(q, *args), p,
                               fn_args=case.fn_args)

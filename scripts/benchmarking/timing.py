@@ -77,7 +77,7 @@ class Runner:
         return (self.clock() - start) / calls
 
     def warm_up(self, methods: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
-        """Two steps of each method (compiles); the methods that ran, and why the others refused
+        """Two steps of each method; the methods that ran, and why the others refused
         this case."""
         active, refused = [], {}
         for method in methods:
@@ -195,7 +195,7 @@ def measure(case: Case, methods: tuple[str, ...], reps: int, device: torch.devic
     times, plain_blocks = runner.time(active, reps)
     errors = relative_errors(case, pens, active) | twin_errors
     memory = {m: runner.peak_memory(m) for m in active if m != "lazy16"}
-    flops = {m: runner.flops(m) for m in active if m != "compiled"}  # compiled code is opaque
+    flops = {m: runner.flops(m) for m in active}
     plain_ms = statistics.median(times["plain"]) * 1e3
     rows = []
     for method in methods:

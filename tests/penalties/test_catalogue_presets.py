@@ -331,8 +331,8 @@ def test_hessian_bad_input() -> None:
     with pytest.raises(ValueError, match="reduces by 'max' .* or 'mean', got reduction='sum'"):
         hessian(reduction="sum")
     with pytest.raises(ValueError, match="'finite_difference' or 'double_backward', got "
-                                         "method='compiled'"):
-        hessian(method="compiled")
+                                         "method='perturbation'"):
+        hessian(method="perturbation")
     with pytest.raises(ValueError, match="need outputs as a callable"):
         hessian()(g(z), z)
     with pytest.raises(GradientError, match="w.r.t. one input .* got 2"):

@@ -20,7 +20,6 @@ from gradreg.penalties import (
     methods,
 )
 from gradreg.tf32 import EmulatedTF32
-from gradreg.torch_compat import dynamo_supported
 from tests.penalties.parameter_gradients import value_and_grad
 from tests.residual_net import ResidualNet
 
@@ -199,7 +198,7 @@ def test_subsample_is_the_penalty_of_the_first_samples(reduction: str, scale: fl
     ("options", "message"),
     [({"method": "adjoint"}, "method must be one of .*'double_backward'"),
      ({"method": "finite_difference", "projection": "gaussian"}, "supports projection='sum'"),
-     ({"method": "compiled", "target": "ema"}, "a numeric target"),
+     ({"method": "finite_difference", "target": "ema"}, "a numeric target"),
      ({"subsample": 0.0}, r"subsample must be in \(0, 1\]"),
      ({"method": "finite_difference", "step": -1.0}, "step .* must be a number > 0")],
 )
@@ -214,64 +213,6 @@ def test_methods_other_than_exact_need_a_callable() -> None:
         make_penalty("r1", method="finite_difference")(model(x), x)
     with pytest.raises(ValueError, match="need outputs as a callable"):
         make_penalty("r1", subsample=0.5)(model(x), x)
-    with pytest.raises(GradientError, match="needs outputs as an nn.Module"):
-        make_penalty("r1", method="compiled")(lambda inputs: model(inputs), x)
-
-
-def test_compiled_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_compiler(fn: object) -> object:
-        def fail(*args: object) -> None:
-            raise RuntimeError("no C++ compiler found")
-
-        return fail
-
-    monkeypatch.setattr(methods.torch, "compile", no_compiler)
-    model, x = smooth_critic(), points()
-    exact = value_and_grad(make_penalty("wgan_gp"), model, model, x)
-    penalty = make_penalty("wgan_gp", method="compiled")
-    with pytest.warns(RuntimeWarning, match="no C.. compiler found.*double_backward"):
-        fallback = value_and_grad(penalty, model, model, x)
-    torch.testing.assert_close(fallback, exact, rtol=0, atol=0)
-
-
-@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
-def test_compiled_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Traced by dynamo and aot_autograd through torch.func, as with inductor, minus inductor's
-    C++ code generation (half a minute cold on CPU; the benchmark's full run exercises it)."""
-    monkeypatch.setattr(methods.torch, "compile", partial(torch.compile, backend="aot_eager"))
-    model, x = smooth_critic(n_in=3), points(batch=4, n_in=3)
-    exact = value_and_grad(make_penalty("wgan_gp"), model, model, x)
-    compiled = value_and_grad(make_penalty("wgan_gp", method="compiled"), model, model, x)
-    torch.testing.assert_close(compiled, exact, rtol=1e-10, atol=1e-12)
-
-
-class FirstLogit(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model(x)[:, 0]
-
-
-@pytest.mark.skipif(not dynamo_supported(), reason="torch.compile unsupported")
-def test_compiled_takes_eval_batchnorm_and_refuses_training_batchnorm(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """BatchNorm in eval mode (fixed statistics) compiles and is exact; in training mode its
-    in-place running-statistics update fails inside torch.func: refused up front, naming the
-    layers, instead of the former silent fallback."""
-    monkeypatch.setattr(methods.torch, "compile", partial(torch.compile, backend="aot_eager"))
-    model = ResidualNet(nn.Tanh, channels=2, blocks=1).double()
-    critic = FirstLogit(model)
-    x = torch.randn(3, 1, 4, 4, dtype=torch.float64, requires_grad=True)
-    model.eval()
-    exact = value_and_grad(make_penalty("r1"), model, critic(x), x)
-    compiled = value_and_grad(make_penalty("r1", method="compiled"), model, critic, x)
-    torch.testing.assert_close(compiled, exact, rtol=1e-10, atol=1e-12)
-    model.train()
-    with pytest.raises(GradientError, match=r"cannot run 'model.blocks.0.bn1', "
-                                            r"'model.blocks.0.bn2': normalization layers"):
-        make_penalty("r1", method="compiled")(critic, x)
 
 
 @pytest.mark.parametrize("options", [{"chunks": 2}, {"subsample": 0.5},
