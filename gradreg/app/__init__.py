@@ -3,7 +3,7 @@
 ``gradreg-train [group=option ...] [key=value ...]`` (installed with ``pip install
 'gradreg[app]'``) and ``python scripts/train.py ...`` (in a checkout) run :func:`main`. The configs
 are the checkout's ``configs/`` folder, shipped inside the package as ``gradreg/app/configs``
-(:data:`CONFIGS`).
+(:data:`CONFIGS`, of :mod:`gradreg.app.invocation`).
 
 This is the top layer: nothing in the core or in :mod:`gradreg.lightning` imports it. Importing
 this package imports neither Hydra nor Lightning; :func:`main` checks the ``app`` extra first
@@ -14,24 +14,11 @@ Lightning only to train, so ``--help`` answers without it.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from gradreg.app.invocation import CONFIGS, command
 from gradreg.extras import require
 
 __all__ = ["CONFIGS", "command", "main"]
-
-#: The config groups: the copy an installed package ships, else the checkout's configs/ (a
-#: checkout, or an editable install of one, has no gradreg/app/configs).
-CONFIGS = (Path(__file__).with_name("configs") if Path(__file__).with_name("configs").is_dir()
-           else Path(__file__).resolve().parents[2] / "configs")
-
-
-def command() -> list[str]:
-    """The words that started the app, for the commands its messages suggest:
-    ``["gradreg-train"]`` for the console command, ``["python", "scripts/train.py"]`` else."""
-    if Path(sys.argv[0]).name == "gradreg-train":
-        return ["gradreg-train"]
-    return ["python", "scripts/train.py"]
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ from torch import nn
 from gradreg.lightning.checkpoint import PreemptionCheckpoint
 from gradreg.lightning.penalized import checkpoint_mismatch
 
-from . import command
 from .checks import ConfigError, resolve_checkpoint
 from .console import say
+from .invocation import command
 
 #: the exit status of a run stopped by a signal: 128 + its number, what a shell reports for it
 #: (SIGTERM 143, SIGINT 130)

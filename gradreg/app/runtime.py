@@ -29,8 +29,8 @@ from gradreg.lightning.compat import relaunches_script
 from gradreg.lightning.global_batch import GlobalBatchDDPStrategy, check_splittable
 from gradreg.penalties import GradientPenalty
 
-from . import command
 from .console import route_lightning
+from .invocation import command
 
 #: Warnings that say nothing about the run: library internals, and facts the app documents.
 IGNORED_WARNINGS = (

@@ -42,10 +42,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from . import command
 from .checks import ConfigError
 from .console import say
 from .hydra_compat import command_line_parser
+from .invocation import command
 from .sweep_results import job_number
 
 #: the environment variable that hands the swept keys to jobs in other processes

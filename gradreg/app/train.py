@@ -10,8 +10,8 @@ Examples::
     gradreg-train -m hparams_search=classifier_robustness   # Optuna: weight and lr
     gradreg-train --help                            # the groups and their options
 
-Hydra composes ``configs/train.yaml`` (:data:`gradreg.app.CONFIGS`) with its groups (data, model,
-penalty, trainer, logger, callbacks, experiment, hparams_search, debug);
+Hydra composes ``configs/train.yaml`` (:data:`gradreg.app.invocation.CONFIGS`) with its groups
+(data, model, penalty, trainer, logger, callbacks, experiment, hparams_search, debug);
 :func:`gradreg.app.training.fit` builds the objects with ``hydra.utils.instantiate`` and hands
 them to Lightning. The training logic lives in :mod:`gradreg.lightning`.
 
@@ -46,9 +46,10 @@ import hydra
 from omegaconf import DictConfig
 
 from gradreg import GradientError, NonFiniteError
-from gradreg.app import CONFIGS, hydra_compat, run_names, sweeps  # noqa: F401 (run_names: resolvers)
+from gradreg.app import hydra_compat, run_names, sweeps  # noqa: F401 (run_names: resolvers)
 from gradreg.app.checks import ConfigError, check_overrides, check_values, exit_with, hydra_error
 from gradreg.app.console import say
+from gradreg.app.invocation import CONFIGS
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="train")
