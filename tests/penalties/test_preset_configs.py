@@ -13,7 +13,7 @@ import pytest
 
 from gradreg.penalties import PRESETS, PenaltyConfig
 
-yaml = pytest.importorskip("yaml")
+omegaconf = pytest.importorskip("omegaconf")
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "penalty"
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(PenaltyConfig)}
@@ -34,7 +34,8 @@ def _penalties(node: Any) -> list[dict]:
 def _entries() -> list[tuple[str, dict]]:
     return [(f"{path.stem}:{entry['name']}", entry)
             for path in sorted(CONFIGS.glob("*.yaml"))
-            for entry in _penalties(yaml.safe_load(path.read_text()))]
+            for entry in _penalties(omegaconf.OmegaConf.to_container(
+                omegaconf.OmegaConf.load(path), resolve=True))]  # sam's step: ${.weight}
 
 
 def test_every_preset_has_its_config() -> None:
