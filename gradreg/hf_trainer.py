@@ -1,84 +1,222 @@
-r"""Parameter-gradient penalties (``param_grad_norm``, ``sam``, ``asam``, ``gr``) in Hugging Face's
-``Trainer``.
+r"""Any gradreg penalty in Hugging Face's ``Trainer``, without a ``compute_loss`` of the user's.
 
-:class:`PenaltyMixin` adds penalties on ``points="parameters"`` to ``transformers.Trainer`` or
-any trainer built on it (TRL's ``SFTTrainer``, ``GRPOTrainer``...) without a ``compute_loss``
-of the user's::
+:class:`PenaltyMixin` adds penalties to ``transformers.Trainer`` or a trainer built on it (TRL's
+``SFTTrainer``: the mixin first in the bases)::
 
     from gradreg.hf_trainer import PenalizedTrainer
-    from gradreg.penalties import param_grad_norm, sam
+    from gradreg.penalties import double_backprop, param_grad_norm, sam
 
     trainer = PenalizedTrainer(model=model, args=args, train_dataset=data,
-                               penalties={"gnp": param_grad_norm(0.01, method="finite_difference")})
+                               penalties={"sam": sam(0.05),
+                                          "db": double_backprop(0.1)})
     trainer.train()
 
-    class SAMSFTTrainer(PenaltyMixin, SFTTrainer): ...   # TRL: the mixin first
-    SAMSFTTrainer(..., penalties={"sam": sam(0.05)})
-
-    class GRPOTrainerGR(PenaltyMixin, GRPOTrainer): ...  # GR in place of a KL term
-    GRPOTrainerGR(..., penalties={"gr": gr(1e-3, step=1e-3)})  # g + (λ/ε)(∇L(θ + ε g) - g)
+    class SAMSFTTrainer(PenaltyMixin, SFTTrainer): ...
 
 In training, the trainer's own loss :math:`L` (``super().compute_loss``: the model's loss, or
 ``compute_loss_func``, normalized as the trainer normalizes it) becomes :math:`L + \sum_k P_k`,
-each penalty due at the step (``penalty.due()``, once per optimizer step) evaluated at the
-parameters that require grad; the loss at shifted parameters is the same call on the same
-inputs, its forward drawing the random numbers of the first (dropout's masks: the state is
-captured before the trainer's forward) and leaving BatchNorm's running statistics as one forward
-does. The first finite-difference penalty takes the loss's gradient for the trainer
-(:func:`~gradreg.penalties.two_pass.penalized_loss`): the step costs the hand-written two passes
-(Zhao et al.; SAM's two steps; gradientregularization_trl's), and the trainer's backward,
-clipping and optimizer run unchanged.
-Evaluation (no grad, or the model in eval mode) computes the loss alone.
+each penalty due at the optimizer step (``penalty.due()``, called on the first micro-batch of
+each step) evaluated where its ``points`` say:
 
-Refused in one line: penalties on other points (a trainer's loss is a batch mean, not per-sample
-outputs at points), and ``gradient_accumulation_steps > 1``: the penalty of the accumulated
-batch's gradient needs that gradient before any micro-batch's second pass, which a trainer's
-backward per micro-batch does not give (:mod:`gradreg.penalties.accumulation` is the plain-loop
-form that does).
+* ``"parameters"`` (``param_grad_norm``, ``sam``, ``asam``, ``gr``): of the gradient of
+  :math:`L` w.r.t. the parameters that require grad. The loss at shifted parameters is the same
+  call on the same inputs, its forward drawing the random numbers of the first (dropout's masks)
+  and leaving BatchNorm's running statistics as one forward does. The first finite-difference
+  penalty takes the loss's gradient for the trainer (``penalized_loss``): the step costs the
+  hand-written two passes, and the trainer's backward, clipping and optimizer run unchanged.
+* ``"inputs"``: at the outputs :math:`e` of ``model.get_input_embeddings()`` (the tensor as the
+  model computed it, recorded by a forward hook; the rest of the forward gets a copy), of the
+  per-sample losses :math:`\ell_i` (``of="loss"``: double backprop,
+  :math:`\lVert \nabla_{e_i} \ell_i \rVert`) or of the logits (``of="outputs"``). The methods
+  that run their own forward call the model with ``inputs_embeds``, the batch's other
+  per-sample tensors (attention mask, labels) passed along.
+* ``"activations"``: at the outputs of the named submodules (``layers``) of the per-sample
+  losses.
+
+The per-sample losses are computed here from the logits and the labels (:func:`per_sample_losses`):
+for causal language models, the next-token cross-entropy (labels shifted, or ``shift_labels``
+as given; -100 ignored) averaged over each sequence's counted tokens; for sequence
+classification, the loss of the model's ``problem_type`` per sequence. Another head needs
+``per_sample_loss=fn(outputs, inputs) -> [B]``, or is refused in one line.
+
+Gradient accumulation (``gradient_accumulation_steps`` :math:`N`): the trainer's micro-batch
+losses :math:`L_k` (after its division by :math:`N` where it divides) sum to the accumulated
+batch's loss :math:`L = \sum_k L_k`, and each micro-batch's backward adds :math:`\nabla L_k`.
+A parameter penalty is that of :math:`\bar g = \nabla L`, taken in two phases
+(``Accumulation``): each micro-batch's backward carries its :math:`\nabla L_k`; the last one's
+also :math:`c\,\nabla^2 L\, v`, by the second phase over the window's micro-batches (kept with
+their random states until then). A per-sample penalty with ``reduction="mean"`` is the mean over
+the accumulated batch (micro-batches of equal size), with ``"sum"`` the sum over it. The step
+equals one batch of the accumulated size within float rounding, for models whose samples do
+not interact (BatchNorm in training mode normalizes per micro-batch, as any accumulation does).
+
+Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
+loss, logits without a graph (a trainer whose loss is computed without them, e.g. by a fused
+head), penalties at activations that run their own forward, and under accumulation more than
+one parameter penalty or ``reduction="max"`` (a maximum over micro-batches is not one over the
+batch). Evaluation (no grad, or the model in eval mode) computes the loss alone.
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
-where one is missing. :class:`PenaltyMixin` itself imports
-nothing of it.
+where one is missing. :class:`PenaltyMixin` itself imports nothing of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradreg.autograd import GradientError
+from gradreg.attention import differentiable_attention
+from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
-from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.param_gradient import LossAt
-from gradreg.penalties.randomness import GeneratorState
-from gradreg.penalties.two_pass import penalized_loss
+from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward
 
-__all__ = ["PenalizedTrainer", "PenaltyMixin"]  # noqa: F822 (PenalizedTrainer: built on use)
+try:  # the names the penalties package exports
+    from gradreg.penalties import Accumulation, Carried, LossAt, penalized_loss
+except ImportError:  # a package that keeps them in their modules
+    from gradreg.penalties.accumulation import Accumulation
+    from gradreg.penalties.methods.param_gradient import LossAt
+    from gradreg.penalties.two_pass import Carried, penalized_loss
+
+__all__ = ["PenalizedTrainer", "PenaltyMixin", "per_sample_losses"]  # noqa: F822 (built on use)
+
+#: Where a trainer evaluates penalties (module docstring).
+TRAINER_POINTS = ("inputs", "activations", "parameters")
+IGNORE_INDEX = -100
+PerSampleLoss = Callable[[Any, Mapping[str, Any]], Tensor]
+
+
+def _causal_lm_losses(logits: Tensor, inputs: Mapping[str, Any]) -> Tensor:
+    r""":math:`\ell_i = \frac{1}{|T_i|}\sum_{t \in T_i} \mathrm{CE}(z_{i,t}, y_{i,t+1})`, the
+    tokens :math:`T_i` of sequence :math:`i` whose label is not -100 (0 where none is)."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        logits, labels = logits[:, :-1], inputs["labels"][:, 1:]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    tokens = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none").view(labels.shape)
+    return tokens.sum(1) / labels.ne(IGNORE_INDEX).sum(1).clamp(min=1)
+
+
+def _classification_losses(logits: Tensor, labels: Tensor, config: Any) -> Tensor:
+    """The loss of ``ForSequenceClassification`` models per sequence, by their ``problem_type``
+    (inferred as they infer it: one label, regression; integer labels, single-label)."""
+    problem = getattr(config, "problem_type", None) or (
+        "regression" if config.num_labels == 1
+        else "single_label_classification" if not labels.is_floating_point()
+        else "multi_label_classification")
+    if problem == "regression":
+        return (logits.squeeze(-1) - labels).square().flatten(1).mean(1) if config.num_labels > 1 \
+            else (logits.flatten() - labels.flatten()).square()
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, config.num_labels), labels.view(-1),
+                               reduction="none")
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype),
+                                              reduction="none").mean(-1)
+
+
+def _head(model: nn.Module) -> str:
+    """``"causal_lm"`` or ``"classification"`` for the model's class (transformers' auto
+    mappings, as the trainer finds causal language models); a :class:`~gradreg.GradientError`
+    naming ``per_sample_loss`` for another."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    name = type(model).__name__
+    if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return "causal_lm"
+    if name in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values():
+        return "classification"
+    raise GradientError(
+        f"penalties of per-sample losses need each sample's loss, which gradreg computes for "
+        f"causal language models and sequence classifiers, not {name}: pass "
+        "per_sample_loss=fn(outputs, inputs) -> [batch] to the trainer.")
+
+
+def per_sample_losses(model: nn.Module, outputs: Any, inputs: Mapping[str, Any]) -> Tensor:
+    """The per-sample losses ``[B]`` of ``model``'s ``outputs`` (their ``logits``) on the batch
+    ``inputs`` (its ``labels``) for a causal language model or a sequence classifier (module
+    docstring); a :class:`~gradreg.GradientError` for another head."""
+    logits = outputs["logits"]
+    if _head(model) == "causal_lm":
+        return _causal_lm_losses(logits, inputs)
+    return _classification_losses(logits, inputs["labels"], model.config)
+
+
+@contextmanager
+def _embeddings_recorded(module: nn.Module) -> Iterator[list[Tensor]]:
+    """Record the outputs of ``module`` (the input embeddings) in the block: each recorded tensor
+    is the module's output as computed (made to require grad where the embeddings are frozen);
+    the rest of the forward gets a copy (identity derivative), which in-place ops may change."""
+    recorded: list[Tensor] = []
+
+    def hook(_module: nn.Module, _args: Any, output: Tensor) -> Tensor:
+        if not output.requires_grad:
+            output.requires_grad_()
+        recorded.append(output)
+        return output.clone()
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield recorded
+    finally:
+        handle.remove()
 
 
 class PenaltyMixin:
-    """Adds ``penalties`` (name -> :class:`~gradreg.penalties.GradientPenalty` on
-    ``points="parameters"``) to a ``transformers.Trainer`` subclass's training loss (module
-    docstring). ``penalty_values``: the detached weighted penalties of the latest step."""
+    """Adds ``penalties`` (name -> :class:`~gradreg.penalties.GradientPenalty`) to a
+    ``transformers.Trainer`` subclass's training loss (module docstring).
+    ``per_sample_loss``: ``fn(outputs, inputs) -> [B]`` for penalties of per-sample losses where
+    the head is neither a causal language model nor a sequence classifier.
+    ``penalty_values``: the detached weighted penalties of the latest step."""
 
     def __init__(self, *args: Any, penalties: Mapping[str, GradientPenalty] | None = None,
-                 **kwargs: Any) -> None:
+                 per_sample_loss: PerSampleLoss | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        penalties = dict(penalties or {})
-        for name, penalty in penalties.items():
-            if not isinstance(penalty, GradientPenalty) or penalty.config.points != "parameters":
-                got = (f"points={penalty.config.points!r}" if isinstance(penalty, GradientPenalty)
-                       else type(penalty).__name__)
-                raise GradientError(
-                    f"penalty {name!r}: a Trainer adds penalties on points='parameters' "
-                    f"(param_grad_norm, sam, asam, gr), got {got}: a trainer's loss is a batch "
-                    "mean, not per-sample outputs at points.")
-        self.penalties = penalties
+        self.penalties = dict(penalties or {})
+        self.per_sample_loss = per_sample_loss
         self.penalty_values: dict[str, Tensor] = {}
+        self._window: list[str] = []  # the penalties due in this optimizer step
+        self._micro_batch = 0  # the micro-batches of this optimizer step so far
+        self._accumulations: dict[str, Accumulation] = {}
+        model = getattr(self, "model", None)
+        for name, penalty in self.penalties.items():
+            self._check(name, penalty, model)
+
+    def _check(self, name: str, penalty: Any, model: nn.Module | None) -> None:
+        """Refuse in one line a penalty the trainer cannot evaluate (module docstring)."""
+        if not isinstance(penalty, GradientPenalty):
+            raise GradientError(f"penalty {name!r} is a {type(penalty).__name__}, not a "
+                                "gradreg GradientPenalty: build it with gradreg.penalties.")
+        config = penalty.config
+        if config.points not in TRAINER_POINTS:
+            raise GradientError(
+                f"penalty {name!r} has points={config.points!r}, which belong to a GAN: a "
+                f"Trainer evaluates penalties at points {list(TRAINER_POINTS)} (the input "
+                "embeddings, submodules' outputs, the parameters).")
+        if config.points == "activations" and penalty.needs_callable:
+            raise GradientError(
+                f"penalty {name!r} (points='activations') asks for its own forward "
+                f"(method={config.method!r}, subsample={config.subsample}, "
+                f"chunks={config.chunks}), which a Trainer runs at the input embeddings only: "
+                "use method='double_backward', subsample=1 and chunks=1.")
+        if model is None:
+            return
+        names = {n for n, _ in model.named_modules() if n}
+        unknown = [layer for layer in config.layers if layer not in names]
+        if unknown:
+            raise GradientError(f"penalty {name!r} has layers={unknown}, not submodules of "
+                                f"{type(model).__name__}: name them as model.named_modules() does.")
+        if config.points != "parameters" and config.of == "loss" and self.per_sample_loss is None:
+            _head(model)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Tensor | int | None = None) -> Any:
@@ -86,33 +224,163 @@ class PenaltyMixin:
         if not self.penalties or not (model.training and torch.is_grad_enabled()):
             return parent(model, inputs, return_outputs=return_outputs,
                           num_items_in_batch=num_items_in_batch)
-        due = {name: gp for name, gp in self.penalties.items() if gp.due()}
-        accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
-        if due and accumulation > 1:
-            raise GradientError(
-                f"penalties {sorted(due)} penalize the gradient of the whole batch's loss, "
-                f"which gradient_accumulation_steps={accumulation} splits: each micro-batch "
-                "would penalize its own gradient; use per_device_train_batch_size for the whole "
-                "batch, or the two-phase loop gradreg.penalties.accumulation.accumulated_backward")
+        count = getattr(self, "current_gradient_accumulation_steps", 1)
+        if self._micro_batch == 0:  # due() once per optimizer step
+            self._window = [name for name, gp in self.penalties.items() if gp.due()]
+        self._micro_batch = (self._micro_batch + 1) % count
+        due = {name: self.penalties[name] for name in self._window}
+        if count > 1:
+            self._check_accumulation(due, count)
+        share = self._share(num_items_in_batch, count)
+        at_points = {n: gp for n, gp in due.items() if gp.config.points != "parameters"}
+        layers = sorted({layer for gp in at_points.values() for layer in gp.config.layers})
+        embeddings = any(gp.config.points == "inputs" for gp in at_points.values())
         state = GeneratorState.capture(*(v for v in inputs.values() if isinstance(v, Tensor)))
-        result = parent(model, inputs, return_outputs=return_outputs,
-                        num_items_in_batch=num_items_in_batch)
-        loss, outputs = result if return_outputs else (result, None)
+        with ExitStack() as stack:  # the trainer's forward, its graph differentiated again
+            if any(not gp.needs_callable for gp in due.values()):
+                stack.enter_context(differentiable_attention())
+            embedded = stack.enter_context(_embeddings_recorded(
+                self.accelerator.unwrap_model(model).get_input_embeddings())) if embeddings else []
+            activations = stack.enter_context(capture(model, *layers)) if layers else {}
+            # a copy each call: Trainer.compute_loss pops the labels where it computes the loss
+            loss, outputs = parent(model, dict(inputs), return_outputs=True,
+                                   num_items_in_batch=num_items_in_batch)
+        values = {name: self._at_points(gp, model, inputs, outputs, embedded, activations, state)
+                  for name, gp in at_points.items()}
+        task = self._parameters(due, model, inputs, loss, state, values, parent,
+                                num_items_in_batch, count, share)
+        self.penalty_values = {name: value.detach() for name, value in values.items()}
+        # the trainer multiplies by s: a mean over the micro-batch is 1/N of the batch's
+        total = task + sum(value * ((1 if due[name].config.points == "parameters"
+                                     or due[name].config.reduction == "sum" else 1 / count) / share)
+                           for name, value in values.items())
+        return (total, outputs) if return_outputs else total
+
+    def _share(self, num_items_in_batch: Tensor | int | None, count: int) -> float:
+        r""":math:`s`, the factor ``training_step`` applies to the loss before its backward:
+        :math:`1/N` where the loss is a micro-batch's mean, 1 where the loss was normalized over
+        the accumulated batch (``num_items_in_batch`` given to the model, or
+        ``compute_loss_func``), as ``transformers.Trainer.training_step`` decides."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                      or self.compute_loss_func is not None)
+        return 1.0 if scaled else 1.0 / count
+
+    def _check_accumulation(self, due: Mapping[str, GradientPenalty], count: int) -> None:
+        parameter = sorted(name for name, gp in due.items() if gp.config.points == "parameters")
+        maximum = sorted(name for name, gp in due.items() if gp.config.points != "parameters"
+                         and gp.config.reduction == "max")
+        if len(parameter) > 1:
+            raise GradientError(
+                f"penalties {parameter} with gradient_accumulation_steps={count}: the penalty of "
+                "the accumulated batch's gradient is taken for one parameter penalty; use one, "
+                "or per_device_train_batch_size of the accumulated size.")
+        if maximum:
+            raise GradientError(
+                f"penalties {maximum} take the maximum over samples, which "
+                f"gradient_accumulation_steps={count} splits into maxima over micro-batches: "
+                "use reduction='mean' or 'sum', or per_device_train_batch_size of the "
+                "accumulated size.")
+
+    def _losses(self, model: nn.Module, outputs: Any, inputs: Mapping[str, Any]) -> Tensor:
+        if self.per_sample_loss is not None:
+            return self.per_sample_loss(outputs, inputs)
+        return per_sample_losses(self.accelerator.unwrap_model(model), outputs, inputs)
+
+    def _at_points(self, gp: GradientPenalty, model: nn.Module, inputs: dict[str, Any],
+                   outputs: Any, embedded: list[Tensor], activations: Mapping[str, Tensor],
+                   state: GeneratorState) -> Tensor:
+        """The weighted penalty ``gp`` at the input embeddings or at the activations, of the
+        logits or of the per-sample losses of the trainer's forward."""
+        logits = outputs["logits"]
+        if not logits.requires_grad:
+            raise GradientError(
+                f"{type(self).__name__}.compute_loss returned logits without a graph (its loss "
+                "is computed without them, e.g. by a fused head): penalties at the embeddings "
+                "or activations differentiate the logits; use a trainer whose model returns "
+                "them, or penalties on points='parameters'.")
+        of_loss = gp.config.of == "loss"
+        task_outputs = self._losses(model, outputs, inputs) if of_loss else logits
+        if gp.config.points == "activations":
+            return gp(task_outputs, [activations[layer] for layer in gp.config.layers])
+        if len(embedded) != 1:
+            raise GradientError(
+                f"the input embeddings ran {len(embedded)} times in one forward: a penalty at "
+                "the embeddings needs the one tensor the model computed from the batch.")
+        (points,) = embedded
+        if not gp.needs_callable:
+            return gp(task_outputs, points)
+        keys = [k for k, v in inputs.items() if k != "input_ids" and isinstance(v, Tensor)
+                and v.ndim > 0 and v.shape[0] == points.shape[0]]
+        fixed = {k: v for k, v in inputs.items() if k != "input_ids" and k not in keys}
+
+        def at_embeddings(embeds: Tensor, *args: Tensor) -> Tensor:
+            batch = {**fixed, **dict(zip(keys, args, strict=True))}
+            forward = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            result = model(inputs_embeds=embeds, **forward)
+            return self._losses(model, result, batch) if of_loss else result["logits"]
+
+        fn_args = tuple(inputs[k] for k in keys)
+        if gp.config.method in ("finite_difference", "perturbation"):  # the forward shared
+            return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
+                      fn_args=fn_args)
+        return gp(at_embeddings, points, fn_args=fn_args)
+
+    def _parameters(self, due: Mapping[str, GradientPenalty], model: nn.Module,
+                    inputs: dict[str, Any], loss: Tensor, state: GeneratorState,
+                    values: dict[str, Tensor], parent: Callable[..., Tensor],
+                    num_items_in_batch: Tensor | int | None, count: int, share: float) -> Tensor:
+        r"""The task term, and into ``values`` the weighted parameter penalties (module
+        docstring): by ``penalized_loss`` in one micro-batch (the task term carrying
+        :math:`\nabla L + c\,Hv` by finite difference), in two phases under accumulation."""
+        parameter = {n: gp for n, gp in due.items() if gp.config.points == "parameters"}
+        if not parameter:
+            return loss
 
         def loss_at_parameters() -> Tensor:
-            return parent(model, inputs, num_items_in_batch=num_items_in_batch)
+            return parent(model, dict(inputs), num_items_in_batch=num_items_in_batch)
 
         params = [p for p in model.parameters() if p.requires_grad]
-        task, values = loss, {}
-        for name, gp in due.items():
+        retain = len(due) > 1  # other penalties differentiate the same forward
+        if count > 1:
+            ((name, gp),) = parameter.items()
+            return self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
+                                     count, share, retain)
+        task = loss
+        for name, gp in parameter.items():
             at = LossAt(loss_at_parameters, loss, state)
             if task is loss and gp.needs_callable:  # the first finite difference: two passes
-                task, values[name] = penalized_loss(gp, at, params, retain_graph=len(due) > 1)
+                task, values[name] = penalized_loss(gp, at, params, retain_graph=retain)
             else:
                 values[name] = gp(at if gp.needs_callable else loss, params)
-        self.penalty_values = {name: value.detach() for name, value in values.items()}
-        total = task + sum(values.values())
-        return (total, outputs) if return_outputs else total
+        return task
+
+    def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor,
+                     fn: Callable[[], Tensor], state: GeneratorState, params: list[Tensor],
+                     values: dict[str, Tensor], count: int, share: float,
+                     retain: bool) -> Tensor:
+        r"""Micro-batch :math:`k` of :math:`N`: the task term carries :math:`\nabla L_k / s`
+        (the trainer multiplies by :math:`s`), and on the last micro-batch also
+        :math:`c\,\nabla^2 L\, v / s`, and the penalty :math:`c\,P(\nabla L)` in ``values``;
+        the ``Accumulation`` is given :math:`N L_k` (its mean over the micro-batches is
+        :math:`L`)."""
+        accumulation = self._accumulations.get(name)
+        if accumulation is None:
+            accumulation = self._accumulations[name] = Accumulation(gp, params)
+        factor = count * share
+
+        def scaled() -> Tensor:  # differentiated twice by double backward
+            with nullcontext() if gp.needs_callable else differentiable_attention():
+                return fn() * factor
+
+        g = accumulation.add(scaled, state, loss * factor, retain_graph=retain)
+        if self._micro_batch == 0:  # the last micro-batch of the optimizer step
+            value, hv = accumulation.finish()
+            g = [a.add_(b, alpha=count) for a, b in zip(g, hv, strict=True)]
+            values[name] = value
+        g = [t.div_(factor) for t in g]
+        return Carried.apply(loss.detach(), g, True, *accumulation.params)
 
 
 def __getattr__(name: str) -> type:

@@ -4,12 +4,15 @@ recipe in float64."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradreg import GradientError
-from gradreg.penalties import gr, param_grad_norm, r1, sam
+from gradreg.penalties import double_backprop, gr, intermediate, param_grad_norm, r1, sam
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer's dependency
@@ -27,15 +30,33 @@ def tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).double()
 
 
+def tiny_gpt2() -> nn.Module:
+    """A causal LM in float64 throughout (Llama's RMSNorm computes in float32 even in a float64
+    model, which leaves second derivatives ~1e-7 apart between equal forms)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 32, (BATCH, 8), generator=torch.Generator().manual_seed(1))
+    """``size`` sequences of 8 tokens, labelled with themselves (``ignored``: the labels of the
+    first ``ignored`` positions of every other sequence set to -100). Position 0, never a
+    next-token target, is -100: the trainer counts 7 tokens a sequence whether or not it
+    shifts the labels (``num_items_in_batch``)."""
+
+    def __init__(self, size: int = BATCH, ignored: int = 1) -> None:
+        self.ids = torch.randint(0, 32, (size, 8), generator=torch.Generator().manual_seed(1))
+        self.labels = self.ids.clone()
+        self.labels[:, 0] = -100
+        self.labels[::2, :ignored] = -100
 
     def __len__(self) -> int:
-        return BATCH
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
 class Record(transformers.TrainerCallback):
@@ -61,20 +82,36 @@ def arguments(tmp_path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**{**options, **overrides})
 
 
-def hand_written(model: nn.Module, params: list[torch.Tensor], r: float,
-                 alpha: float, *, along_g: bool = False) -> list[torch.Tensor]:
-    """``(1-α) ∇L(θ) + α ∇L(θ + r g/‖g‖)`` at ``params`` (``along_g``: ``∇L(θ + r g)``,
-    gradientregularization_trl's shift, whose ``(1-α) g + α g'`` with α = λ/ε is their
-    ``g + (λ/ε)(g' - g)``), the loss the model's own (mean next-token cross-entropy of the
-    whole batch)."""
+def load(model: nn.Module, params: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p, value in zip(model.parameters(), params, strict=True):
             p.copy_(value)
-    ids = Tokens().ids
+
+
+def own_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's own loss (transformers computes it in float32)."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy of ``ids`` in the model's dtype (float64), written out."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def hand_written(model: nn.Module, params: list[torch.Tensor], r: float,
+                 alpha: float, *, along_g: bool = False, ids: torch.Tensor | None = None,
+                 loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] = own_loss
+                 ) -> list[torch.Tensor]:
+    """``(1-α) ∇L(θ) + α ∇L(θ + r g/‖g‖)`` at ``params`` (``along_g``: ``∇L(θ + r g)``,
+    gradientregularization_trl's shift, whose ``(1-α) g + α g'`` with α = λ/ε is their
+    ``g + (λ/ε)(g' - g)``), ``L`` the mean next-token cross-entropy ``loss_of`` the whole
+    batch ``ids`` (default :class:`Tokens`)."""
+    load(model, params)
+    ids = Tokens().ids if ids is None else ids
 
     def gradient() -> list[torch.Tensor]:
-        return list(torch.autograd.grad(model(input_ids=ids, labels=ids).loss,
-                                        list(model.parameters())))
+        return list(torch.autograd.grad(loss_of(model, ids), list(model.parameters())))
 
     g = gradient()
     norm = 1.0 if along_g else torch.sqrt(sum(t.square().sum() for t in g))
@@ -119,12 +156,31 @@ def test_evaluation_computes_the_loss_alone(tmp_path) -> None:
     assert trainer.penalties["sam"].steps_taken == 0
 
 
-def test_accumulation_and_other_points_are_refused_in_one_line(tmp_path) -> None:
-    with pytest.raises(GradientError, match="a Trainer adds penalties on points='parameters'"):
+def test_what_a_trainer_cannot_evaluate_is_refused_in_one_line(tmp_path) -> None:
+    with pytest.raises(GradientError, match="points='real', which belong to a GAN"):
         PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path), penalties={"r1": r1()})
+    with pytest.raises(GradientError, match="layers=\\['nowhere'\\], not submodules"):
+        PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path),
+                         penalties={"h": intermediate(layers=["nowhere"])})
+    backbone = transformers.LlamaModel(tiny_llama().config)  # no head: no known loss
+    with pytest.raises(GradientError, match="not LlamaModel: pass per_sample_loss="):
+        PenalizedTrainer(model=backbone, args=arguments(tmp_path),
+                         penalties={"db": double_backprop(0.1)})
+    layer = "model.layers.0.mlp"
+    with pytest.raises(GradientError, match="asks for its own forward"):
+        PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path),
+                         penalties={"h": intermediate(layers=[layer], chunks=2)})
+
+
+@pytest.mark.parametrize(("penalties", "match"), [
+    ({"sam": sam(0.05), "gnp": param_grad_norm(0.01)}, r"\['gnp', 'sam'\] with gradient_acc"),
+    ({"db": double_backprop(0.1, reduction="max")}, "maximum over samples")],
+    ids=["two_parameter_penalties", "max"])
+def test_accumulation_refuses_what_it_cannot_split_in_one_line(tmp_path, penalties,
+                                                               match: str) -> None:
     trainer = PenalizedTrainer(model=tiny_llama(),
                                args=arguments(tmp_path, gradient_accumulation_steps=2,
                                               per_device_train_batch_size=2),
-                               train_dataset=Tokens(), penalties={"sam": sam(0.05)})
-    with pytest.raises(GradientError, match="gradient_accumulation_steps=2 splits"):
+                               train_dataset=Tokens(), penalties=penalties)
+    with pytest.raises(GradientError, match=match):
         trainer.train()
