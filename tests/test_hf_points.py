@@ -1,0 +1,175 @@
+"""Penalties at the input embeddings and at activations in Hugging Face's Trainer: each step's
+gradient equals the task loss plus the penalty written out by autograd here (the per-sample
+losses by hand, the points recorded by a hook of the test's own), float64, tiny models built
+from configs: a causal LM (GPT-2, labels shifted, -100 ignored) and a sequence classifier
+(BERT, padded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gradreg.penalties import double_backprop, intermediate, jacobian
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from gradreg.hf_trainer import PenalizedTrainer  # noqa: E402
+from tests.test_hf_trainer import Record, Tokens, arguments, load, tiny_gpt2  # noqa: E402
+
+LAMBDA = 0.1
+
+
+def tiny_bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        num_labels=3)
+    return transformers.BertForSequenceClassification(config).double()
+
+
+class Sentences(torch.utils.data.Dataset):
+    """4 padded sequences of 5 tokens with a class label each."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 40, (4, 5), generator=torch.Generator().manual_seed(1))
+        self.mask = torch.ones(4, 5, dtype=torch.long)
+        self.mask[2, 3:] = 0
+        self.mask[3, 4:] = 0
+        self.labels = torch.tensor([0, 1, 2, 1])
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
+                "labels": self.labels[i]}
+
+
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the mean cross-entropy of its tokens t whose label t+1 is not -100."""
+    losses = []
+    for z, y in zip(logits, labels, strict=True):
+        kept = y[1:] != -100
+        losses.append(F.cross_entropy(z[:-1][kept], y[1:][kept]))
+    return torch.stack(losses)
+
+
+def square_gradient_norms(outputs: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """``‖∇_{p_i} Σ outputs‖²`` per sample, differentiable (a double backward to come)."""
+    (g,) = torch.autograd.grad(outputs.sum(), points, create_graph=True)
+    return g.square().flatten(1).sum(1)
+
+
+def embedded(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
+    """The input embeddings (kept with their graph) and the model's outputs from them, task loss
+    included."""
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    rest = {k: v for k, v in batch.items() if k != "input_ids"}
+    return embeds, model(inputs_embeds=embeds, **rest)
+
+
+def expected_gradients(model: nn.Module, params: list[torch.Tensor], batch: dict,
+                       penalty: Callable[[nn.Module, dict], torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    load(model, params)
+    with sdpa_kernel(SDPBackend.MATH):
+        task, value = penalty(model, batch)
+        grads = torch.autograd.grad(task + value, list(model.parameters()), allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g
+            for p, g in zip(model.parameters(), grads, strict=True)], value.detach()
+
+
+def run(tmp_path, model: nn.Module, data, penalty) -> tuple[Record, PenalizedTrainer]:
+    record = Record()
+    trainer = PenalizedTrainer(model=model, args=arguments(tmp_path), train_dataset=data,
+                               callbacks=[record], penalties={"p": penalty})
+    trainer.train()
+    return record, trainer
+
+
+def check(record: Record, trainer: PenalizedTrainer, reference: nn.Module, batch: dict,
+          penalty: Callable[[nn.Module, dict], torch.Tensor]) -> None:
+    assert len(record.grads) == 2
+    for params, grads in zip(record.params, record.grads, strict=True):
+        expected, value = expected_gradients(reference, params, batch, penalty)
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+    assert value > 0
+    torch.testing.assert_close(trainer.penalty_values["p"], value, rtol=1e-10, atol=0)
+
+
+def lm_batch() -> dict[str, torch.Tensor]:
+    data = Tokens(4, ignored=3)
+    return {"input_ids": data.ids, "labels": data.labels}
+
+
+def double_backprop_lm(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    embeds, outputs = embedded(model, batch)
+    losses = next_token_losses(outputs.logits, batch["labels"])
+    return outputs.loss, LAMBDA * square_gradient_norms(losses, embeds).mean()
+
+
+@pytest.mark.parametrize("options", [{}, {"chunks": 2}], ids=["shared_forward", "own_forward"])
+def test_double_backprop_at_a_causal_lm_embeddings(tmp_path, options: dict) -> None:
+    """λ mean_i ‖∇_{e_i} ℓ_i‖², ℓ_i the mean next-token loss of sequence i over its counted
+    tokens (the first 3 labels of every other sequence are -100); ``chunks=2``: the penalty's
+    own forwards, from ``inputs_embeds`` with the labels split alongside."""
+    record, trainer = run(tmp_path, tiny_gpt2(), Tokens(4, ignored=3),
+                          double_backprop(LAMBDA, **options))
+    check(record, trainer, tiny_gpt2(), lm_batch(), double_backprop_lm)
+
+
+def test_the_jacobian_of_a_classifiers_logits_at_its_embeddings(tmp_path) -> None:
+    """λ mean_i ‖∂z_i/∂e_i‖_F² of the 3 logits, exact with 3 orthonormal projections, the
+    Jacobian written out one logit at a time; padded positions are embeddings too."""
+    data = Sentences()
+    batch = {"input_ids": data.ids, "attention_mask": data.mask, "labels": data.labels}
+
+    def penalty(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, outputs = embedded(model, batch)
+        squares = sum(square_gradient_norms(outputs.logits[:, c], embeds) for c in range(3))
+        return outputs.loss, 0.01 * squares.mean()
+
+    record, trainer = run(tmp_path, tiny_bert(), data, jacobian(0.01, count=3))
+    check(record, trainer, tiny_bert(), batch, penalty)
+
+
+def test_double_backprop_of_a_classifiers_losses_at_its_embeddings(tmp_path) -> None:
+    data = Sentences()
+    batch = {"input_ids": data.ids, "attention_mask": data.mask, "labels": data.labels}
+
+    def penalty(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, outputs = embedded(model, batch)
+        losses = F.cross_entropy(outputs.logits, batch["labels"], reduction="none")
+        return outputs.loss, LAMBDA * square_gradient_norms(losses, embeds).mean()
+
+    record, trainer = run(tmp_path, tiny_bert(), data, double_backprop(LAMBDA))
+    check(record, trainer, tiny_bert(), batch, penalty)
+
+
+def test_the_input_gradient_at_a_hidden_layer(tmp_path) -> None:
+    """``intermediate`` at GPT-2's MLP output: λ mean_i ‖∇_{h_i} ℓ_i‖², h recorded here by a
+    forward hook."""
+    layer = "transformer.h.0.mlp"
+
+    def penalty(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        seen = []
+        handle = model.get_submodule(layer).register_forward_hook(
+            lambda module, args, output: seen.append(output))
+        try:
+            outputs = model(**batch)
+        finally:
+            handle.remove()
+        losses = next_token_losses(outputs.logits, batch["labels"])
+        return outputs.loss, LAMBDA * square_gradient_norms(losses, seen[0]).mean()
+
+    record, trainer = run(tmp_path, tiny_gpt2(), Tokens(4, ignored=3),
+                          intermediate(LAMBDA, layers=[layer]))
+    check(record, trainer, tiny_gpt2(), lm_batch(), penalty)
