@@ -323,6 +323,12 @@ class PenaltyMixin:
 
         fn_args = tuple(inputs[k] for k in keys)
         if gp.config.method in ("finite_difference", "perturbation"):  # the forward shared
+            if points.grad_fn is not None:
+                raise GradientError(
+                    f"method={gp.config.method!r} at the input embeddings gives the trainable "
+                    "embedding matrix behind them a wrong gradient (the estimate differentiates "
+                    "points that are data, not a model's tensor): use method='double_backward' "
+                    "(chunks=... for memory), or freeze the input embeddings.")
             return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
                       fn_args=fn_args)
         return gp(at_embeddings, points, fn_args=fn_args)

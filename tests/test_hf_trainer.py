@@ -60,7 +60,8 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Record(transformers.TrainerCallback):
-    """The parameters at each step's start and the gradient the optimizer is given."""
+    """The parameters at each step's start and the gradient the optimizer is given (of the
+    trainable ones)."""
 
     def __init__(self) -> None:
         self.params: list[list[torch.Tensor]] = []
@@ -70,7 +71,8 @@ class Record(transformers.TrainerCallback):
         self.params.append([p.detach().clone() for p in model.parameters()])
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
-        self.grads.append([p.grad.detach().clone() for p in model.parameters()])
+        self.grads.append([p.grad.detach().clone() for p in model.parameters()
+                           if p.requires_grad])
 
 
 def arguments(tmp_path, **overrides) -> transformers.TrainingArguments:
