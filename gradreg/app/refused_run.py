@@ -2,7 +2,7 @@
 
 Hydra makes a run's folder, writes its config record (``.hydra/``) there and opens the log file
 (``train.log``) before the app sees the configuration. A run the app then refuses (a
-:class:`~gradreg.app.checks.ConfigError`: a value out of range, an object that cannot be built, a
+:class:`~gradreg.app.errors.ConfigError`: a value out of range, an object that cannot be built, a
 checkpoint that cannot be resumed) trained nothing, and its folder would only hold those files:
 :func:`discard_folder` removes it. Only a folder the app named itself is removed (a new one,
 claimed by :func:`gradreg.app.run_names.claim_folder`; not one named with ``hydra.run.dir``,

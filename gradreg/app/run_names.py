@@ -18,6 +18,7 @@ key (and a sweep's jobs, which get a copy of the cache) see the same folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -27,12 +28,25 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .sweeps import short_number, swept_keys
+from .sweep_space import swept_keys
 
 #: the overrides a run's label already states
 LABELLED_KEYS = ("penalty", "penalty.weight")
 #: the digits of a sweep job's number in its folder name (``007_none``): sorted up to 999 jobs
 JOB_DIGITS = 3
+
+
+def short_number(value: str, digits: int = 4) -> str:
+    """``value`` with at most ``digits`` significant digits if it is a float written longer
+    (``0.15676677195506075`` -> ``0.1568``: a sampler's values in a folder name); else as is."""
+    if not any(char in value for char in ".eE"):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    short = f"{number:.{digits}g}"
+    return short if math.isfinite(number) and len(short) < len(value) else value
 
 
 def job_id(number: Any) -> str:

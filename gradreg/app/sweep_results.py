@@ -194,3 +194,16 @@ def outcome_metrics(jobs: Iterable[Job], optimized: str | None = None) -> list[s
     if optimized in logged:
         names = [optimized, *(name for name in names if name != optimized)]
     return names
+
+
+def job_results(sweep_dir: Path) -> list[tuple[dict[str, str], dict[str, float] | None]]:
+    """Each job of a sweep, in job order: its overrides (``.hydra/overrides.yaml``) and its
+    ``metrics.json`` (None where the job saved none: it failed or diverged)."""
+    jobs = []
+    for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml"),
+                                 key=lambda path: job_number(path.parents[1].name)):
+        overrides = dict(item.split("=", 1) for item in OmegaConf.load(overrides_file))
+        metrics_file = overrides_file.parents[1] / "metrics.json"
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
+        jobs.append((overrides, metrics))
+    return jobs

@@ -18,16 +18,16 @@ them to Lightning. The training logic lives in :mod:`gradreg.lightning`.
 The penalties of a run are ``penalty`` (unless ``penalty=none``) plus the ``penalties`` dict,
 passed to the model as ``name -> GradientPenalty``. The run returns the metric named by
 ``optimized_metric`` (None without one), the value a sweeper such as Optuna's optimizes
-(:mod:`gradreg.app.sweeps`).
+(:mod:`gradreg.app.trials`).
 
 Errors: a configuration that cannot be built or used (unknown preset, negative weight, a critic
 penalty for a classifier, ``n_critic < 1``, ``seed=abc``, ``data.batch_size=0``, an output folder
 that cannot be written, a checkpoint that is missing or truncated ...) ends the run before
 training with exit status 2 and one line on stderr naming the config key and the valid values;
-``HYDRA_FULL_ERROR=1`` shows the traceback instead (:mod:`gradreg.app.checks`,
+``HYDRA_FULL_ERROR=1`` shows the traceback instead (:mod:`gradreg.app.errors`,
 :mod:`gradreg.app.resume`). Errors Hydra meets before the run that are the user's to fix (an
 unknown group option or key, an override or config file that does not parse, a run folder it
-cannot create) end it the same way (:func:`gradreg.app.checks.hydra_error`).
+cannot create) end it the same way (:func:`gradreg.app.hydra_errors.hydra_error`).
 A :class:`~gradreg.GradientError` raised while training (a penalty method the model does not
 admit, an op without double backward, a NaN penalty) ends the run the same way, status 2 and one
 line; in an Optuna search a NaN or Inf penalty fails only its trial, and the study goes on.
@@ -46,10 +46,19 @@ import hydra
 from omegaconf import DictConfig
 
 from gradreg import GradientError, NonFiniteError
-from gradreg.app import hydra_compat, run_names, sweeps  # noqa: F401 (run_names: resolvers)
-from gradreg.app.checks import ConfigError, check_overrides, check_values, exit_with, hydra_error
+from gradreg.app import (
+    hydra_compat,
+    run_names,  # noqa: F401 (its resolvers name the run folders)
+    sweep_plugins,
+    sweep_space,
+    trials,
+)
 from gradreg.app.console import say
+from gradreg.app.errors import ConfigError, exit_with
+from gradreg.app.hydra_errors import hydra_error
 from gradreg.app.invocation import CONFIGS
+from gradreg.app.override_checks import check_overrides
+from gradreg.app.value_checks import check_values
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIGS), config_name="train")
@@ -57,23 +66,23 @@ def main(cfg: DictConfig) -> float | None:
     """One run (or one job of a sweep) of the composed configuration ``cfg``: the value of
     ``optimized_metric`` for a sweeper, None without one."""
     try:
-        sweeps.check_search_mode()
+        trials.check_search_mode()
         check_values(cfg)
         from gradreg.app import training  # Lightning, imported only to train
 
-        return sweeps.objective(training.fit(cfg), cfg.optimized_metric)
+        return trials.objective(training.fit(cfg), cfg.optimized_metric)
     except NonFiniteError as error:  # a diverged Optuna trial fails alone; else as below
-        if not sweeps.fails_trial_only():
+        if not trials.fails_trial_only():
             exit_with(error)
         say(f"error: training diverged, this trial fails and the search goes on: {error}",
             sys.stderr)
-        raise sweeps.DivergedTrial(str(error)) from None
+        raise trials.DivergedTrial(str(error)) from None
     except (ConfigError, GradientError) as error:  # say what to do, in one line
         exit_with(error)
 
 
 def report_hydra_error(error: BaseException) -> None:
-    """End the run as :func:`~gradreg.app.checks.exit_with` does for an error Hydra meets outside
+    """End the run as :func:`~gradreg.app.errors.exit_with` does for an error Hydra meets outside
     :func:`main` that is the user's to fix (an override or config file that does not parse, a
     run folder it cannot create, a SLURM launcher off a cluster); return for the others (Hydra
     reports them)."""
@@ -86,9 +95,9 @@ def run() -> None:
     """The app on ``sys.argv``: the overrides and the sweep plugins checked first (one line and
     status 2 for a mistake), then Hydra's own command line (``--help``, ``-m``, ...)."""
     try:
-        sweeps.check_plugins(sys.argv)
-        check_overrides(sweeps.command_line_overrides(sys.argv))
+        sweep_plugins.check_plugins(sys.argv)
+        check_overrides(sweep_space.command_line_overrides(sys.argv))
     except ConfigError as error:
         exit_with(error)
-    with sweeps.jobs_environment(sys.argv), hydra_compat.reporting_errors(report_hydra_error):
+    with sweep_space.jobs_environment(sys.argv), hydra_compat.reporting_errors(report_hydra_error):
         main()

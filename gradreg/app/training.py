@@ -23,8 +23,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from gradreg.app import runtime
-from gradreg.app.checks import building, check_writable, exit_with, resolve_checkpoint
 from gradreg.app.console import say
+from gradreg.app.errors import building, exit_with
+from gradreg.app.path_checks import check_writable, resolve_checkpoint
 from gradreg.app.resume import (
     ResumedWeights,
     check_fresh_output,

@@ -80,3 +80,12 @@ def test_the_hparams_weight_is_the_one_the_run_uses_and_its_log10_is_blank_at_ze
     assert hparams_columns.effective_weight("r1", None) == 0.0
     assert [hparams_columns.log10(value) for value in (0.001, 100, 0.0, None)] == [
         -3.0, 2.0, None, None]
+
+
+@pytest.mark.parametrize(("value", "short"), [
+    ("0.15676677195506075", "0.1568"), ("0.0026938830192854116", "0.002694"),
+    ("1.2345678e-05", "1.235e-05"), ("0.1", "0.1"), ("1e-05", "1e-05"), ("10", "10"),
+    ("12345678", "12345678"), ("none", "none"), ("[1.23456,2]", "[1.23456,2]"),
+    ("nan", "nan")])
+def test_folder_names_shorten_long_floats_only(value: str, short: str) -> None:
+    assert run_names.short_number(value) == short

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from gradreg.app import sweep_results, sweep_table, sweeps
+from gradreg.app import sweep_plugins, sweep_results, sweep_space, sweep_table
 from gradreg.app.sweep_figure import metric_vs_weight_figure
 from gradreg.app.sweep_results import read_jobs
 from gradreg.app.sweep_summary import SweepSummary
@@ -31,7 +31,7 @@ from .helpers import TINY, hparams, run_in_process, run_script
 PLUGINS = ("hydra_plugins.hydra_optuna_sweeper", "hydra_plugins.hydra_joblib_launcher",
            "hydra_plugins.hydra_submitit_launcher")
 needs_extra = pytest.mark.skipif(
-    not all(sweeps.plugin_installed(name) for name in PLUGINS),
+    not all(sweep_plugins.plugin_installed(name) for name in PLUGINS),
     reason="needs the sweeps extra (Hydra's Optuna sweeper, joblib and submitit launchers): "
            "pip install -e '.[sweeps]'")
 
@@ -236,7 +236,7 @@ def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: Hydra's "Could not find 'hydra/sweeper/optuna'", which names no package."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sweeps, "plugin_installed", lambda name: False)
+    monkeypatch.setattr(sweep_plugins, "plugin_installed", lambda name: False)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process(*args, tmp_path=tmp_path)
     assert exit_info.value.code == 2
@@ -282,32 +282,23 @@ def test_a_database_storage_optuna_cannot_open_is_refused_before_any_trial(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("value", "short"), [
-    ("0.15676677195506075", "0.1568"), ("0.0026938830192854116", "0.002694"),
-    ("1.2345678e-05", "1.235e-05"), ("0.1", "0.1"), ("1e-05", "1e-05"), ("10", "10"),
-    ("12345678", "12345678"), ("none", "none"), ("[1.23456,2]", "[1.23456,2]"),
-    ("nan", "nan")])
-def test_folder_names_shorten_long_floats_only(value: str, short: str) -> None:
-    assert sweeps.short_number(value) == short
-
-
 def test_swept_keys_come_from_the_command_line_or_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A job in a process of its own (joblib, submitit) has another command line: the keys
     come from the environment its sweep set."""
     argv = ["train.py", "-m", "--cfg", "job", "penalty=none,r1", "seed=1",
             "penalty.weight=interval(0.1,1)"]
-    monkeypatch.delenv(sweeps.SWEPT_KEYS_VARIABLE, raising=False)
-    assert sweeps.swept_keys(argv) == {"penalty", "penalty.weight"}
-    assert sweeps.swept_keys(["train.py", "-m", "penalty=["]) == set()  # Hydra says why
+    monkeypatch.delenv(sweep_space.SWEPT_KEYS_VARIABLE, raising=False)
+    assert sweep_space.swept_keys(argv) == {"penalty", "penalty.weight"}
+    assert sweep_space.swept_keys(["train.py", "-m", "penalty=["]) == set()  # Hydra says why
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    with sweeps.jobs_environment(argv):
-        assert sweeps.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
+    with sweep_space.jobs_environment(argv):
+        assert sweep_space.swept_keys(["-m", "submitit.core._submit", "folder"]) == {
             "penalty", "penalty.weight"}
         # the checkout's root, whose gradreg the jobs import; no folder of gradreg's own (its
         # gradreg/lightning would hide the lightning package from a DDP rank or a job)
         assert os.environ["PYTHONPATH"] == str(ROOT)
-    assert sweeps.SWEPT_KEYS_VARIABLE not in os.environ and "PYTHONPATH" not in os.environ
+    assert sweep_space.SWEPT_KEYS_VARIABLE not in os.environ and "PYTHONPATH" not in os.environ
 
 
 # a sweep of penalty=none,double_backprop penalty.weight=0.1,1 seed=0,1,2 (none ignores the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from gradreg.lightning.dashboards import PENALTY_UNWEIGHTED, PENALTY_WEIGHT, PENALTY_WEIGHTED
+from gradreg.lightning.dashboards.tags import PENALTY_UNWEIGHTED, PENALTY_WEIGHT, PENALTY_WEIGHTED
 from gradreg.penalties import GradientPenalty
 
 

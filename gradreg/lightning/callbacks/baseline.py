@@ -28,9 +28,9 @@ from gradreg import gradient
 from gradreg.lightning.callbacks._logging import check_every, log_scalars, logging_due
 from gradreg.lightning.callbacks._penalties import named_penalties
 from gradreg.lightning.callbacks._probe import split_batch
-from gradreg.lightning.dashboards import PENALTY_UNWEIGHTED, PENALTY_WEIGHT
+from gradreg.lightning.dashboards.tags import PENALTY_UNWEIGHTED, PENALTY_WEIGHT
 from gradreg.penalties import GradientPenalty, as_points, make_penalty, per_sample_norm
-from gradreg.penalties.norms import penalty_from_norms
+from gradreg.penalties.formulas.norms import penalty_from_norms
 
 
 class PenaltyBaseline(pl.Callback):

@@ -39,13 +39,12 @@ from gradreg.lightning.callbacks._probe import (
     real_samples,
     split_batch,
 )
-from gradreg.lightning.dashboards import (
-    CRITIC_LANDSCAPE,
-    SALIENCY,
+from gradreg.lightning.dashboards.figures import (
     critic_landscape_figure,
     figure_title,
     saliency_figure,
 )
+from gradreg.lightning.dashboards.tags import CRITIC_LANDSCAPE, SALIENCY
 from gradreg.penalties import as_points
 
 

@@ -43,7 +43,7 @@ from gradreg.lightning.callbacks._logging import (
     warn_without_tensorboard,
 )
 from gradreg.lightning.callbacks.graph_figure import graph_figure
-from gradreg.lightning.dashboards import AUTOGRAD_GRAPH, GRAPH_PICTURE
+from gradreg.lightning.dashboards.tags import AUTOGRAD_GRAPH, GRAPH_PICTURE
 
 
 def _code_block(text: str) -> str:

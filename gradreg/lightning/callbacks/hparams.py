@@ -42,7 +42,7 @@ from torch.utils.tensorboard.writer import FileWriter
 from gradreg.lightning.callbacks._logging import tensorboard, warn_without_tensorboard
 from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.compat import event_file_writer
-from gradreg.lightning.dashboards import PENALTY_WEIGHT
+from gradreg.lightning.dashboards.tags import PENALTY_WEIGHT
 
 Value = bool | int | float | str
 

@@ -33,7 +33,7 @@ from gradreg.lightning.callbacks._logging import (
 )
 from gradreg.lightning.callbacks._penalties import named_penalties
 from gradreg.lightning.callbacks._probe import eval_mode, module_attribute, real_samples
-from gradreg.lightning.dashboards import INTERPOLATES
+from gradreg.lightning.dashboards.tags import INTERPOLATES
 from gradreg.penalties import interpolate, per_sample_norm
 
 

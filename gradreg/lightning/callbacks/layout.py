@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 
 from gradreg.lightning.callbacks._logging import tensorboard, warn_without_tensorboard
 from gradreg.lightning.callbacks._penalties import named_penalties
-from gradreg.lightning.dashboards import CHARTS, OUTCOMES, TASK_LOSS, custom_scalars_layout
+from gradreg.lightning.dashboards.charts import CHARTS, OUTCOMES, TASK_LOSS, custom_scalars_layout
 
 #: the charts of the penalties' own values, left out for a module without penalties
 PENALTY_CHARTS = ("penalty_weighted", "penalty_unweighted", "penalty_weight", "grad_split")

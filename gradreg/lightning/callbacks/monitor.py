@@ -49,7 +49,7 @@ from gradreg.lightning.callbacks._probe import (
     input_gradients,
     split_batch,
 )
-from gradreg.lightning.dashboards import (
+from gradreg.lightning.dashboards.tags import (
     GRAD_NORM,
     INPUT_GRAD,
     LOSS_TOTAL,

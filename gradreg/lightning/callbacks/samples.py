@@ -17,7 +17,8 @@ from gradreg.lightning.callbacks._logging import (
 )
 from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.callbacks._probe import eval_mode
-from gradreg.lightning.dashboards import SAMPLES, figure_title, samples_figure
+from gradreg.lightning.dashboards.figures import figure_title, samples_figure
+from gradreg.lightning.dashboards.tags import SAMPLES
 
 
 class SampleGrid(pl.Callback):

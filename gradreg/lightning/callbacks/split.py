@@ -48,7 +48,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from gradreg.lightning.callbacks._logging import check_every, log_scalars, logging_due
-from gradreg.lightning.dashboards import GRAD_SPLIT
+from gradreg.lightning.dashboards.tags import GRAD_SPLIT
 from gradreg.lightning.loss_terms import TASK, request_terms, take_terms
 
 

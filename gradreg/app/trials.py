@@ -1,0 +1,64 @@
+"""What a run of a sweep is to its sweeper: the value it returns, and whether its failure ends the
+search.
+
+A sweeper (Hydra's Optuna sweeper, ``configs/hparams_search/``) optimizes the value the task
+function returns: the metric named by ``optimized_metric`` (:func:`objective`). A trial of an
+Optuna search whose training diverges (:class:`~gradreg.NonFiniteError`: a NaN or Inf penalty,
+typically at a large weight or learning rate) fails alone: the job raises :class:`DivergedTrial`,
+the sweeper records the trial as failed (``max_failure_rate: 1.0`` in
+``configs/hydra/sweeper/penalty_search.yaml``) and the study goes on; any other error ends the
+search (:func:`fails_trial_only`). A search recipe run without ``-m`` is refused
+(:func:`check_search_mode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from .errors import ConfigError
+from .invocation import command
+
+
+def objective(metrics: Mapping[str, float], name: str | None) -> float | None:
+    """The value of metric ``name`` (what a sweeper optimizes); None without a name.
+
+    Raises ConfigError naming the metrics the run logged where it logged no ``name`` (a typo
+    would otherwise end the search with the sweeper's "Return value must be float-castable")."""
+    if name is None:
+        return None
+    if name not in metrics:
+        raise ConfigError(
+            f"optimized_metric: the run logged no metric {name!r}; it logged "
+            f"{sorted(metrics)}, e.g. optimized_metric=val/acc_pgd"
+        )
+    return metrics[name]
+
+
+class DivergedTrial(RuntimeError):
+    """A trial of an Optuna search whose training diverged; the study records it as failed."""
+
+
+def fails_trial_only() -> bool:
+    """Whether an error of this job fails only its own trial: a job of an Optuna search (which
+    records failed trials and goes on). Single runs and grid sweeps stop at the first error."""
+    hydra = HydraConfig.get()
+    return (hydra.mode == RunMode.MULTIRUN
+            and "optuna" in str(hydra.sweeper.get("_target_", "")).lower())
+
+
+def check_search_mode() -> None:
+    """Raise ConfigError where a search recipe (``hparams_search=...``) is run without ``-m``:
+    it would train once, with the config's own values, and search nothing."""
+    if not HydraConfig.initialized():
+        return
+    hydra_config = HydraConfig.get()
+    recipe = hydra_config.runtime.choices.get("hparams_search")
+    if recipe is not None and hydra_config.mode == RunMode.RUN:
+        raise ConfigError(
+            f"hparams_search: {recipe} is a search of several runs, which Hydra starts with -m: "
+            f"{' '.join(command())} -m hparams_search={recipe}"
+        )
+
