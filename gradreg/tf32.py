@@ -6,7 +6,7 @@ the operands are rounded to 10 mantissa bits (unit roundoff 2**-11 instead of fl
 and the products accumulated in float32. Inside ``with EmulatedTF32():`` every convolution and
 matmul, forward and backward (double backward included), gets its float32 operands rounded the
 same way (to nearest, ties away from zero). Used to choose and check the finite-difference step
-for TF32 (:data:`gradreg.penalties.precision.STEPS`, ``scripts/fd_error_sweep.py``).
+for TF32 (:data:`gradreg.penalties.guards.precision.STEPS`, ``scripts/fd_error_sweep.py``).
 """
 
 from __future__ import annotations

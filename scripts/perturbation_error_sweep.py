@@ -27,7 +27,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gradreg.models import DCGANCritic
-from gradreg.penalties.perturbation import perturbation_sq_norms
+from gradreg.penalties.methods.perturbation import perturbation_sq_norms
 
 SIGMAS = (1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 PRECISIONS = ("float64", "float32", "bf16")

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradreg import GradientError, sharding
 from gradreg.penalties import as_points, param_grad_norm, r1
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 from tests.one_rank_fsdp import one_rank, shard
 
 

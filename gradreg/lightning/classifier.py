@@ -61,7 +61,7 @@ from gradreg.lightning.penalized import (
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
 from gradreg.penalties.accumulation import Accumulation
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import Carried, penalized_loss
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")

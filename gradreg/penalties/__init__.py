@@ -16,12 +16,13 @@ Plain PyTorch, WGAN-GP:
     True
 """
 
-from gradreg.penalties.config import PenaltyConfig
-from gradreg.penalties.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.accumulation import accumulated_backward
+from gradreg.penalties.config import METHODS, PenaltyConfig
+from gradreg.penalties.formulas.lazy import lazy_optimizer_kwargs
+from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.formulas.points import as_points, interpolate, perturb_dragan
 from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty
-from gradreg.penalties.methods import METHODS
-from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.points import as_points, interpolate, perturb_dragan
+from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.presets import (
     PRESETS,
     approx_r1,
@@ -45,7 +46,8 @@ from gradreg.penalties.presets import (
     wgan_gp,
     wgan_lp,
 )
-from gradreg.penalties.randomness import GeneratorState, SharedForward
+from gradreg.penalties.state.randomness import GeneratorState, SharedForward
+from gradreg.penalties.two_pass import penalized_loss
 
 __all__ = [
     "METHODS",
@@ -53,8 +55,10 @@ __all__ = [
     "PRESETS",
     "GeneratorState",
     "GradientPenalty",
+    "LossAt",
     "PenaltyConfig",
     "SharedForward",
+    "accumulated_backward",
     "approx_r1",
     "approx_r2",
     "as_points",
@@ -73,6 +77,7 @@ __all__ = [
     "max_gp",
     "param_grad_norm",
     "path_length",
+    "penalized_loss",
     "per_sample_norm",
     "perturb_dragan",
     "r1",

@@ -18,7 +18,7 @@ each micro-batch (a forward and a backward each, the graph freed) and sums :math
 second, with :math:`v` known, takes :math:`H_k v` of each micro-batch, by a forward and backward
 at :math:`\theta + h\hat v` (``method="finite_difference"``: :math:`\bar H v \approx \lVert v
 \rVert (\bar g' - \bar g)/h`, :math:`\bar g'` the mean gradient there, :math:`h` by the
-``shift`` rule of :mod:`~gradreg.penalties.param_gradient`) or by a forward and a
+``shift`` rule of :mod:`~gradreg.penalties.methods.param_gradient`) or by a forward and a
 double backward at :math:`\theta` (``"double_backward"``, exact). Each micro-batch's second
 forward draws the random numbers of its first (dropout's masks) and leaves the modules' buffers
 as the first left them (BatchNorm counts each micro-batch once). The cost is that of the
@@ -47,18 +47,18 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.buffers import KeptBuffers
+from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.guards.precision import default_step, unit_roundoff
 from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.param_gradient import (
+from gradreg.penalties.methods.param_gradient import (
     _gradient,
     _shifted_gradient,
     adaptive_norm_terms,
     shift_length,
     trainable,
 )
-from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.penalties.randomness import GeneratorState
+from gradreg.penalties.state.buffers import KeptBuffers
+from gradreg.penalties.state.randomness import GeneratorState
 
 __all__ = ["Accumulation", "accumulated_backward"]
 
@@ -167,7 +167,28 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
     accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
     mean loss (micro-batches of equal size); ``penalty``: as for :class:`Accumulation` (call it
     only on steps where ``penalty.due()``); ``on``: the batch's tensors, whose devices' random
-    states are replayed. Returns the detached mean loss and weighted penalty."""
+    states are replayed. Returns the detached mean loss and weighted penalty.
+
+    Examples:
+        Two micro-batches of four: the penalty is that of the batch of eight's gradient.
+
+        >>> import torch
+        >>> from gradreg.penalties import accumulated_backward, param_grad_norm
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(3, 1).double()
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        >>> params = list(model.parameters())
+        >>> def loss(rows=slice(None)):
+        ...     return torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        >>> norm = torch.cat([g.flatten() for g in torch.autograd.grad(loss(), params)]).norm()
+        >>> gp = param_grad_norm(0.1, method="finite_difference")
+        >>> halves = [lambda: loss(slice(0, 4)), lambda: loss(slice(4, 8))]
+        >>> task, penalty = accumulated_backward(gp, halves, params, on=(x,))
+        >>> round(task.item(), 4), round(penalty.item(), 6) == round(0.1 * norm.item(), 6)
+        (0.7568, True)
+        >>> all(p.grad is not None for p in params)
+        True
+    """
     accumulation = Accumulation(penalty, params)
     if not losses:
         raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")

@@ -9,21 +9,23 @@ penalty.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from gradreg.autograd import GradientError
+from gradreg.penalties.guards.options import (
+    check_count,
+    check_hessian_options,
+    check_iterations,
+    check_kind_method,
+    check_step,
+    finite_number,
+    require,
+)
 
-__all__ = ["HESSIAN_REDUCTIONS", "KINDS", "KIND_METHODS", "METHODS", "POINTS", "PROJECTION_NAMES",
-           "REDUCTIONS", "RENAMED", "SHIFTS", "PenaltyConfig", "check_count",
-           "check_hessian_options", "check_iterations", "check_step", "finite_number", "require",
-           "squared_norm_penalty"]
+__all__ = ["KINDS", "METHODS", "POINTS", "PROJECTION_NAMES", "REDUCTIONS", "RENAMED", "SHIFTS",
+           "PenaltyConfig", "check_method_name", "check_renamed", "squared_norm_penalty"]
 
 #: The options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
 #: ``float`` at construction; ``target`` also takes ``"ema"``, ``step`` also ``None``.
@@ -36,24 +38,19 @@ POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", 
 REDUCTIONS = ("mean", "sum", "max")
 #: How the parameter gradient is computed (:mod:`gradreg.penalties.methods` builds each).
 METHODS = ("double_backward", "finite_difference", "perturbation")
-#: Where the per-sample gradient comes from (:mod:`gradreg.penalties.projections`).
+#: Where the per-sample gradient comes from (:mod:`gradreg.penalties.formulas.projections`).
 PROJECTION_NAMES = ("sum", "orthonormal", "gaussian")
 #: Options of earlier releases and the one that replaced each: a step size is ``step``, a
 #: number of directions (projections, probes, Rademacher directions) is ``count``.
 RENAMED = {"fd_eps": "step", "sigma": "step", "epsilon": "step", "num_projections": "count",
            "probes": "count", "k": "count"}
 #: How far a parameter-gradient penalty by finite difference shifts the parameters along the
-#: direction :math:`v = \partial P/\partial g` (:mod:`gradreg.penalties.param_gradient`): a
+#: direction :math:`v = \partial P/\partial g` (:mod:`gradreg.penalties.methods.param_gradient`): a
 #: fixed length ``step`` (``"normalized"``), or ``step`` times :math:`v` (``"gradient"``).
 SHIFTS = ("normalized", "gradient")
 #: What is penalized (:mod:`gradreg.penalties.kinds`): the gradient norm of the module docstring
 #: of :mod:`gradreg.penalties.mechanism`, the Jacobian's spectral norm, or the Hessian penalty.
 KINDS = ("gradient_norm", "spectral", "hessian")
-#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
-KIND_METHODS = {"spectral": ("double_backward",),
-                "hessian": ("finite_difference", "double_backward")}
-#: The reductions of the Hessian penalty over samples and output units.
-HESSIAN_REDUCTIONS = ("max", "mean")
 
 
 @dataclass(frozen=True)
@@ -79,11 +76,11 @@ class PenaltyConfig:
         gain: a constant factor of the formula (1/2 for R1/R2's gamma/2).
         order: derivative order n of the ``"sum"`` projection.
         projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"``
-            (:mod:`gradreg.penalties.projections`).
+            (:mod:`gradreg.penalties.formulas.projections`).
         ema_decay: the running mean's decay for ``target="ema"``.
         check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
             passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead of
-            letting it pass silently (:class:`~gradreg.penalties.finite.FiniteCheck`):
+            letting it pass silently (:class:`~gradreg.penalties.guards.finite.FiniteCheck`):
             on the CPU at once, before the value is used; on CUDA without a host sync, at a later
             call (normally the next) that names the call, after that call's optimizer step;
             ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
@@ -99,15 +96,15 @@ class PenaltyConfig:
             (StyleGAN2's batch shrink; two at least, so that coupled samples show; needs
             ``outputs`` as a callable): unbiased for ``"mean"``, a sum is rescaled.
         chunks: build and differentiate the penalty ``chunks`` micro-batches at a time
-            (:func:`~gradreg.penalties.chunks.in_chunks`): the same gradient, about
+            (:func:`~gradreg.penalties.methods.chunks.in_chunks`): the same gradient, about
             ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
             double backward, per-sample points and a numeric target.
         step: the step size of the estimate that takes one, ``None`` for its default:
             ``method="finite_difference"``, the input-space length of each sample's shift (for
             ``points="parameters"``, the parameter-space length :math:`r` of the shift,
-            :mod:`~gradreg.penalties.param_gradient`), by default
-            :func:`~gradreg.penalties.precision.default_step` for the precision the model's
-            arithmetic ran in (:func:`~gradreg.penalties.precision.unit_roundoff`: float64,
+            :mod:`~gradreg.penalties.methods.param_gradient`), by default
+            :func:`~gradreg.penalties.guards.precision.default_step` for the precision the model's
+            arithmetic ran in (:func:`~gradreg.penalties.guards.precision.unit_roundoff`: float64,
             float32, or TF32 on GPUs); ``method="perturbation"``, the probe's scale σ per
             element (default 0.01); ``kind="hessian"`` by finite difference, the step ε of the
             second difference (default 0.1). Refused where no estimate takes a step.
@@ -117,8 +114,8 @@ class PenaltyConfig:
             ``kind="hessian"``, the Rademacher directions per sample (>= 2, default 2).
             Refused where nothing is drawn.
         central: ``method="perturbation"``
-            (:func:`~gradreg.penalties.perturbation.perturbation_sq_norms`): the squared norm
-            from ‖f(x + σε) − f(x)‖²/σ², ε ~ N(0, I), no double backward, or with ``central``
+            (:func:`~gradreg.penalties.methods.perturbation.perturbation_sq_norms`): the squared
+            norm from ‖f(x + σε) − f(x)‖²/σ², ε ~ N(0, I), no double backward, or with ``central``
             the central difference. Only for squared norms with target 0 (R1, R2, double
             backprop, the Jacobian).
         kind: what is penalized, one of :data:`KINDS`: ``"gradient_norm"`` (the module
@@ -135,7 +132,7 @@ class PenaltyConfig:
             by the length ``step`` (:math:`\theta + r\hat v`: GNP, SAM) or ``"gradient"`` by
             ``step`` times :math:`v` (:math:`\theta + \epsilon v`; for GR's
             :math:`\tfrac12\lVert g\rVert^2`, :math:`\theta + \epsilon g`; ASAM). One of
-            :data:`SHIFTS`; see :mod:`~gradreg.penalties.param_gradient`.
+            :data:`SHIFTS`; see :mod:`~gradreg.penalties.methods.param_gradient`.
         adaptive: for ``points="parameters"`` by ``method="finite_difference"``, the norm of
             :math:`\lvert\theta\rvert \odot g` (elementwise, :math:`\lvert\theta\rvert`
             held constant) in place of that of :math:`g`: ASAM's adaptive sharpness (Kwon et
@@ -380,52 +377,6 @@ def check_method_name(method: object) -> None:
     require(method in METHODS, f"method must be one of {METHODS}, got {method!r}")
 
 
-def check_step(step: float | None) -> None:
-    """Refuse a step size that is not a number > 0 (``None``: the estimate's default)."""
-    require(step is None or (isinstance(step, numbers.Real) and not isinstance(step, bool)
-                             and step > 0),
-            f"step (the estimate's step size) must be a number > 0 or None (its default), got "
-            f"{step!r}")
-
-
-def check_count(count: int | None, least: int = 1, why: str = "") -> None:
-    """Refuse a number of random directions that is not an int >= ``least`` (``None``: the
-    estimate's default); ``why`` says why where ``least`` is more than 1."""
-    require(count is None or (isinstance(count, int) and not isinstance(count, bool)
-                              and count >= least),
-            f"count (random directions per sample) must be an int >= {least} or None (its "
-            f"default){why}; got {count!r}")
-
-
-def check_iterations(iterations: int) -> None:
-    """Refuse a number of power-iteration steps that is not an int >= 1."""
-    require(isinstance(iterations, int) and not isinstance(iterations, bool) and iterations >= 1,
-            f"iterations must be an int >= 1 (power-iteration steps), got {iterations!r}")
-
-
-def check_kind_method(kind: str, method: str) -> None:
-    """Refuse a ``method`` that does not compute ``kind`` (:data:`KIND_METHODS`)."""
-    methods = KIND_METHODS[kind]
-    require(method in methods, f"kind={kind!r} is computed by method "
-                               f"{' or '.join(map(repr, methods))}, got method={method!r}")
-
-
-def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
-                          method: str) -> None:
-    """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
-    :func:`~gradreg.penalties.hessian_penalty.hessian_penalty`: ``count`` Rademacher
-    directions per sample, an int >= 2 (the penalty is a variance over them); ``step`` > 0;
-    ``reduction`` one of :data:`HESSIAN_REDUCTIONS`; ``method`` one of ``KIND_METHODS
-    ["hessian"]``. ``None`` leaves ``count`` or ``step`` at its default."""
-    check_kind_method("hessian", method)
-    require(reduction in HESSIAN_REDUCTIONS,
-            f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
-            f"reduction={reduction!r}")
-    check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
-                          "two")
-    check_step(step)
-
-
 def check_renamed(options: Any) -> None:
     """Refuse the options of earlier releases (:data:`RENAMED`), naming the option to pass."""
     for old in sorted(set(options) & set(RENAMED)):
@@ -438,35 +389,3 @@ def check_renamed(options: Any) -> None:
 def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:
     """Whether a penalty of these options is the squared 2-norm itself (target 0, power 2)."""
     return isinstance(target, (int, float)) and target == 0 and power == 2 and p == 2
-
-
-def finite_number(name: str, value: object, *, minimum: float | None = None,
-                  infinite: bool = False) -> float:
-    """``value`` as a float: a real number (Python's, numpy's) or a 0-d real tensor or numpy
-    array, finite (``infinite``: also +-inf, never NaN) and ``>= minimum``; :class:`ValueError`
-    naming ``name`` otherwise (a bool, a string, an int too large for a float)."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        value = value.item()  # a numpy scalar or 0-d array: its Python number (bool stays bool)
-    if isinstance(value, Tensor):
-        require(value.ndim == 0 and not (value.is_complex() or value.dtype == torch.bool),
-                f"{name} must be a number, got a tensor of shape {tuple(value.shape)} and dtype "
-                f"{value.dtype}: pass a float or a 0-d real tensor")
-        value = value.item()
-    require(isinstance(value, numbers.Real) and not isinstance(value, bool),
-            f"{name} must be a number, got {type(value).__name__} {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise ValueError(f"{name} is an integer of {int(value).bit_length()} bits, too large for "
-                         "a float (at most about 1.8e308): pass a finite number.") from None
-    bound = "" if minimum is None else f" >= {minimum:g}"
-    require((math.isfinite(number) or (infinite and not math.isnan(number)))
-            and (minimum is None or number >= minimum),
-            f"{name} must be a {'' if infinite else 'finite '}number{bound}, got {value!r}")
-    return number
-
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message + ".")

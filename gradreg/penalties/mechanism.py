@@ -32,27 +32,27 @@ Where :math:`g_i` comes from is a choice of ``projection`` and ``order``:
 
 For ``points="parameters"`` there is one norm over all parameters' gradients (no samples).
 With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
-The per-sample norms are computed by :mod:`gradreg.penalties.projections`; the options are one
-validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
+The per-sample norms are computed by :mod:`gradreg.penalties.formulas.projections`; the options are
+one validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
 
 **Adding a method.** How the parameter gradient is computed is chosen once, when the penalty is
-built (:func:`~gradreg.penalties.methods.choose`); :meth:`GradientPenalty.forward` checks that
-the penalty is due, builds one checked :class:`~gradreg.penalties.methods.PenaltyCall` (the
+built (:func:`choose`); :meth:`GradientPenalty.forward` checks that
+the penalty is due, builds one checked :class:`~gradreg.penalties.state.call.PenaltyCall` (the
 points subsampled), calls the chosen method once with it, rescales a sum over a subsample to
 the whole batch and weights the result. A new method needs no change here:
 
 1. write it as a callable from a ``PenaltyCall`` to the unweighted penalty, built from the
-   penalty's :class:`~gradreg.penalties.methods.PenaltyFunctions` (``exact``: the penalty of
-   per-sample outputs by double backward, an :class:`~gradreg.penalties.exact.ExactPenalty`
-   that holds its own first-call checks and the running mean of ``target="ema"``;
-   ``of_gradients``: the penalty as a function of the per-sample input gradients, and
-   ``of_norms`` of the norms, which hold nothing of the module), whose parameter gradient is
-   the method's (a value computed ahead of the caller's backward reaches it through
-   :func:`~gradreg.penalties.chunks.with_gradients` or a zero-valued surrogate); a method that
-   runs the model more than once per call runs every forward through one
-   :class:`~gradreg.penalties.randomness.Replaying` of ``call.forward()`` (one set of random
+   penalty's :class:`~gradreg.penalties.state.call.PenaltyFunctions` (``exact``: the penalty of
+   per-sample outputs by double backward, an
+   :class:`~gradreg.penalties.methods.double_backward.ExactPenalty` that holds its own first-call
+   checks and the running mean of ``target="ema"``; ``of_gradients``: the penalty as a function of
+   the per-sample input gradients, and ``of_norms`` of the norms, which hold nothing of the module),
+   whose parameter gradient is the method's (a value computed ahead of the caller's backward reaches
+   it through :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate);
+   a method that runs the model more than once per call runs every forward through one
+   :class:`~gradreg.penalties.state.randomness.Replaying` of ``call.forward()`` (one set of random
    draws: dropout's mask) and probes coupled samples on its first call
-   (:mod:`~gradreg.penalties.coupling`);
+   (:mod:`~gradreg.penalties.guards.coupling`);
 2. add its builder ``(config, penalty) -> method`` to
    :data:`~gradreg.penalties.methods.BUILDERS` and its name to
    :data:`~gradreg.penalties.config.METHODS` (a test holds the two equal);
@@ -68,8 +68,9 @@ What is penalized is the penalty's ``kind`` (:mod:`gradreg.penalties.kinds`): th
 above, the Jacobian's spectral norm in its place, or the Hessian penalty.
 
 A new way of forming :math:`g_i` is an entry of
-:data:`~gradreg.penalties.projections.PROJECTIONS`; a new reduction over samples, an entry of
-:data:`~gradreg.penalties.norms.REDUCE` (and of :data:`~gradreg.penalties.config.REDUCTIONS`).
+:data:`~gradreg.penalties.formulas.projections.PROJECTIONS`; a new reduction over samples, an entry
+of :data:`~gradreg.penalties.formulas.norms.REDUCE` (and of
+:data:`~gradreg.penalties.config.REDUCTIONS`).
 """
 
 from __future__ import annotations
@@ -81,21 +82,16 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties import kinds, methods
-from gradreg.penalties.checks import check_per_sample, check_points
-from gradreg.penalties.chunks import subsample
-from gradreg.penalties.config import (
-    POINTS,
-    RENAMED,
-    PenaltyConfig,
-    finite_number,
-    require,
-    squared_norm_penalty,
-)
-from gradreg.penalties.exact import ExactPenalty, RunningMean
-from gradreg.penalties.finite import FiniteCheck
-from gradreg.penalties.norms import NormPenalty, penalty_from_norms, per_sample_norm
-from gradreg.penalties.projections import gradient_norms
+from gradreg.penalties.config import POINTS, RENAMED, PenaltyConfig, squared_norm_penalty
+from gradreg.penalties.formulas.norms import NormPenalty, penalty_from_norms, per_sample_norm
+from gradreg.penalties.formulas.projections import gradient_norms
+from gradreg.penalties.guards.checks import check_per_sample, check_points
+from gradreg.penalties.guards.finite import FiniteCheck
+from gradreg.penalties.guards.options import finite_number, require
+from gradreg.penalties.kinds import KIND_BUILDERS
+from gradreg.penalties.methods import BUILDERS, ExactPenalty, subsample
+from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.running_mean import RunningMean
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
@@ -188,7 +184,7 @@ class GradientPenalty(nn.Module):
             target=0.0 if config.target == "ema" else config.target, one_sided=config.one_sided,
             power=config.power, p=config.p, reduction=config.reduction, squared=config.squared)
         self._exact = ExactPenalty(config, self._of_norms, self._running_mean)
-        self._method = kinds.choose(config, methods.PenaltyFunctions(
+        self._method = choose(config, PenaltyFunctions(
             self._exact, self._of_norms.of_gradients, self._of_norms))
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
@@ -320,7 +316,7 @@ class GradientPenalty(nn.Module):
 
     def _call(self, outputs: Tensor | Callable[..., Tensor], inputs: tuple[Tensor, ...],
               loss_scale: float | Tensor | None,
-              fn_args: tuple[Tensor, ...]) -> methods.PenaltyCall:
+              fn_args: tuple[Tensor, ...]) -> PenaltyCall:
         """The call, checked, with the points (and ``fn_args``) subsampled."""
         config, fn = self.config, None if isinstance(outputs, Tensor) else outputs
         check_points(inputs, outputs if fn is None else None, per_sample=config.per_sample)
@@ -335,9 +331,9 @@ class GradientPenalty(nn.Module):
                 f"(got method={config.method!r}, kind={config.kind!r}): run this penalty outside "
                 "fp16 autocast, in float32")
         if fn is None:
-            return methods.PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
+            return PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
         both = subsample(inputs + fn_args, config.subsample)
-        return methods.PenaltyCall(both[:len(inputs)], fn=fn, fn_args=both[len(inputs):],
+        return PenaltyCall(both[:len(inputs)], fn=fn, fn_args=both[len(inputs):],
                                    loss_scale=loss_scale)
 
     def _unsubsampled(self, value: Tensor, batch: Tensor, kept: Tensor) -> Tensor:
@@ -347,7 +343,7 @@ class GradientPenalty(nn.Module):
             return value * (batch.shape[0] / kept.shape[0])
         return value
 
-    def _weighted(self, value: Tensor, call: methods.PenaltyCall) -> Tensor:
+    def _weighted(self, value: Tensor, call: PenaltyCall) -> Tensor:
         """weight * every * gain * value; the value kept, and checked finite where asked."""
         factor = self.weight * self.config.every * self.config.gain
         weighted = value * factor
@@ -356,3 +352,12 @@ class GradientPenalty(nn.Module):
             self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
+
+
+def choose(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
+    """The computation of ``config.kind`` by ``config.method`` (with ``config.chunks``), built
+    once: a kind's builder (:data:`~gradreg.penalties.kinds.KIND_BUILDERS`), or for the gradient
+    norm the method's (:data:`~gradreg.penalties.methods.BUILDERS`)."""
+    if config.kind == "gradient_norm":
+        return BUILDERS[config.method](config, penalty)
+    return KIND_BUILDERS[config.kind](config, penalty)

@@ -330,7 +330,7 @@ def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
 
         >>> import torch
         >>> from gradreg.penalties import sam
-        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> from gradreg.penalties.methods.param_gradient import LossAt
         >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
         >>> at = LossAt.run(lambda: theta.square().sum() / 2)
         >>> (at.loss + sam(0.05)(at, [theta])).backward()
@@ -350,8 +350,8 @@ def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
     (davda54/sam with ``adaptive=True``; no :math:`\eta` offset for biases, as there): the
     penalty's :math:`v = \partial P/\partial g = T^2 g/\lVert T g\rVert` (:math:`T` held
     constant, as ASAM's update does), the shift is :math:`\rho v = \epsilon`, and the task's
-    :math:`\nabla L(\theta)` cancels (:mod:`~gradreg.penalties.param_gradient`). Its value is
-    the first-order adaptive sharpness :math:`\rho \lVert T g \rVert`. Taken in two passes by
+    :math:`\nabla L(\theta)` cancels (:mod:`~gradreg.penalties.methods.param_gradient`). Its value
+    is the first-order adaptive sharpness :math:`\rho \lVert T g \rVert`. Taken in two passes by
     :func:`~gradreg.penalties.two_pass.penalized_loss` and the Lightning modules, the shifted
     forward replaying the random state, as for :func:`sam`.
 
@@ -370,7 +370,7 @@ def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
 
         >>> import torch
         >>> from gradreg.penalties import asam
-        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> from gradreg.penalties.methods.param_gradient import LossAt
         >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
         >>> at = LossAt.run(lambda: theta.square().sum() / 2)
         >>> (at.loss + asam(0.5)(at, [theta])).backward()
@@ -388,16 +388,16 @@ def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
     ``loss + gr(lam, step=eps)(LossAt(fn, loss), params)``, one backward, gives their step's
     gradient :math:`g + (\lambda/\epsilon)(\nabla L(\theta + \epsilon g) - g)`, :math:`g =
     \nabla L(\theta)`: :math:`\nabla L + \lambda H g` up to :math:`O(\epsilon)`
-    (:mod:`~gradreg.penalties.param_gradient`). Their clipping of both gradients to norm 10 and
-    their unshifted embeddings and output layer are not part of it (pass the parameters to
+    (:mod:`~gradreg.penalties.methods.param_gradient`). Their clipping of both gradients to norm 10
+    and their unshifted embeddings and output layer are not part of it (pass the parameters to
     penalize). In two passes by :func:`~gradreg.penalties.two_pass.penalized_loss`, the
     Lightning modules and :mod:`gradreg.hf_trainer`.
 
     Preset options: ``power=2.0``, ``gain=0.5`` (the squared norm's :math:`\tfrac12`),
     ``points="parameters"``, ``of="loss"``, ``method="finite_difference"``,
     ``shift="gradient"``, and :math:`\epsilon` = ``step`` by default 3e-4 in float32 (3e-7 in
-    float64; :data:`~gradreg.penalties.param_gradient.GRADIENT_SHIFT_FACTOR`), below 1% error
-    on the docs' MLP and transformer where their ``grad_reg_eps`` = 1e-3 leaves 1.6% on the
+    float64; :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR`), below 1%
+    error on the docs' MLP and transformer where their ``grad_reg_eps`` = 1e-3 leaves 1.6% on the
     transformer. ``step=1e-3`` runs their recipe exactly; at :math:`\lambda = \epsilon` its
     gradient is :math:`\nabla L(\theta + \epsilon g)` with no difference to amplify rounding, so
     it also runs under bfloat16 autocast, as theirs does (the default step refuses arithmetic
@@ -413,7 +413,7 @@ def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
 
         >>> import torch
         >>> from gradreg.penalties import gr
-        >>> from gradreg.penalties.param_gradient import LossAt
+        >>> from gradreg.penalties.methods.param_gradient import LossAt
         >>> theta = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
         >>> at = LossAt.run(lambda: theta.square().sum() / 2)
         >>> (at.loss + gr(0.1)(at, [theta])).backward()
@@ -563,7 +563,7 @@ def max_gp(weight: float = 1.0, **options: Any) -> GradientPenalty:
 def spectral(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""The Jacobian's spectral norm: :math:`\lambda\, \mathrm{mean}_i
     \sigma_{\max}(\partial f(x_i) / \partial x_i)^2` by power iteration
-    (:mod:`~gradreg.penalties.spectral_norm`), or a Lipschitz bound c with ``target=c,
+    (:mod:`~gradreg.penalties.kinds.spectral`), or a Lipschitz bound c with ``target=c,
     one_sided=True``. Call it with the model itself, ``penalty(f, x)``.
 
     Preset options: ``points="inputs"``, ``kind="spectral"``, ``iterations=10`` (the power
@@ -590,7 +590,7 @@ def hessian(weight: float = 0.1, **options: Any) -> GradientPenalty:
     r"""The Hessian penalty (Peebles et al. 2020): :math:`\lambda` times the maximum over samples
     and output units :math:`j` of :math:`\operatorname{Var}_v(v^\top H_j v)`, :math:`v`
     Rademacher (``count`` directions per sample, default 2), by the authors' central difference
-    (:mod:`~gradreg.penalties.hessian_penalty`); zero where each latent acts on the output
+    (:mod:`~gradreg.penalties.kinds.hessian`); zero where each latent acts on the output
     independently of the others. Call it with the generator itself, ``penalty(G, z)``.
 
     Preset options: ``points="latents"``, ``kind="hessian"``, ``reduction="max"`` (the

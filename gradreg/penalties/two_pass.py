@@ -25,7 +25,7 @@ the first pass: it differentiates the loss's graph twice).
 
     >>> import torch, torch.nn.functional as F
     >>> from gradreg.penalties import param_grad_norm
-    >>> from gradreg.penalties.param_gradient import LossAt
+    >>> from gradreg.penalties.methods.param_gradient import LossAt
     >>> from gradreg.penalties.two_pass import penalized_loss
     >>> torch.manual_seed(0) and None
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from gradreg.autograd import GradientError
 from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.param_gradient import LossAt, TaskGradient
+from gradreg.penalties.methods.param_gradient import LossAt, TaskGradient
 
 __all__ = ["Carried", "penalized_loss"]
 
@@ -92,6 +92,22 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
     one more parameter-sized buffer). The loss's graph is freed by the first pass unless
     ``retain_graph`` (other terms differentiating the same forward). By double backward: the
     loss and the penalty of its graph (no pass saved).
+
+    Examples:
+        >>> import torch
+        >>> from gradreg.penalties import LossAt, param_grad_norm, penalized_loss
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(3, 1).double()
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        >>> params = list(model.parameters())
+        >>> def loss(rows=slice(None)):
+        ...     return torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        >>> norm = torch.cat([g.flatten() for g in torch.autograd.grad(loss(), params)]).norm()
+        >>> gp = param_grad_norm(0.1, method="finite_difference")
+        >>> task, penalty = penalized_loss(gp, LossAt.run(loss, x), params)
+        >>> round(task.item(), 4), round(penalty.item(), 6) == round(0.1 * norm.item(), 6)
+        (0.7568, True)
+        >>> (task + penalty).backward()  # the step's gradient, carried by the task term
     """
     if penalty.config.points != "parameters":
         raise GradientError(

@@ -37,7 +37,7 @@ from benchmarking.timing import peak_memory
 from gradreg import differentiable_attention
 from gradreg.models import TransformerClassifier
 from gradreg.penalties import param_grad_norm, sam
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import penalized_loss
 
 WEIGHT, STEP, RHO, LR = 0.01, 0.01, 0.05, 0.01

@@ -33,7 +33,7 @@ from benchmarking.timing import peak_memory, synchronize
 from gradreg import differentiable_attention
 from gradreg.models import TransformerClassifier, ViTCritic
 from gradreg.penalties import as_points, presets
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 
 Step = Callable[[], Tensor]
 

@@ -17,7 +17,7 @@ from gradreg.evaluation.metrics import pgd
 from gradreg.lightning.classifier import Classifier
 from gradreg.models import MLP
 from gradreg.penalties import make_penalty
-from gradreg.penalties.finite import _Recorded
+from gradreg.penalties.guards.finite import _Recorded
 
 IN, CLASSES, BATCH = 4, 3, 8
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from gradreg import GradientError
 from gradreg.penalties import presets
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 
 
 def mlp() -> nn.Module:

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 import gradreg
 from gradreg import GradientError
 from gradreg.penalties import GeneratorState, make_penalty
-from gradreg.penalties.chunks import subsample
-from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.methods.chunks import subsample
 
 F64 = torch.float64
 

@@ -13,7 +13,7 @@ import pytest
 import gradreg.penalties
 
 MODULES = ["gradreg.penalties"] + [
-    f"gradreg.penalties.{info.name}" for info in pkgutil.iter_modules(gradreg.penalties.__path__)]
+    info.name for info in pkgutil.walk_packages(gradreg.penalties.__path__, "gradreg.penalties.")]
 PUBLIC = [name for name in gradreg.penalties.__all__
           if inspect.isclass(getattr(gradreg.penalties, name))
           or inspect.isfunction(getattr(gradreg.penalties, name))]

@@ -10,7 +10,7 @@ import torch
 
 from gradreg import GradientError, NonFiniteError
 from gradreg.penalties import make_penalty
-from gradreg.penalties.finite import FiniteCheck, _Recorded
+from gradreg.penalties.guards.finite import FiniteCheck, _Recorded
 
 NAN = torch.tensor(float("nan"))
 

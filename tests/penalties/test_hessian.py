@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradreg import GradientError
-from gradreg.penalties.hessian_penalty import (
+from gradreg.penalties.kinds.hessian import (
     hessian_penalty,
     second_directional_derivatives,
 )

@@ -28,7 +28,7 @@ from gradreg.penalties import (
     r1,
     wgan_gp,
 )
-from gradreg.penalties.finite import FiniteCheck, _Recorded
+from gradreg.penalties.guards.finite import FiniteCheck, _Recorded
 
 
 def critic(dtype: torch.dtype = torch.float32) -> nn.Module:

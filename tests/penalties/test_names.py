@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gradreg.penalties import GradientPenalty, as_points, make_penalty, presets
-from gradreg.penalties.hessian_penalty import hessian_penalty
-from gradreg.penalties.perturbation import perturbation_sq_norms
+from gradreg.penalties.kinds.hessian import hessian_penalty
+from gradreg.penalties.methods.perturbation import perturbation_sq_norms
 
 F64 = torch.float64
 RENAMED = [("fd_eps", "step", "r1", {"method": "finite_difference"}, 0.01),

@@ -1,6 +1,6 @@
 r"""param_grad_norm by ``method="finite_difference"`` (Zhao et al. 2022): the value is exact and
 the parameter gradient is the exact one plus :math:`\tfrac{r}{2}\lambda\,\nabla^3 L[\hat g,\hat g]
-+ O(r^2)` (derived in :mod:`gradreg.penalties.param_gradient`), checked in float64."""
++ O(r^2)` (derived in :mod:`gradreg.penalties.methods.param_gradient`), checked in float64."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gradreg import GradientError, differentiable_attention
 from gradreg.lightning.classifier import Classifier
 from gradreg.models import TransformerClassifier
 from gradreg.penalties import presets
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import penalized_loss
 
 WEIGHT = 0.5

@@ -9,7 +9,7 @@ from torch.autograd.function import once_differentiable
 from torch.func import functional_call
 
 from gradreg import GradientError
-from gradreg.penalties.perturbation import perturbation_sq_norms
+from gradreg.penalties.methods.perturbation import perturbation_sq_norms
 
 F64 = torch.float64
 

@@ -15,9 +15,9 @@ from torch import Tensor, nn
 
 from gradreg import GradientError
 from gradreg.penalties import GeneratorState, SharedForward, make_penalty
-from gradreg.penalties.hessian_penalty import hessian_penalty, rademacher
-from gradreg.penalties.perturbation import perturbation_sq_norms
-from gradreg.penalties.spectral_norm import spectral_norms
+from gradreg.penalties.kinds.hessian import hessian_penalty, rademacher
+from gradreg.penalties.kinds.spectral import spectral_norms
+from gradreg.penalties.methods.perturbation import perturbation_sq_norms
 from tests.penalties.parameter_gradients import value_and_grad
 
 F64 = torch.float64

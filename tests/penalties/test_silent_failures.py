@@ -21,7 +21,7 @@ from gradreg.penalties import (
     spectral,
     wgan_gp,
 )
-from gradreg.penalties.finite import FiniteCheck
+from gradreg.penalties.guards.finite import FiniteCheck
 
 F64 = torch.float64
 

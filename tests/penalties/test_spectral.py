@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 from gradreg import GradientError
-from gradreg.penalties.spectral_norm import power_iteration, spectral_norms
+from gradreg.penalties.kinds.spectral import power_iteration, spectral_norms
 
 F64 = torch.float64
 

@@ -16,7 +16,7 @@ from torch import nn
 from gradreg import GradientError
 from gradreg.penalties import asam, gr, param_grad_norm, sam
 from gradreg.penalties.accumulation import accumulated_backward
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import penalized_loss
 
 WEIGHT, STEP = 0.5, 1e-4

@@ -21,7 +21,7 @@ from gradreg.penalties import (
     make_penalty,
     perturb_dragan,
 )
-from gradreg.penalties.param_gradient import LossAt
+from gradreg.penalties.methods.param_gradient import LossAt
 
 FEATURES, HIDDEN, OUTPUTS = 4, 16, 2
 # options a preset needs on this model (the submodule whose output "intermediate" penalizes)

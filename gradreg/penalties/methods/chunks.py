@@ -11,10 +11,15 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from gradreg.attention import differentiable_attention
+from gradreg.autograd import GradientError
 from gradreg.graph import graph_leaves
-from gradreg.penalties.loss_scale import unscaled
+from gradreg.penalties.guards.compiled import check_not_compiled
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.loss_scale import unscaled
+from gradreg.penalties.state.randomness import GeneratorState
 
-__all__ = ["in_chunks", "subsample", "with_gradients"]
+__all__ = ["InChunks", "in_chunks", "subsample", "with_gradients"]
 
 PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
 
@@ -68,7 +73,7 @@ def in_chunks(
     refused); leaf points receive no gradient (as with :func:`gradreg.regularized_backward`).
     Nor may the model draw random numbers (dropout in training mode): a micro-batch's forward
     draws other numbers for its samples than the batch's forward would, so the sum would not be
-    the penalty of any one forward (:class:`~gradreg.penalties.methods.InChunks` refuses it).
+    the penalty of any one forward (:class:`~gradreg.penalties.methods.chunks.InChunks` refuses it).
     Under a ``loss_scale`` (fp16) each micro-batch is differentiated scaled and unscaled after,
     like the penalty itself.
     """
@@ -108,7 +113,7 @@ def in_chunks(
 def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]:
     r"""The first :math:`k = \max(2, \lceil \text{fraction} \cdot B \rceil)` samples of every
     input (all of them for :math:`B \le 2`); at least two, so that a coupling of samples shows
-    in the subsample's forward (:mod:`~gradreg.penalties.coupling`).
+    in the subsample's forward (:mod:`~gradreg.penalties.guards.coupling`).
 
     StyleGAN2's batch shrink. With a batch in random order the penalty of the subset is an
     unbiased estimate of the batch's for ``reduction="mean"`` (the caller rescales a sum by
@@ -120,3 +125,41 @@ def subsample(inputs: tuple[Tensor, ...], fraction: float) -> tuple[Tensor, ...]
     k = max(2, math.ceil(fraction * inputs[0].shape[0]))
     return tuple(x[:k] for x in inputs)
 
+
+class InChunks:
+    """Exact, ``chunks`` micro-batches at a time
+    (:func:`~gradreg.penalties.methods.chunks.in_chunks`). On the first call every micro-batch holds
+    at least two samples (split into fewer pieces where the batch is small), so that the probe of
+    coupled samples (:func:`~gradreg.penalties.guards.coupling.check_independent_samples`, run on
+    the first
+    micro-batch's graph) can see one sample's outputs move with another's input."""
+
+    def __init__(self, penalty: PenaltyFunctions, chunks: int, *, mean: bool) -> None:
+        self.penalty, self.chunks, self.mean = penalty, chunks, mean
+        self._probed = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        batch = call.inputs[0].shape[0] if call.inputs[0].ndim else 1
+        chunks = self.chunks if self._probed else max(1, min(self.chunks, batch // 2))
+        watch = chunks > 1  # the first micro-batch's forward, when there are several
+
+        def penalty_of_points(xs: tuple[Tensor, ...], args: tuple[Tensor, ...]) -> Tensor:
+            nonlocal watch
+            state, watch = GeneratorState.capture(*xs) if watch else None, False
+            with differentiable_attention():
+                outputs = call.fn(*xs, *args)
+            check_not_compiled(outputs)
+            if state is not None and state.moved():
+                raise GradientError(
+                    f"chunks={self.chunks} runs the model one micro-batch at a time, but the "
+                    "model draws random numbers (dropout or another random layer in training "
+                    "mode): a micro-batch's forward draws other masks for its samples than the "
+                    "batch's forward, so the chunked penalty would not be that of one forward. "
+                    "Put the random layers in eval mode for the penalty, or use chunks=1 (the "
+                    "exact double backward of one forward).")
+            return self.penalty.exact(outputs, xs, call.loss_scale)
+
+        value = in_chunks(penalty_of_points, call.inputs, chunks, args=call.fn_args,
+                          mean=self.mean, loss_scale=call.loss_scale)
+        self._probed = True
+        return value

@@ -106,7 +106,7 @@ class NormPenalty:
         WGAN-GP's formula of norms 3 and 2 (target 1), and R1's of a gradient (3, 4):
 
         >>> import torch
-        >>> from gradreg.penalties.norms import NormPenalty
+        >>> from gradreg.penalties.formulas.norms import NormPenalty
         >>> NormPenalty(target=1.0)(torch.tensor([3.0, 2.0]))  # ((3-1)^2 + (2-1)^2) / 2
         tensor(2.5000)
         >>> NormPenalty(target=0.0, squared=True).of_gradients((torch.tensor([[3.0, 4.0]]),))

@@ -21,10 +21,10 @@ backward needs second derivatives of the model). At convergence this is the grad
 The error after n iterations falls like :math:`(\sigma_2/\sigma_1)^{2n}`; :math:`\hat\sigma_i`
 never exceeds :math:`\sigma_{\max}(J_i)`. Per-sample values do not depend on how a batch is split
 into micro-batches or DDP ranks (for samples that do not interact: the penalty's first call
-probes it, :func:`~gradreg.penalties.coupling.probe_independent_samples`). Every forward of one
-call (the VJP's, each JVP's) draws the random numbers of the first
-(:class:`~gradreg.penalties.randomness.Replaying`): with dropout in training mode the iteration
-runs on the Jacobian of one function, that of one mask. Cost: one forward and n + 1
+probes it, :func:`~gradreg.penalties.guards.coupling.probe_independent_samples`). Every forward of
+one call (the VJP's, each JVP's) draws the random numbers of the first
+(:class:`~gradreg.penalties.state.randomness.Replaying`): with dropout in training mode the
+iteration runs on the Jacobian of one function, that of one mask. Cost: one forward and n + 1
 Jacobian-vector products (each about a forward and a half) and n vector-Jacobian products (each
 about a backward).
 """
@@ -32,6 +32,7 @@ about a backward).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -39,12 +40,17 @@ from torch.func import jvp, vjp
 
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.checks import check_per_sample, model_without_in_place_updates
-from gradreg.penalties.config import check_iterations
-from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.randomness import Replaying
+from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.guards.checks import check_per_sample, model_without_in_place_updates
+from gradreg.penalties.guards.coupling import probe_independent_samples
+from gradreg.penalties.guards.options import check_iterations
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.randomness import Replaying
 
-__all__ = ["power_iteration", "spectral_norms"]
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["Spectral", "power_iteration", "spectral_norms"]
 
 
 def _normalized(parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -100,3 +106,21 @@ def spectral_norms(
         u, v = power_iteration(fn, inputs, iterations=iterations, generator=generator)
         stretched = jvp(fn, inputs, v)[1]  # J_i v_i, with the graph to the parameters
     return (u * stretched).reshape(u.shape[0], -1).sum(1)
+
+
+class Spectral:
+    """Per-sample spectral norms of the input Jacobian, in the penalty of the norms. The
+    Jacobian-vector products of the whole batch are per sample only where samples do not
+    interact: checked on the first call (:func:`~gradreg.penalties.guards.coupling
+    .probe_independent_samples`)."""
+
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty, self.iterations, self.squared = penalty, config.iterations, config.squared
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        norms = spectral_norms(call.forward(), call.inputs, iterations=self.iterations)
+        if not self._checked:
+            probe_independent_samples(call.fn, call.inputs, "kind='spectral'", call.fn_args)
+            self._checked = True
+        return self.penalty.of_norms(norms.square() if self.squared else norms)

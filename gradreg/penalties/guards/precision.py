@@ -3,7 +3,7 @@
 The unit roundoff :math:`u` of float64, float32, TF32 (what GPUs use for float32 convolutions and,
 at matmul precision ``"high"``, matmuls) or an autocast dtype, read off the outputs and their
 graph; :func:`default_step` turns it into the step of
-:func:`~gradreg.penalties.finite_difference.finite_difference`, and
+:func:`~gradreg.penalties.methods.finite_difference.finite_difference`, and
 :func:`check_difference_rounding` refuses a difference quotient of the model's outputs (the
 perturbation estimate, the Hessian penalty's second difference) whose rounding error could pass for
 the quantity it estimates.

@@ -58,10 +58,10 @@ difference measures the kinks crossed within :math:`h`, as in the paper; the exa
 
 The forward at the shifted parameters is one of the same function: it draws the random numbers
 of the forward at :math:`\theta` (dropout's mask: the state that forward began with,
-:attr:`LossAt.state`, replayed by :class:`~gradreg.penalties.randomness.Replaying`; a loss given
-without its state is refused once the shifted forward turns out to draw), and it leaves the
+:attr:`LossAt.state`, replayed by :class:`~gradreg.penalties.state.randomness.Replaying`; a loss
+given without its state is refused once the shifted forward turns out to draw), and it leaves the
 modules' buffers as the forward at :math:`\theta` left them (BatchNorm's running statistics
-updated once per step, :class:`~gradreg.penalties.buffers.KeptBuffers`). Frozen parameters are
+updated once per step, :class:`~gradreg.penalties.state.buffers.KeptBuffers`). Frozen parameters are
 refused (there is no gradient of theirs to penalize): pass the trainable ones.
 
 The parameters are shifted in place (their ``.data``, so that the autograd graph of the loss at
@@ -84,17 +84,17 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.buffers import KeptBuffers
-from gradreg.penalties.chunks import with_gradients
-from gradreg.penalties.compiled import runs_compiled
-from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.penalties.randomness import GeneratorState
+from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.guards.compiled import runs_compiled
+from gradreg.penalties.guards.precision import default_step, unit_roundoff
+from gradreg.penalties.methods.chunks import with_gradients
+from gradreg.penalties.state.buffers import KeptBuffers
+from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
-    from gradreg.penalties.methods import PenaltyCall, PenaltyFunctions
+    from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
            "adaptive_norm_terms", "shift_length", "trainable"]
@@ -102,8 +102,8 @@ __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "Task
 WHAT = "param_grad_norm by method='finite_difference'"
 #: The default ε of ``shift="gradient"`` (the shift :math:`\epsilon v`, :math:`\lVert \epsilon
 #: v\rVert` long) as a fraction of the default length :math:`r` of ``shift="normalized"`` for
-#: the same arithmetic (:data:`~gradreg.penalties.precision.PARAMETER_STEPS`): 3e-4 in float32,
-#: below 1% error on the digits MLP and on the transformer (module docstring).
+#: the same arithmetic (:data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`): 3e-4 in
+#: float32, below 1% error on the digits MLP and on the transformer (module docstring).
 GRADIENT_SHIFT_FACTOR = 0.3
 
 
@@ -128,8 +128,8 @@ class LossAt:
     the shifted parameters); ``loss``, where given, is its value already computed at the
     parameters as they are (the task loss: its forward is shared, not run again); ``state``, the
     random state that forward began with (:meth:`GeneratorState.capture
-    <gradreg.penalties.randomness.GeneratorState.capture>` of the batch, just before it), which
-    the shifted forward replays (dropout draws the same mask). :meth:`run` captures the state
+    <gradreg.penalties.state.randomness.GeneratorState.capture>` of the batch, just before it),
+    which the shifted forward replays (dropout draws the same mask). :meth:`run` captures the state
     and computes the loss::
 
         at = LossAt.run(lambda: F.cross_entropy(model(x), y), x)
@@ -137,6 +137,25 @@ class LossAt:
 
     A ``loss`` given without its ``state`` is refused where the shifted forward draws random
     numbers (its masks could not be the loss's).
+
+    Examples:
+        The penalty 0.1 ||dL/dθ|| of a linear model's loss, its value exact (the finite
+        difference estimates only its parameter gradient):
+
+        >>> import torch
+        >>> from gradreg.penalties import LossAt, param_grad_norm
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(3, 1).double()
+        >>> x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        >>> params = list(model.parameters())
+        >>> def loss(rows=slice(None)):
+        ...     return torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        >>> norm = torch.cat([g.flatten() for g in torch.autograd.grad(loss(), params)]).norm()
+        >>> at = LossAt.run(loss, x)
+        >>> penalty = param_grad_norm(0.1, method="finite_difference")(at, params)
+        >>> round(penalty.item(), 6) == round(0.1 * norm.item(), 6), round(at.loss.item(), 4)
+        (True, 0.7568)
+        >>> (at.loss + penalty).backward()
     """
 
     def __init__(self, fn: Callable[[], Tensor], loss: Tensor | None = None,
@@ -242,8 +261,9 @@ class ParameterFiniteDifference:
     """The method (module docstring) of the penalty ``penalty`` configured by ``config``: value
     :math:`P(g)` exact, its parameter gradient :math:`H v` by a difference of gradients over a
     shift of ``config.shift``'s rule with ``config.step`` (``None``: the
-    :func:`~gradreg.penalties.precision.default_step` of the loss's arithmetic for a parameter
-    shift, :data:`~gradreg.penalties.precision.PARAMETER_STEPS`)."""
+    :func:`~gradreg.penalties.guards.precision.default_step` of the loss's arithmetic for a
+    parameter
+    shift, :data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`)."""
 
     def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
         self.penalty, self.step, self.p, self.squared = (penalty, config.step, config.p,

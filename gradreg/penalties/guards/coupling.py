@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
-from gradreg.penalties.randomness import GeneratorState, SharedForward
+from gradreg.penalties.state.randomness import GeneratorState, SharedForward
 from gradreg.torch_compat import batchnorm_node_in_training
 
 __all__ = ["check_independent_samples", "probe_independent_samples"]
@@ -63,7 +63,7 @@ def probe_independent_samples(fn: Callable[..., Tensor | Sequence[Tensor]],
                               args: Sequence[Tensor] = ()) -> None:
     """:func:`check_independent_samples` of ``fn(*points, *args)`` run once more at detached
     copies of the points, from the current random state, which it leaves unchanged. Where
-    ``fn`` is a module or a method of one (or a :class:`~gradreg.penalties.randomness
+    ``fn`` is a module or a method of one (or a :class:`~gradreg.penalties.state.randomness
     .SharedForward` of one), the buffers that forward changed are restored
     (BatchNorm's running statistics and ``num_batches_tracked``, spectral normalization's
     vectors)."""

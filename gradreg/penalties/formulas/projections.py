@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient, nth_derivative
-from gradreg.penalties.loss_scale import LossScale, unscaled
-from gradreg.penalties.norms import per_sample_norm, per_sample_rows, safe_sqrt
+from gradreg.penalties.formulas.norms import per_sample_norm, per_sample_rows, safe_sqrt
+from gradreg.penalties.state.loss_scale import LossScale, unscaled
 
 if TYPE_CHECKING:
     from gradreg.penalties.config import PenaltyConfig
@@ -41,7 +41,7 @@ DEFAULT_COUNT = 1
 def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
                  loss_scale: LossScale) -> tuple[Tensor, ...]:
     """``gradient(outputs, inputs, grad_outputs)``, under a loss scale taken scaled and unscaled
-    (:func:`~gradreg.penalties.loss_scale.unscaled`)."""
+    (:func:`~gradreg.penalties.state.loss_scale.unscaled`)."""
     return unscaled(lambda value: gradient(value, inputs, grad_outputs=grad_outputs), outputs,
                     loss_scale)
 

@@ -27,7 +27,7 @@ Not replayed: generators other than torch's global ones (a ``torch.Generator`` o
 own, Python's ``random``, NumPy), and those of devices the points are not on (the replicas of
 ``nn.DataParallel``). A forward on another part of the batch draws other numbers for
 the same sample: the chunked penalty refuses models that draw
-(:class:`~gradreg.penalties.methods.InChunks`).
+(:class:`~gradreg.penalties.methods.chunks.InChunks`).
 """
 
 from __future__ import annotations

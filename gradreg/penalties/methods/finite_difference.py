@@ -1,8 +1,8 @@
 r"""The penalty's parameter gradient by a finite difference of first derivatives (no double
 backward), and the check of the models it is refused on (kinks); coupled samples are refused by
-:func:`~gradreg.penalties.coupling.check_independent_samples`, and the forward at the shifted
+:func:`~gradreg.penalties.guards.coupling.check_independent_samples`, and the forward at the shifted
 points draws the random numbers of the forward at the points
-(:class:`~gradreg.penalties.randomness.Replaying`).
+(:class:`~gradreg.penalties.state.randomness.Replaying`).
 
 Notation as in :mod:`gradreg.penalties.methods`: per-sample outputs :math:`f_i`, points
 :math:`x_i`, input gradients :math:`g_i`, the unweighted penalty :math:`P(g)`, parameters
@@ -12,20 +12,25 @@ Notation as in :mod:`gradreg.penalties.methods`: per-sample outputs :math:`f_i`,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient
 from gradreg.graph import graph_node_names
-from gradreg.penalties.checks import check_per_sample, check_per_sample_losses
-from gradreg.penalties.compiled import runs_compiled
-from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
-from gradreg.penalties.norms import per_sample_norm
-from gradreg.penalties.precision import default_step, unit_roundoff
-from gradreg.penalties.randomness import Replaying
+from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
+from gradreg.penalties.guards.compiled import runs_compiled
+from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.guards.precision import default_step, unit_roundoff
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.randomness import Replaying
 
-__all__ = ["PIECEWISE_LINEAR", "check_smooth", "finite_difference"]
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["PIECEWISE_LINEAR", "FiniteDifference", "check_smooth", "finite_difference"]
 
 #: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
 #: abs, max/min): a finite difference across a kink has an O(1) error.
@@ -68,9 +73,9 @@ def finite_difference(
     forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
     points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph (on a
     ``torch.compile``'d model the gradient at :math:`x` runs a forward of its own: a compiled
-    graph takes one backward, :func:`~gradreg.penalties.compiled.runs_compiled`). To share
+    graph takes one backward, :func:`~gradreg.penalties.guards.compiled.runs_compiled`). To share
     the forward at :math:`x` with the task loss too, pass the task's forward as ``fn``:
-    ``SharedForward.run(per_sample_loss, x, y)`` (:class:`~gradreg.penalties.randomness
+    ``SharedForward.run(per_sample_loss, x, y)`` (:class:`~gradreg.penalties.state.randomness
     .SharedForward`: its outputs at :math:`x`, the loss from them, and the random state that
     forward began with, which the shifted forward replays; a plain
     ``lambda q: losses if q is x else ...`` also works for a model that draws no random numbers).
@@ -89,9 +94,10 @@ def finite_difference(
     the graph of the outputs at :math:`x` is searched and such models are refused
     (:func:`check_smooth`). Samples must not interact: with ``check`` a model whose samples are
     coupled (BatchNorm in training mode, a minibatch standard deviation) is refused
-    (:func:`~gradreg.penalties.coupling.check_independent_samples`). The forward at the shifted
-    points replays the random state of the one at :math:`x` (the same dropout mask; ``fn`` may
-    be a :class:`~gradreg.penalties.randomness.SharedForward` carrying the task's state), so
+    (:func:`~gradreg.penalties.guards.coupling.check_independent_samples`). The forward at the
+    shifted points replays the random state of the one at :math:`x` (the same dropout mask; ``fn``
+    may be a :class:`~gradreg.penalties.state.randomness.SharedForward` carrying the task's state),
+    so
     :math:`S` differences one function.
     """
     forward = Replaying(fn, "method='finite_difference'")
@@ -138,3 +144,20 @@ def check_smooth(outputs: Tensor) -> None:
             "off by O(1), and a smaller step does not help. Use method='double_backward', or a "
             "smooth activation (softplus, elu, tanh, gelu, silu)."
         )
+
+
+class FiniteDifference:
+    """Exact value, parameter gradient by a finite difference
+    (:func:`~gradreg.penalties.methods.finite_difference.finite_difference`); the model is checked
+    (smooth, samples independent) on the first call. The forward at the shifted points replays
+    the random state of the one at the points (:meth:`PenaltyCall.forward`)."""
+
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty, self.step, self.losses = penalty, config.step, config.of == "loss"
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        value = finite_difference(call.forward(), call.inputs, self.penalty.of_gradients,
+                                  step=self.step, check=not self._checked, losses=self.losses)
+        self._checked = True  # only once the check has passed
+        return value

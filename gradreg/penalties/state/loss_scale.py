@@ -25,7 +25,7 @@ def unscaled(differentiate: Callable[[Tensor], Sequence[Tensor | None]], value: 
 
     Examples:
         >>> import torch
-        >>> from gradreg.penalties.loss_scale import unscaled
+        >>> from gradreg.penalties.state.loss_scale import unscaled
         >>> x = torch.tensor([3.0], requires_grad=True)
         >>> unscaled(lambda v: torch.autograd.grad(v, [x]), (x**2).sum(), 1024.0)  # 2x
         (tensor([6.]),)

@@ -32,12 +32,13 @@ The second directional derivative :math:`v^\top H_j v` comes from one of two met
 The finite difference is refused where its rounding error could pass for curvature: each output
 carries a rounding error of about :math:`u\,|G|` (:math:`u` the unit roundoff of the arithmetic
 the model ran in), so the second difference carries up to :math:`4u|G|/\epsilon^2`; above 1e-2 of
-the outputs' size (:func:`~gradreg.penalties.precision.check_difference_rounding`; float32 at the
-default ``step=0.1``: 2.4e-5, TF32: 0.2, bf16: 1.6) its variance would measure rounding noise.
+the outputs' size (:func:`~gradreg.penalties.guards.precision.check_difference_rounding`; float32 at
+the default ``step=0.1``: 2.4e-5, TF32: 0.2, bf16: 1.6) its variance would measure rounding noise.
 
 Every forward of one call (the one at :math:`z`, the shifted ones, one per direction of the exact
-form) draws the random numbers of the first (:class:`~gradreg.penalties.randomness.Replaying`):
-with dropout in training mode the penalty is that of :math:`G(\cdot\,; m)` for one mask
+form) draws the random numbers of the first
+(:class:`~gradreg.penalties.state.randomness.Replaying`): with dropout in training mode the penalty
+is that of :math:`G(\cdot\,; m)` for one mask
 :math:`m`, and the finite difference differences one function.
 
 Batch splitting: ``reduction="mean"`` over equal micro-batches (or DDP ranks) averages to the
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,13 +57,18 @@ from torch.func import jvp
 
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError
-from gradreg.penalties.checks import model_without_in_place_updates
-from gradreg.penalties.config import check_hessian_options
-from gradreg.penalties.precision import check_difference_rounding
-from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
+from gradreg.penalties.guards.checks import model_without_in_place_updates
+from gradreg.penalties.guards.coupling import probe_independent_samples
+from gradreg.penalties.guards.options import check_hessian_options
+from gradreg.penalties.guards.precision import check_difference_rounding
+from gradreg.penalties.state.call import PenaltyCall
+from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "HessianPenalty", "hessian_penalty", "rademacher",
-           "second_directional_derivatives"]
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Hessian", "HessianPenalty", "hessian_penalty",
+           "rademacher", "second_directional_derivatives"]
 
 #: The finite difference's step ε where ``step`` is left out (the authors' ``epsilon``).
 DEFAULT_STEP = 0.1
@@ -210,3 +217,27 @@ class HessianPenalty:
             value = variance.amax() if self.reduction == "max" else variance.mean()
             total = value if total is None else total + value
         return total
+
+
+class Hessian:
+    """The Hessian penalty of the callable's outputs at its one input. Samples must not
+    interact: the model runs at shifted inputs, so a model whose samples are coupled (BatchNorm
+    in training mode, which would normalize each shifted batch by its own statistics and update
+    the running statistics once per shift; a minibatch standard deviation) is refused on the
+    first call (:func:`~gradreg.penalties.guards.coupling.probe_independent_samples`)."""
+
+    def __init__(self, config: PenaltyConfig) -> None:
+        self.penalty = HessianPenalty(config.count, config.step, config.reduction, config.method)
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        if len(call.inputs) != 1:
+            raise GradientError(
+                f"kind='hessian' differentiates w.r.t. one input (the latents z), got "
+                f"{len(call.inputs)}: pass one tensor, or wrap the model so the others are "
+                "fixed arguments (fn_args)."
+            )
+        if not self._checked:
+            probe_independent_samples(call.fn, call.inputs, "kind='hessian'", call.fn_args)
+            self._checked = True
+        return self.penalty(call.forward(), call.inputs[0])

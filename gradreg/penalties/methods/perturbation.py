@@ -31,8 +31,8 @@ Rounding adds a relative error of about :math:`u\,|f| / (\sigma \lVert g\rVert)`
 unit roundoff) to each difference: measured figures, and the step where float32 rounding starts to
 dominate, are in ``docs/benchmarks.md``. Arithmetic whose rounding moves the quotient by more
 than 1e-2 of the outputs' size, :math:`2u/\sigma` (:math:`u/\sigma` central), is refused
-(:func:`~gradreg.penalties.precision.check_difference_rounding`): bf16 autocast or TF32 at the
-default σ (0.78 and 0.098). The variance over the probes is that of
+(:func:`~gradreg.penalties.guards.precision.check_difference_rounding`): bf16 autocast or TF32 at
+the default σ (0.78 and 0.098). The variance over the probes is that of
 :math:`(\varepsilon^\top g)^2`, :math:`2\lVert g\rVert^4` for a scalar output: one probe gives a
 relative standard deviation of :math:`\sqrt2` per sample, ``count=k`` probes divide the variance by
 k.
@@ -43,29 +43,35 @@ only): its parameter gradient is :math:`2 (\varepsilon^\top g)\,\nabla_\theta(\v
 where the model has no double backward (``@once_differentiable`` ops, fused attention kernels).
 Samples must not interact: each is moved by its own probe (a model whose samples are coupled,
 BatchNorm in training mode or a minibatch standard deviation, is refused:
-:func:`~gradreg.penalties.coupling.check_independent_samples`). Every forward of one call draws
-the random numbers of the first (dropout's mask: :mod:`~gradreg.penalties.randomness`), so with
-random layers the estimate is that of :math:`f(\cdot\,; m)` for the mask :math:`m` of the forward
-at :math:`x`, which the caller's task loss may share (:class:`~gradreg.penalties.randomness
-.SharedForward`). Per-sample estimates do not depend on how a batch is split into micro-batches
-or DDP ranks (the probes are random, so the numbers do, but not their distribution).
+:func:`~gradreg.penalties.guards.coupling.check_independent_samples`). Every forward of one call
+draws the random numbers of the first (dropout's mask: :mod:`~gradreg.penalties.state.randomness`),
+so with random layers the estimate is that of :math:`f(\cdot\,; m)` for the mask :math:`m` of the
+forward at :math:`x`, which the caller's task loss may share
+(:class:`~gradreg.penalties.state.randomness .SharedForward`). Per-sample estimates do not depend on
+how a batch is split into micro-batches or DDP ranks (the probes are random, so the numbers do, but
+not their distribution).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.checks import check_per_sample, check_per_sample_losses
-from gradreg.penalties.compiled import runs_compiled
-from gradreg.penalties.coupling import check_independent_samples, probe_independent_samples
-from gradreg.penalties.precision import check_difference_rounding
-from gradreg.penalties.randomness import GeneratorState, Replaying, SharedForward
+from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
+from gradreg.penalties.guards.compiled import runs_compiled
+from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.guards.precision import check_difference_rounding
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "perturbation_sq_norms"]
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Perturbation", "perturbation_sq_norms"]
 
 #: The probe's scale σ per element (``step``), Seaweed APT's ``sigma = 0.01``.
 DEFAULT_STEP = 0.01
@@ -93,10 +99,10 @@ def perturbation_sq_norms(
     the estimate is of the norm over all of them). ``outputs``: ``fn(*inputs)`` where the caller
     already computed it (the critic's scores of the reals for its loss), to share that forward;
     it is not used with ``central=True``; ``random_state``: the random state that forward began
-    with (:meth:`~gradreg.penalties.randomness.GeneratorState.capture` before it), replayed by
+    with (:meth:`~gradreg.penalties.state.randomness.GeneratorState.capture` before it), replayed by
     the perturbed forwards (needed where the model draws random numbers).
-    ``fn`` may also be a :class:`~gradreg.penalties.randomness.SharedForward` (outputs and state
-    in one). ``step``: the probe's scale σ per element, > 0.
+    ``fn`` may also be a :class:`~gradreg.penalties.state.randomness.SharedForward` (outputs and
+    state in one). ``step``: the probe's scale σ per element, > 0.
     ``count``: probes per sample, averaged (each one forward of the batch, two when central).
     ``generator``: the random generator of the probes (drawn in float32, then cast to each
     input's dtype, so float64, float32 and bf16 runs with one seed draw the same probes).
@@ -165,3 +171,27 @@ def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:
     ``x``'s dtype: one seed gives the same probes to float64, float32 and bf16 runs."""
     draw = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
     return draw.to(x.dtype)
+
+
+class Perturbation:
+    """The squared norms estimated from perturbed forwards
+    (:func:`~gradreg.penalties.methods.perturbation.perturbation_sq_norms`), no double backward; the
+    forward at the points themselves is the callable's (a
+    :class:`~gradreg.penalties.state.randomness.SharedForward` hands back the task's outputs there
+    and the random state their forward began with, which the perturbed forwards replay). Samples
+    are checked independent on the first call (coupled samples are refused)."""
+
+    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+        self.penalty = penalty
+        self.options = {
+            "step": DEFAULT_STEP if config.step is None else config.step,
+            "central": config.central,
+            "count": DEFAULT_COUNT if config.count is None else config.count,
+            "losses": config.of == "loss"}
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        sq = perturbation_sq_norms(call.forward(), call.inputs, check_samples=not self._checked,
+                                   **self.options)
+        self._checked = True  # only once the check has passed
+        return self.penalty.of_norms(sq)

@@ -1,0 +1,99 @@
+"""The checks of single option values, shared by the configuration and the functions that take
+the same options directly (:func:`~gradreg.penalties.kinds.hessian.hessian_penalty`,
+:func:`~gradreg.penalties.kinds.spectral.spectral_norms`): each refuses a bad value with a
+:class:`ValueError` that names the option and what it takes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+__all__ = ["HESSIAN_REDUCTIONS", "KIND_METHODS", "check_count", "check_hessian_options",
+           "check_iterations", "check_kind_method", "check_step", "finite_number", "require"]
+
+#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
+KIND_METHODS = {"spectral": ("double_backward",),
+                "hessian": ("finite_difference", "double_backward")}
+#: The reductions of the Hessian penalty over samples and output units.
+HESSIAN_REDUCTIONS = ("max", "mean")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`ValueError` with ``message`` (and a full stop) unless ``condition``."""
+    if not condition:
+        raise ValueError(message + ".")
+
+
+def check_step(step: float | None) -> None:
+    """Refuse a step size that is not a number > 0 (``None``: the estimate's default)."""
+    require(step is None or (isinstance(step, numbers.Real) and not isinstance(step, bool)
+                             and step > 0),
+            f"step (the estimate's step size) must be a number > 0 or None (its default), got "
+            f"{step!r}")
+
+
+def check_count(count: int | None, least: int = 1, why: str = "") -> None:
+    """Refuse a number of random directions that is not an int >= ``least`` (``None``: the
+    estimate's default); ``why`` says why where ``least`` is more than 1."""
+    require(count is None or (isinstance(count, int) and not isinstance(count, bool)
+                              and count >= least),
+            f"count (random directions per sample) must be an int >= {least} or None (its "
+            f"default){why}; got {count!r}")
+
+
+def check_iterations(iterations: int) -> None:
+    """Refuse a number of power-iteration steps that is not an int >= 1."""
+    require(isinstance(iterations, int) and not isinstance(iterations, bool) and iterations >= 1,
+            f"iterations must be an int >= 1 (power-iteration steps), got {iterations!r}")
+
+
+def check_kind_method(kind: str, method: str) -> None:
+    """Refuse a ``method`` that does not compute ``kind`` (:data:`KIND_METHODS`)."""
+    methods = KIND_METHODS[kind]
+    require(method in methods, f"kind={kind!r} is computed by method "
+                               f"{' or '.join(map(repr, methods))}, got method={method!r}")
+
+
+def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
+                          method: str) -> None:
+    """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
+    :func:`~gradreg.penalties.kinds.hessian.hessian_penalty`: ``count`` Rademacher
+    directions per sample, an int >= 2 (the penalty is a variance over them); ``step`` > 0;
+    ``reduction`` one of :data:`HESSIAN_REDUCTIONS`; ``method`` one of ``KIND_METHODS
+    ["hessian"]``. ``None`` leaves ``count`` or ``step`` at its default."""
+    check_kind_method("hessian", method)
+    require(reduction in HESSIAN_REDUCTIONS,
+            f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
+            f"reduction={reduction!r}")
+    check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
+                          "two")
+    check_step(step)
+
+
+def finite_number(name: str, value: object, *, minimum: float | None = None,
+                  infinite: bool = False) -> float:
+    """``value`` as a float: a real number (Python's, numpy's) or a 0-d real tensor or numpy
+    array, finite (``infinite``: also +-inf, never NaN) and ``>= minimum``; :class:`ValueError`
+    naming ``name`` otherwise (a bool, a string, an int too large for a float)."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy scalar or 0-d array: its Python number (bool stays bool)
+    if isinstance(value, Tensor):
+        require(value.ndim == 0 and not (value.is_complex() or value.dtype == torch.bool),
+                f"{name} must be a number, got a tensor of shape {tuple(value.shape)} and dtype "
+                f"{value.dtype}: pass a float or a 0-d real tensor")
+        value = value.item()
+    require(isinstance(value, numbers.Real) and not isinstance(value, bool),
+            f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is an integer of {int(value).bit_length()} bits, too large for "
+                         "a float (at most about 1.8e308): pass a finite number.") from None
+    bound = "" if minimum is None else f" >= {minimum:g}"
+    require((math.isfinite(number) or (infinite and not math.isnan(number)))
+            and (minimum is None or number >= minimum),
+            f"{name} must be a {'' if infinite else 'finite '}number{bound}, got {value!r}")
+    return number

@@ -1,0 +1,112 @@
+r"""How a penalty's parameter gradient is computed (``double_backward``, ``finite_difference``,
+``perturbation``), and the cost levers that keep the method (``subsample``, lazy ``every``).
+
+Notation: per-sample outputs :math:`f_i`, points :math:`x_i`, input gradients
+:math:`g_i = \nabla_{x_i} \sum_j f_j`, the unweighted penalty :math:`P(g)` (a function of the
+gradients only, built by :class:`~gradreg.penalties.GradientPenalty`), parameters :math:`\theta`.
+By the chain rule, with :math:`v_i = \partial P / \partial g_i` held fixed,
+
+.. math::
+
+    \nabla_\theta P = \sum_i H_{\theta x_i} v_i
+                    = \nabla_\theta \sum_i \langle \nabla_{x_i} f_i, v_i \rangle ,
+
+a mixed second derivative. ``double_backward`` gets it exactly by differentiating the graph of
+:math:`g` (reverse over reverse); ``finite_difference`` returns the exact value
+of :math:`P` plus a zero-valued surrogate :math:`S - \operatorname{detach}(S)` whose parameter
+gradient is the estimate, so ``(task + penalty).backward()`` works unchanged. Only parameter
+gradients are estimated; the gradient the surrogate sends to the points themselves is not
+meaningful. ``perturbation`` (squared norms with target 0 only) replaces :math:`P` itself by an
+estimate from perturbed forwards (:mod:`~gradreg.penalties.methods.perturbation`), differentiated by
+an ordinary first-order backward: value and parameter gradient are :math:`P`'s in expectation.
+
+| method            | work on top of the task step           | error of the parameter gradient   |
+|-------------------|----------------------------------------|-----------------------------------|
+| double_backward   | input backward with graph + its        | exact                             |
+|                   | backward (about 2x a plain step)       |                                   |
+| finite_difference | input backward, forward + backward at  | O(step) + O(u/step) when smooth;  |
+|                   | shifted points (about 2.3x in FLOPs)   | O(1) piecewise-linear (refused)   |
+| perturbation      | a forward at x + σε, first-order       | an estimate: sampling noise       |
+|                   | backward only (squared norms, target 0)| (rel. std √2 per probe), O(σ²)    |
+
+``chunks`` keeps double backward (exact) and trades kernel size and two parameter-sized buffers
+for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
+(:func:`~gradreg.penalties.methods.chunks.in_chunks`).
+
+A method is chosen once, when the penalty is built (:func:`choose`), as a callable from one
+:class:`PenaltyCall` to the unweighted penalty; :data:`BUILDERS` holds one builder per name.
+Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
+
+The helpers of the methods live in their own modules and are importable from here too:
+:mod:`~gradreg.penalties.guards.precision` (the unit roundoff and the finite-difference step),
+:mod:`~gradreg.penalties.methods.finite_difference` and
+:mod:`~gradreg.penalties.methods.chunks` (micro-batches, subsample, the gradient surrogate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gradreg.penalties.guards.precision import (
+    STEPS,
+    TF32_ROUNDOFF,
+    cuda_float32_roundoff,
+    default_step,
+    unit_roundoff,
+)
+from gradreg.penalties.methods.chunks import InChunks, in_chunks, subsample, with_gradients
+from gradreg.penalties.methods.double_backward import DoubleBackward, ExactPenalty
+from gradreg.penalties.methods.finite_difference import (
+    PIECEWISE_LINEAR,
+    FiniteDifference,
+    check_smooth,
+    finite_difference,
+)
+from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
+from gradreg.penalties.methods.perturbation import Perturbation, perturbation_sq_norms
+from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
+
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = [
+    "BUILDERS",
+    "PIECEWISE_LINEAR",
+    "STEPS",
+    "TF32_ROUNDOFF",
+    "DoubleBackward",
+    "ExactPenalty",
+    "FiniteDifference",
+    "InChunks",
+    "Method",
+    "ParameterFiniteDifference",
+    "PenaltyCall",
+    "PenaltyFunctions",
+    "Perturbation",
+    "check_smooth",
+    "cuda_float32_roundoff",
+    "default_step",
+    "finite_difference",
+    "in_chunks",
+    "perturbation_sq_norms",
+    "subsample",
+    "unit_roundoff",
+    "with_gradients",
+]
+
+
+def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
+    if config.chunks > 1:
+        return InChunks(penalty, config.chunks, mean=config.reduction == "mean")
+    return DoubleBackward(penalty)
+
+
+#: How each method is built from the configuration and the penalty's functions.
+BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
+    "double_backward": _double_backward,
+    "finite_difference": lambda config, penalty: (
+        ParameterFiniteDifference(penalty, config) if config.points == "parameters"
+        else FiniteDifference(penalty, config)),
+    "perturbation": lambda config, penalty: Perturbation(penalty, config),
+}

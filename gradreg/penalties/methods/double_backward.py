@@ -1,0 +1,117 @@
+r"""The exact method: the penalty of per-sample outputs by double backward.
+
+:class:`ExactPenalty` is what the methods are given as ``exact``
+(:class:`~gradreg.penalties.state.call.PenaltyFunctions`): for outputs :math:`f` computed from
+points :math:`x_i`, the per-sample norms :math:`n_i = \lVert g_i \rVert_p` of
+``config.projection`` (:mod:`gradreg.penalties.formulas.projections`; squared where the
+configuration's ``squared`` says so), built with ``create_graph=True``, and the unweighted penalty
+of the norms,
+:math:`\operatorname{reduce}_i \phi(n_i - c)^{\text{power}}`
+(:class:`~gradreg.penalties.formulas.norms.NormPenalty`), whose parameter gradient is the exact
+double backward one. The target :math:`c` is the configured number or, with ``target="ema"``, the
+running mean :math:`a` after this batch's update
+(:class:`~gradreg.penalties.state.running_mean.RunningMean`).
+
+It holds the checks of its own calls: per-sample outputs on every call; FSDP2-sharded modules in
+the graph (:func:`~gradreg.sharding.check_penalty_graph`) on the first call, and on every call
+once there were any; on the first call, that the norms have a double backward
+(:func:`~gradreg.autograd.check_double_backward`) and, with ``subsample`` or ``chunks``, that the
+samples do not interact (:func:`~gradreg.penalties.guards.coupling.check_independent_samples`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from gradreg import sharding
+from gradreg.attention import differentiable_attention, explain_fused_attention
+from gradreg.autograd import GradientError, check_double_backward
+from gradreg.penalties.formulas.norms import NormPenalty
+from gradreg.penalties.formulas.projections import PROJECTIONS
+from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
+from gradreg.penalties.guards.compiled import check_not_compiled
+from gradreg.penalties.guards.coupling import check_independent_samples
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.loss_scale import LossScale
+from gradreg.penalties.state.running_mean import RunningMean
+
+if TYPE_CHECKING:
+    from gradreg.penalties.config import PenaltyConfig
+
+__all__ = ["DoubleBackward", "ExactPenalty"]
+
+
+class ExactPenalty:
+    r"""The unweighted penalty of per-sample ``outputs`` w.r.t. the points ``inputs``,
+    differentiable by double backward (module docstring), called as
+    ``exact(outputs, inputs, loss_scale)``.
+
+    ``of_norms``: the penalty as a function of the norms and a target; ``running_mean``: the
+    target of ``config.target == "ema"``.
+
+    Examples:
+        R1's unweighted penalty, :math:`\mathrm{mean}_i \lVert w \rVert^2`, of a linear critic:
+
+        >>> import torch
+        >>> from gradreg.penalties import PenaltyConfig
+        >>> from gradreg.penalties.methods.double_backward import ExactPenalty
+        >>> from gradreg.penalties.state.running_mean import RunningMean
+        >>> from gradreg.penalties.formulas.norms import NormPenalty
+        >>> config = PenaltyConfig(points="real")
+        >>> exact = ExactPenalty(config, NormPenalty(target=0.0, squared=True),
+        ...                      RunningMean({"ema": torch.zeros(())}, "ema", decay=0.01))
+        >>> x = torch.randn(4, 2, requires_grad=True)
+        >>> exact(x @ torch.tensor([3.0, 4.0]), (x,), None)
+        tensor(25.)
+    """
+
+    def __init__(self, config: PenaltyConfig, of_norms: NormPenalty,
+                 running_mean: RunningMean) -> None:
+        self.config, self.of_norms, self.running_mean = config, of_norms, running_mean
+        self._checked = False  # the first call's checks passed
+        self._through_sharded = False  # FSDP2 modules in the graph: checked on every call
+
+    def __call__(self, outputs: Tensor, inputs: tuple[Tensor, ...],
+                 loss_scale: LossScale) -> Tensor:
+        config = self.config
+        if config.per_sample:
+            check_per_sample(outputs, inputs)
+            if config.of == "loss":
+                check_per_sample_losses(outputs)
+        if not self._checked or self._through_sharded:
+            self._through_sharded = sharding.check_penalty_graph(outputs)
+        norms = PROJECTIONS[config.projection](outputs, inputs, config, loss_scale)
+        if not self._checked:
+            check_double_backward(norms, outputs)
+            if config.subsample < 1 or config.chunks > 1:
+                check_independent_samples(
+                    outputs, inputs, f"subsample={config.subsample}, chunks={config.chunks}")
+            self._checked = True
+        target = self.running_mean.update(norms) if config.target == "ema" else config.target
+        return self.of_norms(norms, target)
+
+
+class DoubleBackward:
+    """Exact: the penalty of the outputs (given, or the callable's), by double backward. The
+    callable runs inside :func:`~gradreg.attention.differentiable_attention` (fused attention
+    kernels have no double backward)."""
+
+    def __init__(self, penalty: PenaltyFunctions) -> None:
+        self.penalty = penalty
+        self._checked = False
+
+    def __call__(self, call: PenaltyCall) -> Tensor:
+        with differentiable_attention():
+            outputs = call.evaluate()
+        if not self._checked:  # a torch.compile'd model: refused on the first call
+            check_not_compiled(outputs)
+            self._checked = True
+        try:
+            return self.penalty.exact(outputs, call.inputs, call.loss_scale)
+        except GradientError as err:  # the outputs computed outside differentiable attention
+            explained = explain_fused_attention(err)
+            if explained is err:
+                raise
+            raise explained from err

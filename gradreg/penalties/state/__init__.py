@@ -1,0 +1,6 @@
+"""What one penalty call carries besides tensors: the protocol between the mechanism and the
+methods (:mod:`~gradreg.penalties.state.call`), the random state every forward of a call
+replays (:mod:`~gradreg.penalties.state.randomness`), the modules' buffers kept across shifted
+forwards (:mod:`~gradreg.penalties.state.buffers`), StyleGAN2's running mean
+(:mod:`~gradreg.penalties.state.running_mean`) and an fp16 loss scale
+(:mod:`~gradreg.penalties.state.loss_scale`). The lowest layer."""
