@@ -243,8 +243,10 @@ class PenaltyMixin:
                 self.accelerator.unwrap_model(model).get_input_embeddings())) if embeddings else []
             activations = stack.enter_context(capture(model, *layers)) if layers else {}
             # a copy each call: Trainer.compute_loss pops the labels where it computes the loss
-            loss, outputs = parent(model, dict(inputs), return_outputs=True,
-                                   num_items_in_batch=num_items_in_batch)
+            wanted = return_outputs or bool(at_points)  # TRL's SFTTrainer runs a forward more
+            result = parent(model, dict(inputs), return_outputs=wanted,
+                            num_items_in_batch=num_items_in_batch)
+        loss, outputs = result if wanted else (result, None)
         values = {name: self._at_points(gp, model, inputs, outputs, embedded, activations, state)
                   for name, gp in at_points.items()}
         task = self._parameters(due, model, inputs, loss, state, values, parent,

@@ -1,0 +1,93 @@
+"""gradreg's penalties in TRL's SFTTrainer (skipped where trl is not installed): the mixin
+first in the bases, a tiny GPT-2 built from a config, a tokenizer built in memory, an
+in-memory dataset; SAM's step is the hand-written two-step recipe on SFT's loss (the mean
+next-token cross-entropy, float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradreg import GradientError
+from gradreg.penalties import double_backprop, sam
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+tokenizers = pytest.importorskip("tokenizers")
+
+from gradreg.hf_trainer import PenaltyMixin  # noqa: E402
+from tests.test_hf_trainer import Record, hand_written, next_token_loss  # noqa: E402
+
+
+class SAMSFTTrainer(PenaltyMixin, trl.SFTTrainer):
+    pass
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """30 words, a padding and an end token (the tokenizer is needed to build the trainer)."""
+    vocab = {**{f"w{i}": i for i in range(30)}, "<pad>": 30, "<eos>": 31}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>",
+                                                eos_token="<eos>")
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2,
+                                     n_positions=16, bos_token_id=31, eos_token_id=31,
+                                     pad_token_id=30, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+IDS = torch.randint(0, 30, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+def trainer(tmp_path, penalties, steps: int = 1, **options) -> SAMSFTTrainer:
+    """SFT of the 4 sequences ``IDS`` in batches of 4, or ``steps`` micro-batches of 4/steps."""
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2,
+                         per_device_train_batch_size=4 // steps,
+                         gradient_accumulation_steps=steps,
+                         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+                         max_grad_norm=0.0, report_to=[], save_strategy="no",
+                         logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                         dataloader_num_workers=0, bf16=False)  # SFTConfig's default: bf16
+    data = datasets.Dataset.from_dict({"input_ids": IDS.tolist()})
+    return SAMSFTTrainer(model=tiny_gpt2(), args=args, train_dataset=data,
+                         processing_class=tokenizer(), penalties=penalties, **options)
+
+
+def sft_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """SFT's loss of this batch: the next-token cross-entropy summed over the 28 predicted
+    tokens, divided by the trainer's ``num_items_in_batch``, the 32 labels (it counts GPT-2's
+    labels unshifted)."""
+    return next_token_loss(model, ids) * 28 / 32
+
+
+@pytest.mark.parametrize("steps", [1, 2], ids=["one_batch", "two_micro_batches"])
+def test_sam_in_sft_is_the_hand_written_recipe(tmp_path, steps: int) -> None:
+    """Of the batch of 4, also accumulated from two micro-batches of 2. To 1e-6 of the largest
+    entry: SFT's fused head computes the log-probabilities in float32 (its loss is the float64
+    one's to 6e-8, its gradient to 2e-7 here)."""
+    record = Record()
+    sft = trainer(tmp_path, {"sam": sam(0.05)}, steps, callbacks=[record])
+    sft.train()
+    assert len(record.grads) == 2 and sft.penalty_values["sam"] > 0
+    reference = tiny_gpt2()
+    for params, grads in zip(record.params, record.grads, strict=True):
+        expected = hand_written(reference, params, 0.05, 1.0, ids=IDS, loss_of=sft_loss)
+        largest = max(want.abs().max() for want in expected)
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
+
+
+@pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")  # SFT's, for logits
+def test_penalties_at_the_embeddings_are_refused_in_one_line(tmp_path) -> None:
+    """SFTTrainer computes its loss by a fused head and hands back logits of a no-grad
+    forward: nothing to differentiate at the embeddings."""
+    sft = trainer(tmp_path, {"db": double_backprop(0.1)})
+    with pytest.raises(GradientError, match="returned logits without a graph"):
+        sft.train()
