@@ -203,3 +203,51 @@ def test_estimates_at_trainable_embeddings_are_refused_in_one_line(tmp_path) -> 
                                penalties={"p": double_backprop(LAMBDA, method="finite_difference")})
     with pytest.raises(GradientError, match="method='finite_difference' at the input embeddings"):
         trainer.train()
+
+
+class Masked(torch.utils.data.Dataset):
+    """4 sequences of 5 tokens whose labels are the tokens at 2 or 3 positions, -100 elsewhere."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 40, (4, 5), generator=torch.Generator().manual_seed(2))
+        self.labels = torch.full_like(self.ids, -100)
+        self.labels[:, ::2] = self.ids[:, ::2]
+        self.labels[1, 2] = -100
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def test_a_head_of_its_own_takes_per_sample_loss(tmp_path) -> None:
+    """A masked LM (no per-sample loss known to gradreg): refused without ``per_sample_loss``;
+    with it, double backprop of those losses, written out here one sequence at a time."""
+    config = tiny_bert().config
+
+    def masked_lm() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.BertForMaskedLM(config).double()
+
+    def per_sample_loss(outputs, inputs) -> torch.Tensor:
+        labels = inputs["labels"]
+        tokens = F.cross_entropy(outputs["logits"].transpose(1, 2), labels, reduction="none")
+        return tokens.sum(1) / labels.ne(-100).sum(1)
+
+    def penalty(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, outputs = embedded(model, batch)
+        losses = torch.stack([F.cross_entropy(z[y != -100], y[y != -100])
+                              for z, y in zip(outputs.logits, batch["labels"], strict=True)])
+        return outputs.loss, LAMBDA * square_gradient_norms(losses, embeds).mean()
+
+    with pytest.raises(GradientError, match="not BertForMaskedLM: pass per_sample_loss="):
+        PenalizedTrainer(model=masked_lm(), args=arguments(tmp_path), train_dataset=Masked(),
+                         penalties={"p": double_backprop(LAMBDA)})
+    data, record = Masked(), Record()
+    trainer = PenalizedTrainer(model=masked_lm(), args=arguments(tmp_path), train_dataset=data,
+                               callbacks=[record], penalties={"p": double_backprop(LAMBDA)},
+                               per_sample_loss=per_sample_loss)
+    trainer.train()
+    check(record, trainer, masked_lm(), {"input_ids": data.ids, "labels": data.labels},
+          penalty)
