@@ -1,4 +1,5 @@
-"""The Lightning layer: LightningModules, callbacks and TensorBoard dashboards (no Hydra here).
+"""The Lightning layer: LightningModules, callbacks, TensorBoard dashboards and the data modules
+(:mod:`gradreg.lightning.data`); no Hydra here.
 
 Import the parts you use, e.g. ``from gradreg.lightning.callbacks import GradientNormMonitor``;
 this package only looks up the packages of the ``lightning`` extra, without importing them, so
