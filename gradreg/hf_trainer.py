@@ -74,14 +74,15 @@ from torch import Tensor, nn
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
-from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward
-
-try:  # the names the penalties package exports
-    from gradreg.penalties import Accumulation, Carried, LossAt, penalized_loss
-except ImportError:  # a package that keeps them in their modules
-    from gradreg.penalties.accumulation import Accumulation
-    from gradreg.penalties.methods.param_gradient import LossAt
-    from gradreg.penalties.two_pass import Carried, penalized_loss
+from gradreg.penalties import (
+    GeneratorState,
+    GradientPenalty,
+    LossAt,
+    SharedForward,
+    penalized_loss,
+)
+from gradreg.penalties.accumulation import Accumulation  # per micro-batch, as Lightning's
+from gradreg.penalties.two_pass import Carried
 
 __all__ = ["PenalizedTrainer", "PenaltyMixin", "per_sample_losses"]  # noqa: F822 (built on use)
 
@@ -205,7 +206,7 @@ class PenaltyMixin:
         if config.points == "activations" and penalty.needs_callable:
             raise GradientError(
                 f"penalty {name!r} (points='activations') asks for its own forward "
-                f"(method={config.method!r}, subsample={config.subsample}, "
+                f"(method={config.method.name!r}, subsample={config.subsample}, "
                 f"chunks={config.chunks}), which a Trainer runs at the input embeddings only: "
                 "use method='double_backward', subsample=1 and chunks=1.")
         if model is None:
@@ -327,7 +328,7 @@ class PenaltyMixin:
         if gp.config.method in ("finite_difference", "perturbation"):  # the forward shared
             if points.grad_fn is not None:
                 raise GradientError(
-                    f"method={gp.config.method!r} at the input embeddings gives the trainable "
+                    f"method={gp.config.method.name!r} at the input embeddings gives the trainable "
                     "embedding matrix behind them a wrong gradient (the estimate differentiates "
                     "points that are data, not a model's tensor): use method='double_backward' "
                     "(chunks=... for memory), or freeze the input embeddings.")
