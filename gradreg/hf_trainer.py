@@ -27,7 +27,7 @@ each step) evaluated where its ``points`` say:
 * ``"inputs"``: at the outputs :math:`e` of ``model.get_input_embeddings()`` (the tensor as the
   model computed it, recorded by a forward hook; the rest of the forward gets a copy), of the
   per-sample losses :math:`\ell_i` (``of="loss"``: double backprop,
-  :math:`\lVert \nabla_{e_i} \ell_i \rVert`) or of the logits (``of="outputs"``). The methods
+  :math:`\lVert \nabla_{e_i} \ell_i \rVert^2`) or of the logits (``of="outputs"``). The methods
   that run their own forward call the model with ``inputs_embeds``, the batch's other
   per-sample tensors (attention mask, labels) passed along.
 * ``"activations"``: at the outputs of the named submodules (``layers``) of the per-sample
@@ -51,8 +51,10 @@ equals one batch of the accumulated size within float rounding, for models whose
 not interact (BatchNorm in training mode normalizes per micro-batch, as any accumulation does).
 
 Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
-loss, logits without a graph (a trainer whose loss is computed without them, e.g. by a fused
-head), penalties at activations that run their own forward, and under accumulation more than
+loss, logits without a graph (a trainer whose loss is computed without them: TRL's
+``SFTTrainer`` by a fused head), finite differences and perturbation at trainable embeddings
+(their estimate differentiates points as data: the embedding matrix would get a wrong
+gradient), penalties at activations that run their own forward, and under accumulation more than
 one parameter penalty or ``reduction="max"`` (a maximum over micro-batches is not one over the
 batch). Evaluation (no grad, or the model in eval mode) computes the loss alone.
 
