@@ -52,11 +52,11 @@ not interact (BatchNorm in training mode normalizes per micro-batch, as any accu
 
 Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
 loss, logits without a graph (a trainer whose loss is computed without them: TRL's
-``SFTTrainer`` by a fused head), finite differences and perturbation at trainable embeddings
-(their estimate differentiates points as data: the embedding matrix would get a wrong
-gradient), penalties at activations that run their own forward, and under accumulation more than
-one parameter penalty or ``reduction="max"`` (a maximum over micro-batches is not one over the
-batch). Evaluation (no grad, or the model in eval mode) computes the loss alone.
+``SFTTrainer`` by a fused head), finite differences at trainable embeddings (the embedding
+matrix would get a wrong gradient), penalties at activations that run their own forward, and
+under accumulation more than one parameter penalty or ``reduction="max"`` (a maximum over
+micro-batches is not one over the batch). Evaluation (no grad, or the model in eval mode)
+computes the loss alone.
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -328,12 +328,11 @@ class PenaltyMixin:
 
         fn_args = tuple(inputs[k] for k in keys)
         if gp.config.method in ("finite_difference", "perturbation"):  # the forward shared
-            if points.grad_fn is not None:
+            if gp.config.method == "finite_difference" and points.grad_fn is not None:
                 raise GradientError(
-                    f"method={gp.config.method.name!r} at the input embeddings gives the trainable "
-                    "embedding matrix behind them a wrong gradient (the estimate differentiates "
-                    "points that are data, not a model's tensor): use method='double_backward' "
-                    "(chunks=... for memory), or freeze the input embeddings.")
+                    "method='finite_difference' at the input embeddings gives the trainable "
+                    "embedding matrix behind them a wrong gradient: use method='double_backward' "
+                    "(chunks=... for memory) or 'perturbation', or freeze the input embeddings.")
             return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
                       fn_args=fn_args)
         return gp(at_embeddings, points, fn_args=fn_args)
