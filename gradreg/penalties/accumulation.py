@@ -88,7 +88,7 @@ class Accumulation:
             raise GradientError(
                 f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' "
                 f"or 'double_backward', got points={config.points!r}, "
-                f"method={config.method!r}.")
+                f"method={config.method.name!r}.")
         self.penalty, self.params = penalty, trainable(list(params), WHAT)
         self._buffers = KeptBuffers(WHAT)
         self._reset()

@@ -35,32 +35,35 @@ With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
 The per-sample norms are computed by :mod:`gradreg.penalties.formulas.projections`; the options are
 one validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
 
-**Adding a method.** How the parameter gradient is computed is chosen once, when the penalty is
-built (:func:`choose`); :meth:`GradientPenalty.forward` checks that
-the penalty is due, builds one checked :class:`~gradreg.penalties.state.call.PenaltyCall` (the
-points subsampled), calls the chosen method once with it, rescales a sum over a subsample to
-the whole batch and weights the result. A new method needs no change here:
+**Adding a method.** How the parameter gradient is computed is an option object, built once
+with the penalty (``config.kind.build``, which for the gradient norm hands over to
+``config.method.build``); :meth:`GradientPenalty.forward` checks that the penalty is due, builds
+one checked :class:`~gradreg.penalties.state.call.PenaltyCall` (the points subsampled), calls
+the built method once with it, rescales a sum over a subsample to the whole batch and weights
+the result. A new method needs no change here:
 
-1. write it as a callable from a ``PenaltyCall`` to the unweighted penalty, built from the
+1. write its options as a frozen dataclass deriving from
+   :class:`~gradreg.penalties.guards.options.Option`, with its ``name`` (the value of the flat
+   option ``method``), its fields checked in ``__post_init__`` (a step size is ``step``, a
+   number of random directions ``count``, ``None`` for the method's default), ``check(config)``
+   refusing what it does not compute (every method but ``double_backward`` needs ``order=1``,
+   a numeric target, per-sample points and ``outputs`` as a callable), and
+   ``build(config, penalty)``;
+2. ``build`` returns a callable from a ``PenaltyCall`` to the unweighted penalty, made from the
    penalty's :class:`~gradreg.penalties.state.call.PenaltyFunctions` (``exact``: the penalty of
    per-sample outputs by double backward, an
    :class:`~gradreg.penalties.methods.double_backward.ExactPenalty` that holds its own first-call
-   checks and the running mean of ``target="ema"``; ``of_gradients``: the penalty as a function of
-   the per-sample input gradients, and ``of_norms`` of the norms, which hold nothing of the module),
-   whose parameter gradient is the method's (a value computed ahead of the caller's backward reaches
-   it through :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate);
-   a method that runs the model more than once per call runs every forward through one
-   :class:`~gradreg.penalties.state.randomness.Replaying` of ``call.forward()`` (one set of random
-   draws: dropout's mask) and probes coupled samples on its first call
+   checks and the running mean of ``target="ema"``; ``of_gradients``: the penalty as a function
+   of the per-sample input gradients, and ``of_norms`` of the norms), whose parameter gradient
+   is the method's (a value computed ahead of the caller's backward reaches it through
+   :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate); a method
+   that runs the model more than once per call runs every forward through one
+   :class:`~gradreg.penalties.state.randomness.Replaying` of ``call.forward()`` (one set of
+   random draws: dropout's mask) and probes coupled samples on its first call
    (:mod:`~gradreg.penalties.guards.coupling`);
-2. add its builder ``(config, penalty) -> method`` to
-   :data:`~gradreg.penalties.methods.BUILDERS` and its name to
-   :data:`~gradreg.penalties.config.METHODS` (a test holds the two equal);
-3. state what it supports in :meth:`PenaltyConfig.__post_init__` (a step size is ``step``, a
-   number of random directions ``count``, resolved by the method where left out): every method
-   but ``double_backward`` already needs ``order=1``, a numeric target, per-sample points, and
-   ``outputs`` as a callable (``needs_callable``), and all but ``perturbation`` (which takes the
-   Jacobian's squared norm too) ``projection="sum"``;
+3. add the class to :data:`~gradreg.penalties.methods.METHOD_TYPES` (the names of the option
+   ``method`` are derived from it) and route its flat options in
+   :meth:`PenaltyConfig.from_flat <gradreg.penalties.config.PenaltyConfig.from_flat>`;
 4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
    and give it a row in the benchmark.
 
@@ -69,8 +72,8 @@ above, the Jacobian's spectral norm in its place, or the Hessian penalty.
 
 A new way of forming :math:`g_i` is an entry of
 :data:`~gradreg.penalties.formulas.projections.PROJECTIONS`; a new reduction over samples, an entry
-of :data:`~gradreg.penalties.formulas.norms.REDUCE` (and of
-:data:`~gradreg.penalties.config.REDUCTIONS`).
+of :data:`~gradreg.penalties.formulas.norms.REDUCE` (the names the
+:class:`~gradreg.penalties.formulas.options.Norm` takes are theirs).
 """
 
 from __future__ import annotations
@@ -82,15 +85,19 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.config import POINTS, RENAMED, PenaltyConfig, squared_norm_penalty
-from gradreg.penalties.formulas.norms import NormPenalty, penalty_from_norms, per_sample_norm
+from gradreg.penalties.config import POINTS, RENAMED, PenaltyConfig
+from gradreg.penalties.formulas.norms import (
+    NormPenalty,
+    penalty_from_norms,
+    per_sample_norm,
+    squared_norm_penalty,
+)
 from gradreg.penalties.formulas.projections import gradient_norms
 from gradreg.penalties.guards.checks import check_per_sample, check_points
 from gradreg.penalties.guards.finite import FiniteCheck
 from gradreg.penalties.guards.options import finite_number, require
-from gradreg.penalties.kinds import KIND_BUILDERS
-from gradreg.penalties.methods import BUILDERS, ExactPenalty, subsample
-from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
+from gradreg.penalties.methods import ExactPenalty, subsample
+from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.running_mean import RunningMean
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
@@ -148,7 +155,7 @@ class GradientPenalty(nn.Module):
             .PenaltyConfig`; or leave it out and pass its options by keyword
             (``GradientPenalty(target=1.0, points="interpolates")``, as presets and Hydra
             configs do). Read them as ``penalty.config.points``; they do not change
-            (``dataclasses.replace(penalty.config, ...)`` for another penalty).
+            (``penalty.config.replace(...)`` for another penalty).
         weight: the penalty coefficient (lambda, gamma), >= 0; may be changed between steps.
 
     State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
@@ -179,12 +186,13 @@ class GradientPenalty(nn.Module):
         self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
         self._due = False  # what the latest due() returned: whether a lazy penalty may be called
         self.register_buffer("ema", torch.zeros(()))
-        self._running_mean = RunningMean(self._buffers, "ema", config.ema_decay)
+        norm = config.norm
+        self._running_mean = RunningMean(self._buffers, "ema", norm.ema_decay)
         self._of_norms = NormPenalty(
-            target=0.0 if config.target == "ema" else config.target, one_sided=config.one_sided,
-            power=config.power, p=config.p, reduction=config.reduction, squared=config.squared)
+            target=0.0 if norm.target == "ema" else norm.target, one_sided=norm.one_sided,
+            power=norm.power, p=norm.p, reduction=norm.reduction, squared=norm.squared)
         self._exact = ExactPenalty(config, self._of_norms, self._running_mean)
-        self._method = choose(config, PenaltyFunctions(
+        self._method = config.kind.build(config, PenaltyFunctions(
             self._exact, self._of_norms.of_gradients, self._of_norms))
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
@@ -202,8 +210,8 @@ class GradientPenalty(nn.Module):
         if name in _OPTIONS:
             raise AttributeError(
                 f"{name} is part of the penalty's configuration, which does not change: build "
-                f"another penalty, GradientPenalty(dataclasses.replace(penalty.config, "
-                f"{name}=...), weight=penalty.weight).")
+                f"another penalty, GradientPenalty(penalty.config.replace({name}=...), "
+                "weight=penalty.weight).")
         super().__setattr__(name, value)
 
     @property
@@ -322,24 +330,25 @@ class GradientPenalty(nn.Module):
         check_points(inputs, outputs if fn is None else None, per_sample=config.per_sample)
         require(fn is not None or not fn_args, "fn_args need outputs as a callable")
         require(fn is not None or not config.needs_callable,
-                f"method={config.method!r}, kind={config.kind!r}, subsample={config.subsample} and "
-                f"chunks={config.chunks} need outputs as a callable fn(*inputs) -> outputs (e.g. "
-                "the critic itself, called on the points), not a tensor")
+                f"method={config.method.name!r}, kind={config.kind.name!r}, subsample="
+                f"{config.subsample} and chunks={config.chunks} need outputs as a callable "
+                "fn(*inputs) -> outputs (e.g. the critic itself, called on the points), not a "
+                "tensor")
         require(loss_scale is None or (config.method == "double_backward"
                                        and config.kind == "gradient_norm"),
                 f"loss_scale is only supported by method='double_backward' of the gradient norm "
-                f"(got method={config.method!r}, kind={config.kind!r}): run this penalty outside "
-                "fp16 autocast, in float32")
+                f"(got method={config.method.name!r}, kind={config.kind.name!r}): run this "
+                "penalty outside fp16 autocast, in float32")
         if fn is None:
             return PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
         both = subsample(inputs + fn_args, config.subsample)
         return PenaltyCall(both[:len(inputs)], fn=fn, fn_args=both[len(inputs):],
-                                   loss_scale=loss_scale)
+                           loss_scale=loss_scale)
 
     def _unsubsampled(self, value: Tensor, batch: Tensor, kept: Tensor) -> Tensor:
         """A sum over the subsample ``kept`` of ``batch``, rescaled to the whole batch (a mean
         needs nothing)."""
-        if self.config.reduction == "sum" and kept.ndim > 0 and kept.shape[0] < batch.shape[0]:
+        if self.config.norm.reduction == "sum" and kept.ndim > 0 and kept.shape[0] < batch.shape[0]:
             return value * (batch.shape[0] / kept.shape[0])
         return value
 
@@ -352,12 +361,3 @@ class GradientPenalty(nn.Module):
             self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
-
-
-def choose(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
-    """The computation of ``config.kind`` by ``config.method`` (with ``config.chunks``), built
-    once: a kind's builder (:data:`~gradreg.penalties.kinds.KIND_BUILDERS`), or for the gradient
-    norm the method's (:data:`~gradreg.penalties.methods.BUILDERS`)."""
-    if config.kind == "gradient_norm":
-        return BUILDERS[config.method](config, penalty)
-    return KIND_BUILDERS[config.kind](config, penalty)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 
 import pytest
@@ -10,11 +9,14 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
-from gradreg.penalties import GradientPenalty, PenaltyConfig, make_penalty, methods
+from gradreg.penalties import GradientPenalty, PenaltyConfig, kinds, make_penalty, methods
 from gradreg.penalties import config as config_module
 from gradreg.penalties.formulas import projections
+from gradreg.penalties.formulas.options import Norm
+from gradreg.penalties.guards.options import Option, require
 from gradreg.penalties.kinds import hessian as hessian_penalty_module
 from gradreg.penalties.kinds.hessian import hessian_penalty
+from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
 from tests.penalties.parameter_gradients import value_and_grad
 
 
@@ -32,7 +34,7 @@ def test_a_config_and_its_keyword_options_build_the_same_penalty() -> None:
     """R1 on a tanh MLP: the value is gain * weight * mean_i ||grad_x D(x_i)||^2, computed here
     from the input gradient taken separately."""
     model, x = critic(), points()
-    config = PenaltyConfig(gain=0.5, points="real")
+    config = PenaltyConfig.from_flat(gain=0.5, points="real")
     by_config = GradientPenalty(config, weight=2.0)
     by_options = GradientPenalty(weight=2.0, gain=0.5, points="real")
     assert by_config.config == by_options.config == make_penalty("r1", weight=2.0).config
@@ -49,12 +51,12 @@ def test_the_config_does_not_change_but_the_weight_does() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         penalty.config.target = 0.0
     with pytest.raises(AttributeError, match=r"target is part of the penalty's configuration.*"
-                                             r"dataclasses.replace\(penalty.config, target="):
+                                             r"penalty.config.replace\(target="):
         penalty.target = 0.0
     assert penalty.config.target == 1.0 and penalty.config.points == "interpolates"
     penalty.weight = 3.0
     assert penalty.weight == 3.0 and penalty.state_dict()["_extra_state"] == {"weight": 3.0}
-    other = GradientPenalty(dataclasses.replace(penalty.config, target=0.0), weight=1.0)
+    other = GradientPenalty(penalty.config.replace(target=0.0), weight=1.0)
     assert (other.config.target, other.config.points, penalty.config.target) == (
         0.0, "interpolates", 1.0)
 
@@ -84,7 +86,7 @@ def test_the_mistakes_in_building_one_are_named() -> None:
     with pytest.raises(TypeError, match="takes a PenaltyConfig or keyword options, got a dict"):
         GradientPenalty({"target": 1.0})
     with pytest.raises(ValueError, match=r"power must be > 0, got 0\.$"):
-        PenaltyConfig(power=0)
+        PenaltyConfig.from_flat(power=0)
     with pytest.raises(ValueError, match="weight must be a finite number >= 0, got -1"):
         GradientPenalty(weight=-1)
 
@@ -93,7 +95,7 @@ def test_the_removed_compiled_method_is_refused_naming_double_backward() -> None
     """``method="compiled"`` (compiled torch.func, slower than the eager double backward in every
     case measured) is refused in one line naming the method to pass, never run as another."""
     for build in (lambda: make_penalty("wgan_gp", method="compiled"),
-                  lambda: PenaltyConfig(method="compiled")):
+                  lambda: PenaltyConfig.from_flat(method="compiled")):
         with pytest.raises(GradientError) as refused:
             build()
         message = str(refused.value)
@@ -103,27 +105,42 @@ def test_the_removed_compiled_method_is_refused_naming_double_backward() -> None
                            "which is exact.")
 
 
-def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A method registered in BUILDERS (and its name in config.METHODS) is a valid ``method``,
-    built once, and is handed each call with the points subsampled; what it returns is weighted
-    as any other."""
-    calls: list[methods.PenaltyCall] = []
+def test_a_new_method_slots_in_by_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method class added to METHOD_TYPES is a valid ``method`` by its name, its options
+    checked when built; it is built once and handed each call with the points subsampled, and
+    what it returns is weighted as any other."""
+    calls: list[PenaltyCall] = []
+    built: list[Method] = []
 
-    def build(config: PenaltyConfig, penalty: methods.PenaltyFunctions) -> methods.Method:
-        exact = methods.DoubleBackward(penalty)
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Recorded(Option):
+        name = "recorded"
+        label: str = "calls"
 
-        def method(call: methods.PenaltyCall) -> Tensor:
-            calls.append(call)
-            return exact(call)
+        def __post_init__(self) -> None:
+            require(isinstance(self.label, str), "label must be a string")
 
-        built.append(method)
-        return method
+        @classmethod
+        def from_flat(cls, flat: dict) -> Recorded:
+            return cls()
 
-    built: list[methods.Method] = []
-    monkeypatch.setitem(methods.BUILDERS, "recorded", build)
-    monkeypatch.setattr(config_module, "METHODS", (*config_module.METHODS, "recorded"))
+        def check(self, config: PenaltyConfig) -> None:
+            require(config.norm.numeric_target, "recorded takes a numeric target")
+
+        def build(self, config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
+            exact = methods.DoubleBackward().build(config, penalty)
+
+            def method(call: PenaltyCall) -> Tensor:
+                calls.append(call)
+                return exact(call)
+
+            built.append(method)
+            return method
+
+    monkeypatch.setattr(methods, "METHOD_TYPES", (*methods.METHOD_TYPES, Recorded))
     model, x = critic(), points(batch=6)
     penalty = make_penalty("r1", weight=4.0, method="recorded", subsample=0.5)
+    assert penalty.config.method == Recorded() == "recorded"
     assert penalty.needs_callable and len(built) == 1
     value = penalty(model, x)
     penalty(model, x)
@@ -133,22 +150,52 @@ def test_a_new_method_slots_in_by_its_builder(monkeypatch: pytest.MonkeyPatch) -
                                atol=0)
     with pytest.raises(ValueError, match="method must be one of .*'recorded'.*got 'other'"):
         make_penalty("r1", method="other")
+    with pytest.raises(ValueError, match="recorded takes a numeric target"):
+        make_penalty("path_length", method="recorded")
 
 
-def test_the_names_the_configuration_accepts_are_those_the_methods_build() -> None:
-    """The configuration imports nothing of the computation (no circle), only the checks of
-    single options below it: its names of methods and projections are its own tuples, held
-    equal here to what is built."""
-    assert tuple(methods.BUILDERS) == config_module.METHODS
-    assert tuple(projections.PROJECTIONS) == config_module.PROJECTION_NAMES
-    with open(config_module.__file__) as source:
-        tree = ast.parse(source.read())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert {name for name in imported if name and name.startswith("gradreg.penalties")} == {
-        "gradreg.penalties.guards.options"}
+def test_the_registries_are_the_classes() -> None:
+    """Each name a flat option takes is a class's, and builds that class: the methods, the kinds
+    and the projections have no list of names of their own."""
+    for method in methods.METHOD_TYPES:
+        assert type(PenaltyConfig.from_flat(method=method.name).method) is method
+    assert tuple(method.name for method in methods.METHOD_TYPES) == config_module.METHODS
+    for kind in kinds.KIND_TYPES:
+        options = {"spectral": {}, "hessian": {"points": "latents", "reduction": "max"}}
+        config = PenaltyConfig.from_flat(kind=kind.name, **options.get(kind.name, {}))
+        assert type(config.kind) is kind
+    for projection in projections.PROJECTIONS:
+        assert PenaltyConfig.from_flat(projection=projection).norm.projection == projection
+    assert type(PenaltyConfig.from_flat(method="finite_difference", points="parameters",
+                                        of="loss").method) is methods.ParameterShift
 
 
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(PenaltyConfig)}
+def test_an_invalid_option_object_cannot_be_built() -> None:
+    """Each object checks its own fields, and the configuration what its objects do not
+    support of each other."""
+    with pytest.raises(ValueError, match=r"^power must be > 0, got 0\.$"):
+        Norm(power=0)
+    with pytest.raises(ValueError, match=r"^chunks must be an int >= 1"):
+        methods.DoubleBackward(chunks=0)
+    with pytest.raises(ValueError, match=r"^count \(random directions per sample\) must be"):
+        methods.Perturbation(count=0)
+    with pytest.raises(ValueError, match=r"^shift must be one of"):
+        methods.ParameterShift(shift="sideways")
+    with pytest.raises(ValueError, match=r"^iterations must be an int >= 1"):
+        kinds.Spectral(iterations=0)
+    with pytest.raises(ValueError, match=r"^method='perturbation' estimates squared per-sample "):
+        PenaltyConfig(Norm(target=1.0), methods.Perturbation())
+    with pytest.raises(ValueError, match=r"^kind='spectral' is computed by method "):
+        PenaltyConfig(method=methods.FiniteDifference(), kind=kinds.Spectral())
+    with pytest.raises(ValueError, match=r"^shift and adaptive set how param_grad_norm"):
+        PenaltyConfig(method=methods.ParameterShift())
+    with pytest.raises(ValueError, match=r"^points='parameters' by finite difference shifts"):
+        PenaltyConfig(Norm(power=1.0), methods.FiniteDifference(), points="parameters")
+    with pytest.raises(ValueError, match=r"^method must be one of"):
+        PenaltyConfig(method="finite_difference")
+
+
+DEFAULTS = config_module.FLAT
 HESSIAN = {"kind": "hessian", "points": "latents", "method": "finite_difference",
            "reduction": "max"}
 
@@ -156,15 +203,15 @@ HESSIAN = {"kind": "hessian", "points": "latents", "method": "finite_difference"
 def test_an_option_of_another_kind_may_be_written_at_its_default_only() -> None:
     """iterations (kind='spectral'), and target, one_sided, power and p (not of kind='hessian'),
     compared with the fields' own defaults."""
-    assert PenaltyConfig(iterations=DEFAULTS["iterations"]).iterations == 10
+    assert PenaltyConfig.from_flat(iterations=DEFAULTS["iterations"]).iterations == 10
     with pytest.raises(ValueError, match="^iterations sets the power iteration of "
                                          "kind='spectral'; pass kind='spectral'.$"):
-        PenaltyConfig(iterations=DEFAULTS["iterations"] + 1)
+        PenaltyConfig.from_flat(iterations=DEFAULTS["iterations"] + 1)
     written = {name: DEFAULTS[name] for name in ("target", "one_sided", "power", "p")}
-    assert PenaltyConfig(**HESSIAN, **written) == PenaltyConfig(**HESSIAN)
+    assert PenaltyConfig.from_flat(**HESSIAN, **written) == PenaltyConfig.from_flat(**HESSIAN)
     for name, other in (("target", 1.0), ("one_sided", True), ("power", 1.0), ("p", 1.0)):
         with pytest.raises(ValueError, match="penalizes a variance, not a norm"):
-            PenaltyConfig(**HESSIAN, **{name: other})
+            PenaltyConfig.from_flat(**HESSIAN, **{name: other})
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -180,7 +227,7 @@ def test_an_option_of_another_kind_may_be_written_at_its_default_only() -> None:
 def test_the_hessian_options_are_refused_alike_by_the_config_and_the_function(
         options: dict, message: str) -> None:
     with pytest.raises(ValueError) as by_config:
-        PenaltyConfig(**{**HESSIAN, **options})
+        PenaltyConfig.from_flat(**{**HESSIAN, **options})
     with pytest.raises(ValueError) as by_function:
         hessian_penalty(lambda z: z.square(), torch.randn(3, 2), **options)
     assert str(by_config.value) == str(by_function.value) == message

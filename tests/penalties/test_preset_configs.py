@@ -5,18 +5,18 @@ plain loop compute one penalty."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gradreg.penalties import PRESETS, PenaltyConfig
+from gradreg.penalties import PRESETS
+from gradreg.penalties.config import FLAT
 
 omegaconf = pytest.importorskip("omegaconf")
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "penalty"
-DEFAULTS = {field.name: field.default for field in dataclasses.fields(PenaltyConfig)}
+DEFAULTS = FLAT
 #: What a config may set otherwise: the training loop's lazy interval (the presets compute on
 #: every step, so a plain loop needs no ``due()``; the app's path length recipe is StyleGAN2's 4)
 #: and the model's own submodule names (``intermediate`` has no default layers).

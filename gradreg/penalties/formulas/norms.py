@@ -12,7 +12,7 @@ from torch import Tensor
 from gradreg.autograd import as_tuple
 
 __all__ = ["REDUCE", "NormPenalty", "penalty_from_norms", "per_sample_norm", "per_sample_rows",
-           "safe_pow", "safe_sqrt"]
+           "safe_pow", "safe_sqrt", "squared_norm_penalty"]
 
 
 def per_sample_norm(
@@ -51,6 +51,11 @@ def per_sample_norm(
         norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
             torch.stack(parts), ord=p, dim=0)
     return norm if per_sample else norm[0]
+
+
+def squared_norm_penalty(target: float | str, power: float, p: float) -> bool:
+    """Whether a penalty of these options is the squared 2-norm itself (target 0, power 2)."""
+    return isinstance(target, (int, float)) and target == 0 and power == 2 and p == 2
 
 
 def per_sample_rows(x: Tensor) -> Tensor:

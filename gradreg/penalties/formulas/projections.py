@@ -10,16 +10,16 @@ differentiable by double backward:
   for ``count`` = n orthonormal directions drawn uniformly per sample (default 1);
 * ``"gaussian"``: :math:`g_i = J_i^\top y_i`, :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`.
 
-A new kind of norm is one more entry: a function ``(outputs, inputs, config, loss_scale)`` that
-returns one norm per sample (or one in all for ``points="parameters"``), and its name in
-:data:`~gradreg.penalties.config.PROJECTION_NAMES`.
+A new kind of norm is one more entry: a function ``(outputs, inputs, *, p, squared, order,
+count, per_sample, loss_scale)`` (the norm's options) that returns one norm per sample (or one in
+all without ``per_sample``: ``points="parameters"``); its key is the name the
+:class:`~gradreg.penalties.formulas.options.Norm` takes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,9 +27,6 @@ from torch import Tensor
 from gradreg.autograd import GradientError, gradient, nth_derivative
 from gradreg.penalties.formulas.norms import per_sample_norm, per_sample_rows, safe_sqrt
 from gradreg.penalties.state.loss_scale import LossScale, unscaled
-
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
 
 __all__ = ["DEFAULT_COUNT", "PROJECTIONS", "gradient_norms", "latent_sq_length",
            "projected_sq_norm", "unscaled_vjp"]
@@ -47,7 +44,7 @@ def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tens
 
 
 def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
-                   order: int = 1, per_sample: bool = True,
+                   order: int = 1, count: int | None = None, per_sample: bool = True,
                    loss_scale: LossScale = None) -> Tensor:
     r"""Norms of :math:`\partial^n (\sum f) / \partial x^n`, per sample or one over everything."""
     if order == 1:
@@ -58,18 +55,19 @@ def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squ
     return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
 
 
-def _sum(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
-         loss_scale: LossScale) -> Tensor:
-    return gradient_norms(outputs, inputs, p=config.p, squared=config.squared,
-                          order=config.order, per_sample=config.per_sample,
-                          loss_scale=loss_scale)
+def _orthonormal(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
+                 order: int, count: int | None, per_sample: bool,
+                 loss_scale: LossScale) -> Tensor:
+    sq = projected_sq_norm(outputs, inputs, "orthonormal",
+                           DEFAULT_COUNT if count is None else count, loss_scale)
+    return sq if squared else safe_sqrt(sq)
 
 
-def _random(outputs: Tensor, inputs: tuple[Tensor, ...], config: PenaltyConfig,
-            loss_scale: LossScale) -> Tensor:
-    sq = projected_sq_norm(outputs, inputs, config.projection,
-                           DEFAULT_COUNT if config.count is None else config.count, loss_scale)
-    return sq if config.squared else safe_sqrt(sq)
+def _gaussian(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
+              order: int, count: int | None, per_sample: bool,
+              loss_scale: LossScale) -> Tensor:
+    sq = projected_sq_norm(outputs, inputs, "gaussian", 1, loss_scale)
+    return sq if squared else safe_sqrt(sq)
 
 
 def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: str,
@@ -115,7 +113,7 @@ def latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:
                else per_sample_rows(g).square().sum(1) for g in grads)
 
 
-Norms = Callable[[Tensor, tuple[Tensor, ...], "PenaltyConfig", LossScale], Tensor]
-
+Norms = Callable[..., Tensor]
 #: The projections by name: how each computes the per-sample norms (module docstring).
-PROJECTIONS: dict[str, Norms] = {"sum": _sum, "orthonormal": _random, "gaussian": _random}
+PROJECTIONS: dict[str, Norms] = {"sum": gradient_norms, "orthonormal": _orthonormal,
+                                 "gaussian": _gaussian}

@@ -5,20 +5,50 @@ the same options directly (:func:`~gradreg.penalties.kinds.hessian.hessian_penal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["HESSIAN_REDUCTIONS", "KIND_METHODS", "check_count", "check_hessian_options",
-           "check_iterations", "check_kind_method", "check_step", "finite_number", "require"]
+__all__ = ["HESSIAN_REDUCTIONS", "KIND_METHODS", "Option", "check_count", "check_flag",
+           "check_hessian_options", "check_hessian_values", "check_iterations",
+           "check_kind_method", "check_per_sample_kind", "check_step", "finite_number",
+           "require"]
 
 #: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
 KIND_METHODS = {"spectral": ("double_backward",),
                 "hessian": ("finite_difference", "double_backward")}
 #: The reductions of the Hessian penalty over samples and output units.
 HESSIAN_REDUCTIONS = ("max", "mean")
+
+
+class Option:
+    """The base of the option objects (a norm, a method, a kind): frozen dataclasses that check
+    their own fields when built, each registered under its :attr:`name`. An option object
+    compares equal to its name, so ``config.method == "finite_difference"`` reads as the flat
+    option did; two option objects are equal where their types and fields are."""
+
+    #: The name the object is chosen by in flat options (``method="finite_difference"``).
+    name: ClassVar[str]
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return type(other) is type(self) and other.values() == self.values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.values()))
+
+
+def check_flag(name: str, value: object) -> None:
+    """Refuse a flag that is not a bool (a string ``"false"`` would be true)."""
+    require(isinstance(value, bool), f"{name} is a flag: pass True or False, got {value!r}")
 
 
 def require(condition: bool, message: str) -> None:
@@ -57,6 +87,18 @@ def check_kind_method(kind: str, method: str) -> None:
                                f"{' or '.join(map(repr, methods))}, got method={method!r}")
 
 
+def check_per_sample_kind(kind: str, config: Any) -> None:
+    """Refuse for ``kind`` (``"spectral"``, ``"hessian"``: they run the model on the whole
+    batch) coupled or non-per-sample configurations (``config``: a
+    :class:`~gradreg.penalties.config.PenaltyConfig`)."""
+    norm = config.norm
+    require(getattr(config.method, "chunks", 1) == 1 and norm.projection == "sum"
+            and norm.order == 1 and norm.target != "ema"
+            and config.points not in ("parameters", "activations"),
+            f"kind={kind!r} takes per-sample points other than 'activations', a numeric target, "
+            "projection='sum', order=1 and chunks=1")
+
+
 def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
                           method: str) -> None:
     """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
@@ -65,6 +107,11 @@ def check_hessian_options(*, count: int | None, step: float | None, reduction: s
     ``reduction`` one of :data:`HESSIAN_REDUCTIONS`; ``method`` one of ``KIND_METHODS
     ["hessian"]``. ``None`` leaves ``count`` or ``step`` at its default."""
     check_kind_method("hessian", method)
+    check_hessian_values(count=count, step=step, reduction=reduction)
+
+
+def check_hessian_values(*, count: int | None, step: float | None, reduction: str) -> None:
+    """The values of :func:`check_hessian_options`, the method apart."""
     require(reduction in HESSIAN_REDUCTIONS,
             f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
             f"reduction={reduction!r}")

@@ -1,7 +1,7 @@
 r"""What a penalty penalizes: its ``kind``, chosen once with the method when it is built.
 
 * ``"gradient_norm"``: the per-sample gradient norm of :mod:`gradreg.penalties.mechanism`,
-  computed by the method ``config.method`` (:data:`gradreg.penalties.methods.BUILDERS`);
+  computed by the method ``config.method`` (:data:`gradreg.penalties.methods.METHOD_TYPES`);
 * ``"spectral"``: the per-sample :math:`\hat\sigma_i \approx \sigma_{\max}(\partial f(x_i) /
   \partial x_i)` by ``iterations`` steps of power iteration
   (:func:`~gradreg.penalties.kinds.spectral.spectral_norms`, differentiated through the last
@@ -14,8 +14,9 @@ r"""What a penalty penalizes: its ``kind``, chosen once with the method when it 
   of the callable's outputs at its one input.
 
 Both kinds other than ``"gradient_norm"`` run the model themselves (``outputs`` must be a
-callable). A new kind is one more builder ``(config, penalty) -> method`` in :data:`KIND_BUILDERS`
-(and its name in :data:`gradreg.penalties.config.KINDS`).
+callable). Each kind is an option object (a frozen dataclass that checks its fields, states what
+it supports in ``check(config)`` and builds its computation in ``build(config, penalty)``); a
+new kind is one more such class in :data:`KIND_TYPES`, whose names are :data:`KINDS`.
 
 Batch splitting: per-sample values with a ``"mean"`` (or ``"sum"``) reduction do not depend on
 how a batch is split into micro-batches or DDP ranks (``"spectral"``, and ``"hessian"`` with
@@ -25,22 +26,45 @@ default) is the maximum over the batch at hand, which averaging over ranks does 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from gradreg.penalties.guards.options import Option
 from gradreg.penalties.kinds.hessian import Hessian, HessianPenalty, hessian_penalty
 from gradreg.penalties.kinds.spectral import Spectral, spectral_norms
-from gradreg.penalties.state.call import Method, PenaltyFunctions
 
 if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
+    from gradreg.penalties.state.call import Configuration, Method, PenaltyFunctions
 
-__all__ = ["KIND_BUILDERS", "Hessian", "HessianPenalty", "Spectral", "hessian_penalty",
-           "spectral_norms"]
+__all__ = ["KINDS", "KIND_TYPES", "GradientNorm", "Hessian", "HessianPenalty", "Spectral",
+           "hessian_penalty", "spectral_norms"]
 
 
-#: How each kind other than ``"gradient_norm"`` is built.
-KIND_BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
-    "spectral": lambda config, penalty: Spectral(penalty, config),
-    "hessian": lambda config, penalty: Hessian(config),
-}
+@dataclass(frozen=True, eq=False)
+class GradientNorm(Option):
+    """``kind="gradient_norm"``: the per-sample gradient norm of
+    :mod:`gradreg.penalties.mechanism`, computed by the configuration's method.
+
+    Examples:
+        >>> from gradreg.penalties.kinds import GradientNorm
+        >>> GradientNorm() == "gradient_norm"
+        True
+    """
+
+    name = "gradient_norm"
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> GradientNorm:
+        """From the flat options (none)."""
+        return cls()
+
+    def check(self, config: Configuration) -> None:
+        """Every method computes a gradient norm (each states what else it needs)."""
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return config.method.build(config, penalty)
+
+
+#: The kinds, whose names are the values of the flat option ``kind``.
+KIND_TYPES: tuple[type[Option], ...] = (GradientNorm, Spectral, Hessian)
+KINDS = tuple(kind.name for kind in KIND_TYPES)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,16 +59,20 @@ from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError
 from gradreg.penalties.guards.checks import model_without_in_place_updates
 from gradreg.penalties.guards.coupling import probe_independent_samples
-from gradreg.penalties.guards.options import check_hessian_options
+from gradreg.penalties.guards.options import (
+    Option,
+    check_hessian_options,
+    check_hessian_values,
+    check_kind_method,
+    check_per_sample_kind,
+    require,
+)
 from gradreg.penalties.guards.precision import check_difference_rounding
-from gradreg.penalties.state.call import PenaltyCall
+from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Hessian", "HessianPenalty", "hessian_penalty",
-           "rademacher", "second_directional_derivatives"]
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Hessian", "HessianMethod", "HessianPenalty",
+           "hessian_penalty", "rademacher", "second_directional_derivatives"]
 
 #: The finite difference's step ε where ``step`` is left out (the authors' ``epsilon``).
 DEFAULT_STEP = 0.1
@@ -219,15 +223,67 @@ class HessianPenalty:
         return total
 
 
-class Hessian:
+@dataclass(frozen=True, eq=False)
+class Hessian(Option):
+    """``kind="hessian"``: the Hessian penalty (module docstring) with ``count`` Rademacher
+    directions per sample (>= 2, ``None``: :data:`DEFAULT_COUNT`), the second difference's
+    ``step`` ε (``None``: :data:`DEFAULT_STEP`; by ``method="finite_difference"`` only) and the
+    ``reduction`` ``"max"`` (the authors') or ``"mean"`` over samples and units; by
+    ``method="finite_difference"`` (the authors' central difference) or ``"double_backward"``
+    (exact second directional derivatives).
+
+    Examples:
+        >>> from gradreg.penalties.kinds import Hessian
+        >>> Hessian(count=4, reduction="mean") == "hessian"
+        True
+        >>> Hessian(count=1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: count (random directions per sample) must be an int >= 2 or None ... got 1.
+    """
+
+    name = "hessian"
+
+    count: int | None = None
+    step: float | None = None
+    reduction: str = "max"
+
+    def __post_init__(self) -> None:
+        check_hessian_values(count=self.count, step=self.step, reduction=self.reduction)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Hessian:
+        """From the flat options (``count``, ``step``, ``reduction``)."""
+        return cls(flat["count"], flat["step"], flat["reduction"])
+
+    def check(self, config: Configuration) -> None:
+        """A variance of second derivatives, not a norm: the norm's options at their
+        defaults."""
+        check_kind_method(self.name, config.method.name)
+        check_per_sample_kind(self.name, config)
+        norm = config.norm
+        require(norm.target == 0 and not norm.one_sided and norm.power == 2 and norm.p == 2,
+                "kind='hessian' penalizes a variance, not a norm: target, one_sided, power "
+                "and p do not apply; leave them at their defaults")
+        require(self.step is None or config.method == "finite_difference",
+                f"step sets the step size of method='finite_difference', method='perturbation' "
+                f"and kind='hessian' by finite difference; it does nothing with "
+                f"method={config.method.name!r}, kind='hessian': leave it out")
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return HessianMethod(HessianPenalty(self.count, self.step, self.reduction,
+                                            config.method.name))
+
+
+class HessianMethod:
     """The Hessian penalty of the callable's outputs at its one input. Samples must not
     interact: the model runs at shifted inputs, so a model whose samples are coupled (BatchNorm
     in training mode, which would normalize each shifted batch by its own statistics and update
     the running statistics once per shift; a minibatch standard deviation) is refused on the
     first call (:func:`~gradreg.penalties.guards.coupling.probe_independent_samples`)."""
 
-    def __init__(self, config: PenaltyConfig) -> None:
-        self.penalty = HessianPenalty(config.count, config.step, config.reduction, config.method)
+    def __init__(self, penalty: HessianPenalty) -> None:
+        self.penalty = penalty
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:

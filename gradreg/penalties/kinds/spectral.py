@@ -32,7 +32,8 @@ about a backward).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,14 +44,17 @@ from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.formulas.norms import per_sample_norm
 from gradreg.penalties.guards.checks import check_per_sample, model_without_in_place_updates
 from gradreg.penalties.guards.coupling import probe_independent_samples
-from gradreg.penalties.guards.options import check_iterations
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.guards.options import (
+    Option,
+    check_iterations,
+    check_kind_method,
+    check_per_sample_kind,
+    require,
+)
+from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import Replaying
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
-__all__ = ["Spectral", "power_iteration", "spectral_norms"]
+__all__ = ["Spectral", "SpectralMethod", "power_iteration", "spectral_norms"]
 
 
 def _normalized(parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -108,14 +112,53 @@ def spectral_norms(
     return (u * stretched).reshape(u.shape[0], -1).sum(1)
 
 
-class Spectral:
+@dataclass(frozen=True, eq=False)
+class Spectral(Option):
+    r"""``kind="spectral"``: the per-sample :math:`\hat\sigma_i \approx \sigma_{\max}(J_i)` by
+    ``iterations`` steps of power iteration (:func:`spectral_norms`) in place of
+    :math:`\lVert g_i \rVert` in the penalty of the norms; by double backward.
+
+    Examples:
+        >>> from gradreg.penalties.kinds import Spectral
+        >>> Spectral(iterations=5) == "spectral"
+        True
+        >>> Spectral(iterations=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: iterations must be an int >= 1 (power-iteration steps), got 0.
+    """
+
+    name = "spectral"
+
+    iterations: int = 10
+
+    def __post_init__(self) -> None:
+        check_iterations(self.iterations)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Spectral:
+        """From the flat options (``iterations``)."""
+        return cls(flat["iterations"])
+
+    def check(self, config: Configuration) -> None:
+        """The operator 2-norm of per-sample Jacobians, by double backward."""
+        check_kind_method(self.name, config.method.name)
+        check_per_sample_kind(self.name, config)
+        require(config.norm.p == 2,
+                f"kind='spectral' is the operator 2-norm; got p={config.norm.p!r}")
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return SpectralMethod(penalty, self.iterations, squared=config.norm.squared)
+
+
+class SpectralMethod:
     """Per-sample spectral norms of the input Jacobian, in the penalty of the norms. The
     Jacobian-vector products of the whole batch are per sample only where samples do not
     interact: checked on the first call (:func:`~gradreg.penalties.guards.coupling
     .probe_independent_samples`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
-        self.penalty, self.iterations, self.squared = penalty, config.iterations, config.squared
+    def __init__(self, penalty: PenaltyFunctions, iterations: int, *, squared: bool) -> None:
+        self.penalty, self.iterations, self.squared = penalty, iterations, squared
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:

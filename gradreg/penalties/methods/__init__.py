@@ -33,8 +33,10 @@ an ordinary first-order backward: value and parameter gradient are :math:`P`'s i
 for the memory of the penalty's graph: it is built and differentiated one micro-batch at a time
 (:func:`~gradreg.penalties.methods.chunks.in_chunks`).
 
-A method is chosen once, when the penalty is built (:func:`choose`), as a callable from one
-:class:`PenaltyCall` to the unweighted penalty; :data:`BUILDERS` holds one builder per name.
+Each method is an option object (:data:`METHOD_TYPES`: a frozen dataclass that checks its own
+fields, states what it supports in ``check(config)`` and builds, once per penalty, a callable from
+one :class:`~gradreg.penalties.state.call.PenaltyCall` to the unweighted penalty in
+``build(config, penalty)``); :data:`METHODS`, the names of the flat option ``method``, are theirs.
 Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 
 The helpers of the methods live in their own modules and are importable from here too:
@@ -45,9 +47,7 @@ The helpers of the methods live in their own modules and are importable from her
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
+from gradreg.penalties.guards.options import Option
 from gradreg.penalties.guards.precision import (
     STEPS,
     TF32_ROUNDOFF,
@@ -60,6 +60,7 @@ from gradreg.penalties.methods.double_backward import DoubleBackward, ExactPenal
 from gradreg.penalties.methods.finite_difference import (
     PIECEWISE_LINEAR,
     FiniteDifference,
+    ParameterShift,
     check_smooth,
     finite_difference,
 )
@@ -67,11 +68,9 @@ from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.methods.perturbation import Perturbation, perturbation_sq_norms
 from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
 __all__ = [
-    "BUILDERS",
+    "METHODS",
+    "METHOD_TYPES",
     "PIECEWISE_LINEAR",
     "STEPS",
     "TF32_ROUNDOFF",
@@ -81,6 +80,7 @@ __all__ = [
     "InChunks",
     "Method",
     "ParameterFiniteDifference",
+    "ParameterShift",
     "PenaltyCall",
     "PenaltyFunctions",
     "Perturbation",
@@ -96,17 +96,7 @@ __all__ = [
 ]
 
 
-def _double_backward(config: PenaltyConfig, penalty: PenaltyFunctions) -> Method:
-    if config.chunks > 1:
-        return InChunks(penalty, config.chunks, mean=config.reduction == "mean")
-    return DoubleBackward(penalty)
-
-
-#: How each method is built from the configuration and the penalty's functions.
-BUILDERS: dict[str, Callable[[PenaltyConfig, PenaltyFunctions], Method]] = {
-    "double_backward": _double_backward,
-    "finite_difference": lambda config, penalty: (
-        ParameterFiniteDifference(penalty, config) if config.points == "parameters"
-        else FiniteDifference(penalty, config)),
-    "perturbation": lambda config, penalty: Perturbation(penalty, config),
-}
+#: The methods, whose names are the values of the flat option ``method``
+#: (:class:`ParameterShift` is the form of ``"finite_difference"`` for ``points="parameters"``).
+METHOD_TYPES: tuple[type[Option], ...] = (DoubleBackward, FiniteDifference, Perturbation)
+METHODS = tuple(method.name for method in METHOD_TYPES)

@@ -21,7 +21,9 @@ samples do not interact (:func:`~gradreg.penalties.guards.coupling.check_indepen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from torch import Tensor
 
@@ -33,14 +35,13 @@ from gradreg.penalties.formulas.projections import PROJECTIONS
 from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.guards.compiled import check_not_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.guards.options import Option, require
+from gradreg.penalties.methods.chunks import InChunks
+from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.loss_scale import LossScale
 from gradreg.penalties.state.running_mean import RunningMean
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
-__all__ = ["DoubleBackward", "ExactPenalty"]
+__all__ = ["DoubleBackward", "DoubleBackwardMethod", "ExactPenalty"]
 
 
 class ExactPenalty:
@@ -59,7 +60,7 @@ class ExactPenalty:
         >>> from gradreg.penalties.methods.double_backward import ExactPenalty
         >>> from gradreg.penalties.state.running_mean import RunningMean
         >>> from gradreg.penalties.formulas.norms import NormPenalty
-        >>> config = PenaltyConfig(points="real")
+        >>> config = PenaltyConfig.from_flat(points="real")
         >>> exact = ExactPenalty(config, NormPenalty(target=0.0, squared=True),
         ...                      RunningMean({"ema": torch.zeros(())}, "ema", decay=0.01))
         >>> x = torch.randn(4, 2, requires_grad=True)
@@ -67,9 +68,13 @@ class ExactPenalty:
         tensor(25.)
     """
 
-    def __init__(self, config: PenaltyConfig, of_norms: NormPenalty,
+    def __init__(self, config: Configuration, of_norms: NormPenalty,
                  running_mean: RunningMean) -> None:
         self.config, self.of_norms, self.running_mean = config, of_norms, running_mean
+        norm = config.norm
+        self.norms = partial(PROJECTIONS[norm.projection], p=norm.p, squared=norm.squared,
+                             order=norm.order, count=norm.count, per_sample=config.per_sample)
+        self.target = norm.target
         self._checked = False  # the first call's checks passed
         self._through_sharded = False  # FSDP2 modules in the graph: checked on every call
 
@@ -82,18 +87,63 @@ class ExactPenalty:
                 check_per_sample_losses(outputs)
         if not self._checked or self._through_sharded:
             self._through_sharded = sharding.check_penalty_graph(outputs)
-        norms = PROJECTIONS[config.projection](outputs, inputs, config, loss_scale)
+        norms = self.norms(outputs, inputs, loss_scale=loss_scale)
         if not self._checked:
             check_double_backward(norms, outputs)
-            if config.subsample < 1 or config.chunks > 1:
+            chunks = getattr(config.method, "chunks", 1)
+            if config.subsample < 1 or chunks > 1:
                 check_independent_samples(
-                    outputs, inputs, f"subsample={config.subsample}, chunks={config.chunks}")
+                    outputs, inputs, f"subsample={config.subsample}, chunks={chunks}")
             self._checked = True
-        target = self.running_mean.update(norms) if config.target == "ema" else config.target
+        target = self.running_mean.update(norms) if self.target == "ema" else self.target
         return self.of_norms(norms, target)
 
 
-class DoubleBackward:
+@dataclass(frozen=True, eq=False)
+class DoubleBackward(Option):
+    """``method="double_backward"``: the exact parameter gradient, by differentiating the graph
+    of the input gradient; ``chunks`` micro-batches at a time where ``chunks > 1``
+    (:class:`~gradreg.penalties.methods.chunks.InChunks`: the same gradient, about ``1/chunks``
+    of the penalty graph's peak memory).
+
+    Examples:
+        >>> from gradreg.penalties.methods import DoubleBackward
+        >>> DoubleBackward(chunks=4) == "double_backward"  # an option equals its name
+        True
+        >>> DoubleBackward(chunks=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: chunks must be an int >= 1 (1 = the whole batch at once), got 0.
+    """
+
+    name = "double_backward"
+
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        chunks = self.chunks
+        require(isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1,
+                f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> DoubleBackward:
+        """From the flat options (``chunks``)."""
+        return cls(flat["chunks"])
+
+    def check(self, config: Configuration) -> None:
+        """Refuse chunks of a penalty whose samples are coupled (an ``"ema"`` target, one norm
+        over the parameters)."""
+        require(self.chunks == 1 or (config.norm.numeric_target and config.per_sample),
+                f"chunks={self.chunks} needs method='double_backward', a numeric target (an 'ema' "
+                "target couples the samples) and per-sample points; use chunks=1")
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        if self.chunks > 1:
+            return InChunks(penalty, self.chunks, mean=config.norm.reduction == "mean")
+        return DoubleBackwardMethod(penalty)
+
+
+class DoubleBackwardMethod:
     """Exact: the penalty of the outputs (given, or the callable's), by double backward. The
     callable runs inside :func:`~gradreg.attention.differentiable_attention` (fused attention
     kernels have no double backward)."""

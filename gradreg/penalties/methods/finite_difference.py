@@ -12,7 +12,8 @@ Notation as in :mod:`gradreg.penalties.methods`: per-sample outputs :math:`f_i`,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,14 +24,14 @@ from gradreg.penalties.formulas.norms import per_sample_norm
 from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.guards.options import Option, check_flag, check_step, require
 from gradreg.penalties.guards.precision import default_step, unit_roundoff
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
+from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import Replaying
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
-__all__ = ["PIECEWISE_LINEAR", "FiniteDifference", "check_smooth", "finite_difference"]
+__all__ = ["PIECEWISE_LINEAR", "SHIFTS", "FiniteDifference", "FiniteDifferenceMethod",
+           "ParameterShift", "check_smooth", "finite_difference"]
 
 #: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
 #: abs, max/min): a finite difference across a kink has an O(1) error.
@@ -146,14 +147,65 @@ def check_smooth(outputs: Tensor) -> None:
         )
 
 
-class FiniteDifference:
-    """Exact value, parameter gradient by a finite difference
-    (:func:`~gradreg.penalties.methods.finite_difference.finite_difference`); the model is checked
-    (smooth, samples independent) on the first call. The forward at the shifted points replays
-    the random state of the one at the points (:meth:`PenaltyCall.forward`)."""
+@dataclass(frozen=True, eq=False)
+class FiniteDifference(Option):
+    """``method="finite_difference"``: the exact value, its parameter gradient by the forward
+    difference of :func:`finite_difference` over a shift of length ``step`` in input space
+    (``None``: :func:`~gradreg.penalties.guards.precision.default_step` of the arithmetic); for
+    ``points="parameters"`` its form :class:`~gradreg.penalties.methods.param_gradient
+    .ParameterShift`.
 
-    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
-        self.penalty, self.step, self.losses = penalty, config.step, config.of == "loss"
+    Examples:
+        >>> from gradreg.penalties.methods import FiniteDifference
+        >>> FiniteDifference(step=1e-3).step
+        0.001
+        >>> FiniteDifference(step=-1.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: step (the estimate's step size) must be a number > 0 ... got -1.0.
+    """
+
+    name = "finite_difference"
+
+    step: float | None = None
+
+    def __post_init__(self) -> None:
+        check_step(self.step)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> FiniteDifference:
+        """From the flat options (``step``; for ``points="parameters"``, the
+        :class:`~gradreg.penalties.methods.param_gradient.ParameterShift` of ``step``, ``shift``
+        and ``adaptive``)."""
+        if flat["points"] == "parameters":
+            return ParameterShift.from_flat(flat)
+        return cls(flat["step"])
+
+    def check(self, config: Configuration) -> None:
+        """Refuse what a difference of first derivatives does not compute: another projection
+        or order, an ``"ema"`` target, activations as points."""
+        norm = config.norm
+        require(norm.projection == "sum" and norm.order == 1 and norm.numeric_target
+                and config.points != "activations",
+                f"method={self.name!r} supports projection='sum', order=1, a numeric target and "
+                "per-sample points other than 'activations' (and points='parameters' with "
+                "method='finite_difference'); use method='double_backward'")
+        require(config.points != "parameters" or type(self) is not FiniteDifference,
+                "points='parameters' by finite difference shifts the parameters: pass "
+                "method=ParameterShift(step, shift, adaptive) (the flat options do)")
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return FiniteDifferenceMethod(penalty, self.step, losses=config.of == "loss")
+
+
+class FiniteDifferenceMethod:
+    """Exact value, parameter gradient by a finite difference (:func:`finite_difference`); the
+    model is checked (smooth, samples independent) on the first call. The forward at the
+    shifted points replays the random state of the one at the points
+    (:meth:`PenaltyCall.forward`)."""
+
+    def __init__(self, penalty: PenaltyFunctions, step: float | None, *, losses: bool) -> None:
+        self.penalty, self.step, self.losses = penalty, step, losses
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -161,3 +213,54 @@ class FiniteDifference:
                                   step=self.step, check=not self._checked, losses=self.losses)
         self._checked = True  # only once the check has passed
         return value
+
+
+#: The shift rules of :class:`ParameterShift`: a fixed length ``step`` (``"normalized"``), or
+#: ``step`` times :math:`v` (``"gradient"``).
+SHIFTS = ("normalized", "gradient")
+
+
+@dataclass(frozen=True, eq=False)
+class ParameterShift(FiniteDifference):
+    r"""``method="finite_difference"`` for ``points="parameters"`` (module docstring): the
+    parameters shifted along :math:`v = \partial P/\partial g` by the length ``step``
+    (``shift="normalized"``: :math:`\theta + r\hat v`, GNP, SAM) or by ``step`` times :math:`v`
+    (``shift="gradient"``: :math:`\theta + \epsilon v`, GR, ASAM); ``adaptive``: the norm of
+    :math:`\lvert\theta\rvert \odot g` (ASAM). ``step=None``: the
+    :func:`~gradreg.penalties.guards.precision.default_step` of the loss's arithmetic for a
+    parameter shift (:data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`; times
+    :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR` for ``"gradient"``).
+
+    Examples:
+        >>> from gradreg.penalties.methods import ParameterShift
+        >>> ParameterShift(shift="gradient", adaptive=True) == "finite_difference"
+        True
+        >>> ParameterShift(shift="sideways")
+        Traceback (most recent call last):
+        ...
+        ValueError: shift must be one of ('normalized', 'gradient'), got 'sideways'.
+    """
+
+    shift: str = "normalized"
+    adaptive: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.shift in SHIFTS, f"shift must be one of {SHIFTS}, got {self.shift!r}")
+        check_flag("adaptive", self.adaptive)
+
+    def check(self, config: Configuration) -> None:
+        super().check(config)
+        require(config.points == "parameters",
+                f"shift and adaptive set how param_grad_norm by method='finite_difference' "
+                f"shifts the parameters; they do nothing with points={config.points!r}: pass "
+                "points='parameters'")
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> ParameterShift:
+        """From the flat options (``step``, ``shift``, ``adaptive``)."""
+        return cls(flat["step"], flat["shift"], flat["adaptive"])
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return ParameterFiniteDifference(penalty, config, step=self.step, shift=self.shift,
+                                         adaptive=self.adaptive)

@@ -93,8 +93,7 @@ from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-    from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+    from gradreg.penalties.state.call import Configuration, PenaltyCall, PenaltyFunctions
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
            "adaptive_norm_terms", "shift_length", "trainable"]
@@ -260,17 +259,16 @@ def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bo
 class ParameterFiniteDifference:
     """The method (module docstring) of the penalty ``penalty`` configured by ``config``: value
     :math:`P(g)` exact, its parameter gradient :math:`H v` by a difference of gradients over a
-    shift of ``config.shift``'s rule with ``config.step`` (``None``: the
-    :func:`~gradreg.penalties.guards.precision.default_step` of the loss's arithmetic for a
-    parameter
-    shift, :data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`)."""
+    shift of the rule ``shift`` with ``step``, of the adaptive norm where ``adaptive``
+    (:class:`~gradreg.penalties.methods.finite_difference.ParameterShift`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
-        self.penalty, self.step, self.p, self.squared = (penalty, config.step, config.p,
-                                                         config.squared)
-        self.shift, self.gain, self.adaptive = config.shift, config.gain, config.adaptive
+    def __init__(self, penalty: PenaltyFunctions, config: Configuration, *, step: float | None,
+                 shift: str, adaptive: bool) -> None:
+        norm = config.norm
+        self.penalty, self.step, self.p, self.squared = penalty, step, norm.p, norm.squared
+        self.shift, self.gain, self.adaptive = shift, config.gain, adaptive
         # P(n) = n (target 0, power 1): P'(n) = 1
-        self.linear = config.target == 0 and config.power == 1 and not config.squared
+        self.linear = norm.target == 0 and norm.power == 1 and not norm.squared
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
         self._buffers = KeptBuffers(WHAT)
 

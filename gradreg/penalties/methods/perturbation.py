@@ -55,7 +55,8 @@ not their distribution).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,14 +65,13 @@ from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
+from gradreg.penalties.guards.options import Option, check_count, check_flag, check_step, require
 from gradreg.penalties.guards.precision import check_difference_rounding
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
-if TYPE_CHECKING:
-    from gradreg.penalties.config import PenaltyConfig
-
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Perturbation", "perturbation_sq_norms"]
+__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Perturbation", "PerturbationMethod",
+           "perturbation_sq_norms"]
 
 #: The probe's scale σ per element (``step``), Seaweed APT's ``sigma = 0.01``.
 DEFAULT_STEP = 0.01
@@ -173,7 +173,59 @@ def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:
     return draw.to(x.dtype)
 
 
-class Perturbation:
+@dataclass(frozen=True, eq=False)
+class Perturbation(Option):
+    r"""``method="perturbation"``: the squared per-sample norms estimated from ``count``
+    perturbed forwards per sample of scale ``step`` (σ), central differences with
+    ``central`` (:func:`perturbation_sq_norms`), no double backward; only for squared norms with
+    target 0 (R1, R2, double backprop, the Jacobian). ``None``: the defaults
+    (:data:`DEFAULT_STEP`, :data:`DEFAULT_COUNT`).
+
+    Examples:
+        >>> from gradreg.penalties.methods import Perturbation
+        >>> Perturbation(step=0.01, count=4, central=True).count
+        4
+        >>> Perturbation(central="yes")
+        Traceback (most recent call last):
+        ...
+        ValueError: central is a flag: pass True or False, got 'yes'.
+    """
+
+    name = "perturbation"
+
+    step: float | None = None
+    count: int | None = None
+    central: bool = False
+
+    def __post_init__(self) -> None:
+        check_step(self.step)
+        check_count(self.count)
+        check_flag("central", self.central)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Perturbation:
+        """From the flat options (``step``, ``count``, ``central``)."""
+        return cls(flat["step"], flat["count"], flat["central"])
+
+    def check(self, config: Configuration) -> None:
+        """Refuse what the estimate does not compute: norms that are not squared with target 0,
+        higher orders, the Gaussian projection, points without per-sample rows."""
+        norm = config.norm
+        require(config.kind == "gradient_norm" and norm.squared and norm.order == 1
+                and norm.projection in ("sum", "orthonormal")
+                and config.points not in ("parameters", "activations"),
+                "method='perturbation' estimates squared per-sample norms with target 0 (R1, "
+                "R2, double backprop, the Jacobian: target=0, power=2, p=2, order=1, per-sample "
+                "points other than 'activations'); for other penalties use "
+                "method='double_backward' or 'finite_difference'")
+
+    def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
+        return PerturbationMethod(penalty, DEFAULT_STEP if self.step is None else self.step,
+                                  DEFAULT_COUNT if self.count is None else self.count,
+                                  central=self.central, losses=config.of == "loss")
+
+
+class PerturbationMethod:
     """The squared norms estimated from perturbed forwards
     (:func:`~gradreg.penalties.methods.perturbation.perturbation_sq_norms`), no double backward; the
     forward at the points themselves is the callable's (a
@@ -181,13 +233,10 @@ class Perturbation:
     and the random state their forward began with, which the perturbed forwards replay). Samples
     are checked independent on the first call (coupled samples are refused)."""
 
-    def __init__(self, penalty: PenaltyFunctions, config: PenaltyConfig) -> None:
+    def __init__(self, penalty: PenaltyFunctions, step: float, count: int, *, central: bool,
+                 losses: bool) -> None:
         self.penalty = penalty
-        self.options = {
-            "step": DEFAULT_STEP if config.step is None else config.step,
-            "central": config.central,
-            "count": DEFAULT_COUNT if config.count is None else config.count,
-            "losses": config.of == "loss"}
+        self.options = {"step": step, "central": central, "count": count, "losses": losses}
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:

@@ -8,13 +8,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from gradreg.penalties.state.loss_scale import LossScale
 from gradreg.penalties.state.randomness import SharedForward
 
-__all__ = ["Method", "PenaltyCall", "PenaltyFunctions"]
+__all__ = ["Configuration", "Method", "PenaltyCall", "PenaltyFunctions"]
+
+
+class Configuration(Protocol):
+    """What the methods and the kinds read of a penalty's configuration (a
+    :class:`~gradreg.penalties.config.PenaltyConfig`, which is built from them): its norm
+    (:class:`~gradreg.penalties.formulas.options.Norm`), method and kind objects, and the
+    options of the penalty as a whole."""
+
+    norm: Any
+    method: Any
+    kind: Any
+    points: str
+    of: str
+    gain: float
+    subsample: float
+
+    @property
+    def per_sample(self) -> bool: ...
 
 
 @dataclass(frozen=True)
