@@ -63,7 +63,7 @@ class PenaltyBaseline(pl.Callback):
                 f"PenaltyBaseline evaluates gradient-norm penalties at a classifier's inputs "
                 f"with a fixed target (points='inputs', kind='gradient_norm', order 1, "
                 f"projection 'sum', e.g. double_backprop); {name!r} has points="
-                f"{penalty.config.points!r}, kind={penalty.config.kind!r}, projection="
+                f"{penalty.config.points!r}, kind={penalty.config.kind.name!r}, projection="
                 f"{penalty.config.projection!r}, target={penalty.config.target!r}.")
         self.penalty, self.name = penalty, name
         self.every_n_steps = every_n_steps
