@@ -107,3 +107,14 @@ def test_a_per_sample_penalty_is_the_mean_over_the_accumulated_batch(tmp_path) -
         grads.append(record.grads[0])
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_a_lazy_penalty_counts_optimizer_steps(tmp_path) -> None:
+    """``due()`` once per optimizer step: 2 steps of 2 micro-batches are 2 steps taken (4 would
+    count micro-batches), and with ``every=2`` the second step computes no penalty."""
+    trainer = PenalizedTrainer(model=tiny_gpt2(), train_dataset=Tokens(8),
+                               args=arguments(tmp_path, gradient_accumulation_steps=2),
+                               penalties={"db": double_backprop(0.1, every=2)})
+    trainer.train()
+    assert trainer.penalties["db"].steps_taken == 2
+    assert trainer.penalty_values == {}
