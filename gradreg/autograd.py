@@ -135,9 +135,10 @@ def gradient(
             or a graph already freed by an earlier backward. Torch's message is kept as the cause.
     """
     single = isinstance(inputs, Tensor)
-    inputs_t = as_tuple(inputs)
-    outputs_t = as_tuple(outputs)
-    grad_outputs_t = None if grad_outputs is None else as_tuple(grad_outputs)
+    inputs_t = (inputs,) if single else tuple(inputs)
+    outputs_t = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    grad_outputs_t = (None if grad_outputs is None else (grad_outputs,)
+                      if isinstance(grad_outputs, Tensor) else tuple(grad_outputs))
     _check_inputs(inputs_t)
     _check_outputs(outputs_t, grad_outputs_t)
     try:
@@ -158,14 +159,15 @@ def gradient(
                 f"Torch said: {err}"
             ) from err
         raise
-    unused = [i for i, g in enumerate(grads) if g is None]
-    if unused:
-        shapes = ", ".join(f"input {i} (shape {tuple(inputs_t[i].shape)})" for i in unused)
-        raise GradientError(
-            f"the outputs do not depend on {shapes}: it is not in their graph. Differentiate "
-            "against the tensor that was actually fed to the model (not a copy made before or "
-            "after the forward pass), or drop it from the inputs."
-        )
+    for g in grads:  # a loop, not a comprehension: no call on the way of every penalty
+        if g is None:
+            unused = [i for i, g in enumerate(grads) if g is None]
+            shapes = ", ".join(f"input {i} (shape {tuple(inputs_t[i].shape)})" for i in unused)
+            raise GradientError(
+                f"the outputs do not depend on {shapes}: it is not in their graph. "
+                "Differentiate against the tensor that was actually fed to the model (not a "
+                "copy made before or after the forward pass), or drop it from the inputs."
+            )
     return grads[0] if single else grads
 
 

@@ -38,7 +38,7 @@ one validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
 **Adding a method.** How the parameter gradient is computed is an option object, built once
 with the penalty (``config.kind.build``, which for the gradient norm hands over to
 ``config.method.build``); :meth:`GradientPenalty.forward` checks that the penalty is due, builds
-one checked :class:`~gradreg.penalties.state.call.PenaltyCall` (the points subsampled), calls
+one checked :class:`~gradreg.penalties.call.PenaltyCall` (the points subsampled), calls
 the built method once with it, rescales a sum over a subsample to the whole batch and weights
 the result. A new method needs no change here:
 
@@ -50,20 +50,23 @@ the result. A new method needs no change here:
    a numeric target, per-sample points and ``outputs`` as a callable), and
    ``build(config, penalty)``;
 2. ``build`` returns a callable from a ``PenaltyCall`` to the unweighted penalty, made from the
-   penalty's :class:`~gradreg.penalties.state.call.PenaltyFunctions` (``exact``: the penalty of
+   penalty's :class:`~gradreg.penalties.call.PenaltyFunctions` (``exact``: the penalty of
    per-sample outputs by double backward, an
    :class:`~gradreg.penalties.methods.double_backward.ExactPenalty` that holds its own first-call
    checks and the running mean of ``target="ema"``; ``of_gradients``: the penalty as a function
    of the per-sample input gradients, and ``of_norms`` of the norms), whose parameter gradient
    is the method's (a value computed ahead of the caller's backward reaches it through
-   :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate); a method
-   that runs the model more than once per call runs every forward through one
-   :class:`~gradreg.penalties.state.randomness.Replaying` of ``call.forward()`` (one set of
-   random draws: dropout's mask) and probes coupled samples on its first call
+   :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate). It
+   gets the outputs at the points from the call, checked once: ``call.evaluate()`` (given, or
+   the callable's), or, to run the model more than once, ``call.forward(what)``, one
+   :class:`~gradreg.penalties.state.randomness.Replaying` whose forwards all draw the random
+   numbers of the first (dropout's mask; a ``SharedForward`` hands back the caller's outputs
+   and their state); it probes coupled samples on its first call
    (:mod:`~gradreg.penalties.guards.coupling`);
 3. add the class to :data:`~gradreg.penalties.methods.METHOD_TYPES` (the names of the option
-   ``method`` are derived from it) and route its flat options in
-   :meth:`PenaltyConfig.from_flat <gradreg.penalties.config.PenaltyConfig.from_flat>`;
+   ``method`` are derived from it) and give it ``from_flat(flat)``, its part of the flat
+   options (:meth:`PenaltyConfig.from_flat <gradreg.penalties.config.PenaltyConfig.from_flat>`
+   refuses a flat option no chosen object takes);
 4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
    and give it a row in the benchmark.
 
@@ -79,25 +82,26 @@ of :data:`~gradreg.penalties.formulas.norms.REDUCE` (the names the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, as_tuple
+from gradreg.penalties.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.config import POINTS, RENAMED, PenaltyConfig
 from gradreg.penalties.formulas.norms import (
     NormPenalty,
+    gradient_norms,
     penalty_from_norms,
     per_sample_norm,
     squared_norm_penalty,
 )
-from gradreg.penalties.formulas.projections import gradient_norms
-from gradreg.penalties.guards.checks import check_per_sample, check_points
+from gradreg.penalties.guards.checks import check_outputs, check_points
 from gradreg.penalties.guards.finite import FiniteCheck
 from gradreg.penalties.guards.options import finite_number, require
 from gradreg.penalties.methods import ExactPenalty, subsample
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.running_mean import RunningMean
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
@@ -137,7 +141,8 @@ def gradient_penalty(
         tensor([16., 16., 16., 16., 16., 16.])
     """
     inputs = as_tuple(inputs)
-    check_per_sample(outputs, inputs)
+    check_points(inputs)
+    check_outputs(outputs, inputs)
     squared = squared_norm_penalty(target, power, p)
     norms = gradient_norms(outputs, inputs, p=p, squared=squared)
     return penalty_from_norms(norms, target=target, one_sided=one_sided, power=power,
@@ -196,6 +201,12 @@ class GradientPenalty(nn.Module):
             self._exact, self._of_norms.of_gradients, self._of_norms))
         self.last_value: Tensor | None = None
         self.finite_check = FiniteCheck()
+        # what each call reads of the configuration, read once here
+        self._lazy, self._per_sample = config.every > 1, config.per_sample
+        self._needs_callable, self._losses = config.needs_callable, config.of == "loss"
+        self._scalable = config.method == "double_backward" and config.kind == "gradient_norm"
+        self._sum_of_subsample = config.subsample < 1 and norm.reduction == "sum"
+        self._factor, self._check_finite = config.every * config.gain, config.check_finite
 
     def __getattr__(self, name: str) -> Any:
         if name in _OPTIONS:
@@ -315,49 +326,53 @@ class GradientPenalty(nn.Module):
         batch first and not differentiated (the labels of a per-sample loss), called as
         ``fn(*points, *fn_args)`` and subsampled or split into ``chunks`` with the points.
         """
-        self._check_due()
-        inputs = as_tuple(inputs)
+        if self._lazy:
+            self._check_due()
+        inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         call = self._call(outputs, inputs, loss_scale, tuple(fn_args))
         value = self._method(call)
-        value = self._unsubsampled(value, inputs[0], call.inputs[0])
+        kept = call.inputs[0]
+        if self._sum_of_subsample and kept.ndim > 0 and kept.shape[0] < inputs[0].shape[0]:
+            value = value * (inputs[0].shape[0] / kept.shape[0])  # to the whole batch's sum
         return self._weighted(value, call)
 
     def _call(self, outputs: Tensor | Callable[..., Tensor], inputs: tuple[Tensor, ...],
               loss_scale: float | Tensor | None,
               fn_args: tuple[Tensor, ...]) -> PenaltyCall:
-        """The call, checked, with the points (and ``fn_args``) subsampled."""
+        """The call, its points checked, with the points (and ``fn_args``) subsampled and the
+        check of its outputs bound to them."""
         config, fn = self.config, None if isinstance(outputs, Tensor) else outputs
-        check_points(inputs, outputs if fn is None else None, per_sample=config.per_sample)
-        require(fn is not None or not fn_args, "fn_args need outputs as a callable")
-        require(fn is not None or not config.needs_callable,
-                f"method={config.method.name!r}, kind={config.kind.name!r}, subsample="
-                f"{config.subsample} and chunks={config.chunks} need outputs as a callable "
-                "fn(*inputs) -> outputs (e.g. the critic itself, called on the points), not a "
-                "tensor")
-        require(loss_scale is None or (config.method == "double_backward"
-                                       and config.kind == "gradient_norm"),
+        check_points(inputs, per_sample=self._per_sample)
+        if fn is None and (fn_args or self._needs_callable):
+            self._refuse_tensor(fn_args)
+        if loss_scale is not None and not self._scalable:
+            raise ValueError(
                 f"loss_scale is only supported by method='double_backward' of the gradient norm "
                 f"(got method={config.method.name!r}, kind={config.kind.name!r}): run this "
-                "penalty outside fp16 autocast, in float32")
-        if fn is None:
-            return PenaltyCall(inputs, outputs=outputs, loss_scale=loss_scale)
-        both = subsample(inputs + fn_args, config.subsample)
-        return PenaltyCall(both[:len(inputs)], fn=fn, fn_args=both[len(inputs):],
-                           loss_scale=loss_scale)
+                "penalty outside fp16 autocast, in float32.")
+        if fn is not None:
+            both = subsample(inputs + fn_args, config.subsample)
+            inputs, fn_args = both[:len(inputs)], both[len(inputs):]
+        check = partial(check_outputs, inputs=inputs, per_sample=self._per_sample,
+                        losses=self._losses)
+        return PenaltyCall(inputs, check, outputs=None if fn else outputs, fn=fn,
+                           fn_args=fn_args, loss_scale=loss_scale)
 
-    def _unsubsampled(self, value: Tensor, batch: Tensor, kept: Tensor) -> Tensor:
-        """A sum over the subsample ``kept`` of ``batch``, rescaled to the whole batch (a mean
-        needs nothing)."""
-        if self.config.norm.reduction == "sum" and kept.ndim > 0 and kept.shape[0] < batch.shape[0]:
-            return value * (batch.shape[0] / kept.shape[0])
-        return value
+    def _refuse_tensor(self, fn_args: tuple[Tensor, ...]) -> None:
+        """Refuse outputs given as a tensor where the call needs the callable."""
+        config = self.config
+        require(not fn_args, "fn_args need outputs as a callable")
+        require(False, f"method={config.method.name!r}, kind={config.kind.name!r}, subsample="
+                       f"{config.subsample} and chunks={config.chunks} need outputs as a "
+                       "callable fn(*inputs) -> outputs (e.g. the critic itself, called on the "
+                       "points), not a tensor")
 
     def _weighted(self, value: Tensor, call: PenaltyCall) -> Tensor:
         """weight * every * gain * value; the value kept, and checked finite where asked."""
-        factor = self.weight * self.config.every * self.config.gain
+        factor = self._weight * self._factor
         weighted = value * factor
         self.last_value = value.detach()
-        if self.config.check_finite and call.loss_scale is None:
+        if self._check_finite and call.loss_scale is None:
             self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted

@@ -11,12 +11,12 @@ from torch import Tensor, nn
 from gradreg.autograd import GradientError
 from gradreg.penalties import GradientPenalty, PenaltyConfig, kinds, make_penalty, methods
 from gradreg.penalties import config as config_module
+from gradreg.penalties.call import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas import projections
 from gradreg.penalties.formulas.options import Norm
 from gradreg.penalties.guards.options import Option, require
 from gradreg.penalties.kinds import hessian as hessian_penalty_module
 from gradreg.penalties.kinds.hessian import hessian_penalty
-from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
 from tests.penalties.parameter_gradients import value_and_grad
 
 

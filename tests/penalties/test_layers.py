@@ -2,10 +2,11 @@
 
 Presets (``presets``, the package's ``__init__``) -> the mechanism (``mechanism``, ``config``,
 ``two_pass``, ``accumulation``) -> how a penalty is computed (``methods/``) and what it
-penalizes (``kinds/``) -> the formulas (``formulas/``), the checks (``guards/``) and what a call
-carries (``state/``). Every import of one module of the package by another is read from the
-source (``ast``, the imports under ``TYPE_CHECKING`` included): none points to a higher layer,
-and the modules form no cycle.
+penalizes (``kinds/``) -> one call of a penalty as they see it (``call``) -> the formulas
+(``formulas/``), the checks (``guards/``) and the state a call carries (``state/``). Every
+import of one module of the package by another is read from the source (``ast``, the imports
+under ``TYPE_CHECKING`` included): none points to a higher layer, and the modules form no
+cycle.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ ROOT = Path(gradreg.penalties.__file__).parent
 PACKAGE = "gradreg.penalties"
 #: Each top-level module or sub-package of gradreg.penalties and its layer (higher imports lower).
 LAYERS = {
-    "__init__": 3, "presets": 3,
-    "mechanism": 2, "config": 2, "two_pass": 2, "accumulation": 2,
-    "methods": 1, "kinds": 1,
+    "__init__": 4, "presets": 4,
+    "mechanism": 3, "config": 3, "two_pass": 3, "accumulation": 3,
+    "methods": 2, "kinds": 2,
+    "call": 1,
     "formulas": 0, "guards": 0, "state": 0,
 }
 
@@ -80,7 +82,7 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_point_down_only_annotations_included() -> None:
-    """The methods and kinds read a configuration through the protocol of ``state.call``
+    """The methods and kinds read a configuration through the protocol of ``call``
     (``Configuration``), not the class above them."""
     assert upward(imports(typing=False)) == upward(imports()) == []
 
@@ -98,7 +100,7 @@ def test_no_import_cycle_between_modules_or_sub_packages() -> None:
 
 
 def test_the_methods_and_the_kinds_do_not_import_each_other() -> None:
-    """Both stand on the protocol of one call (``state.call``), not on each other."""
+    """Both stand on the protocol of one call (``call``), not on each other."""
     graph = imports()
     crossing = sorted(f"{name} -> {t}" for name, targets in graph.items() for t in targets
                       if {unit(name), unit(t)} == {"methods", "kinds"})

@@ -9,10 +9,45 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradreg.autograd import as_tuple
+from gradreg.autograd import gradient, nth_derivative
+from gradreg.penalties.state.loss_scale import LossScale, unscaled
 
-__all__ = ["REDUCE", "NormPenalty", "penalty_from_norms", "per_sample_norm", "per_sample_rows",
-           "safe_pow", "safe_sqrt", "squared_norm_penalty"]
+__all__ = [
+    "REDUCE",
+    "NormPenalty",
+    "penalty_from_norms",
+    "per_sample_norm",
+    "per_sample_rows",
+    "safe_pow",
+    "safe_sqrt",
+    "squared_norm_penalty",
+    "unscaled_vjp",
+]
+
+
+def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
+                 loss_scale: LossScale) -> tuple[Tensor, ...]:
+    """``gradient(outputs, inputs, grad_outputs)``, under a loss scale taken scaled and unscaled
+    (:func:`~gradreg.penalties.state.loss_scale.unscaled`)."""
+    return unscaled(lambda value: gradient(value, inputs, grad_outputs=grad_outputs), outputs,
+                    loss_scale)
+
+
+def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
+                   order: int = 1, count: int | None = None, per_sample: bool = True,
+                   loss_scale: LossScale = None) -> Tensor:
+    r"""Norms of :math:`g = \partial^n (\sum f) / \partial x^n`, per sample or one over
+    everything (the ``"sum"`` projection; ``count`` does not apply), built with
+    ``create_graph=True``; under a loss scale :math:`s` the gradient of :math:`s \sum f` times
+    :math:`1/s` (:func:`~gradreg.penalties.state.loss_scale.unscaled`)."""
+    if order == 1 and loss_scale is None:
+        grads = gradient(outputs, inputs, grad_outputs=torch.ones_like(outputs))
+    elif order == 1:
+        grads = unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
+    else:
+        grads = unscaled(lambda value: tuple(nth_derivative(value, x, order) for x in inputs),
+                         outputs, loss_scale)
+    return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
 
 
 def per_sample_norm(
@@ -37,10 +72,16 @@ def per_sample_norm(
         >>> per_sample_norm(g), per_sample_norm(g, squared=True), per_sample_norm(g, p=1)
         (tensor([5., 0.]), tensor([25.,  0.]), tensor([7., 0.]))
     """
-    grads = as_tuple(grads)
-    flat = [per_sample_rows(g) if per_sample else g.reshape(1, -1) for g in grads]
+    # loops, not comprehensions: this runs on every penalty call
+    flat = []
+    for g in (grads,) if isinstance(grads, Tensor) else grads:
+        flat.append(g.reshape(g.shape[0] if g.ndim else 1, -1) if per_sample
+                    else g.reshape(1, -1))  # per_sample_rows
     if p == 2:
-        sq = sum(f.square().sum(1) for f in flat)
+        sq = None
+        for f in flat:
+            part = f.square().sum(1)
+            sq = part if sq is None else sq + part
         if squared:
             return sq if per_sample else sq[0]
         norm = safe_sqrt(sq)

@@ -24,35 +24,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gradreg.autograd import GradientError, gradient, nth_derivative
-from gradreg.penalties.formulas.norms import per_sample_norm, per_sample_rows, safe_sqrt
-from gradreg.penalties.state.loss_scale import LossScale, unscaled
+from gradreg.autograd import GradientError
+from gradreg.penalties.formulas.norms import (
+    gradient_norms,
+    per_sample_norm,
+    per_sample_rows,
+    safe_sqrt,
+    unscaled_vjp,
+)
+from gradreg.penalties.state.loss_scale import LossScale
 
-__all__ = ["DEFAULT_COUNT", "PROJECTIONS", "gradient_norms", "latent_sq_length",
-           "projected_sq_norm", "unscaled_vjp"]
+__all__ = ["DEFAULT_COUNT", "PROJECTIONS", "latent_sq_length",
+           "projected_sq_norm"]
 
 #: Orthonormal projections per sample where ``count`` is left out.
 DEFAULT_COUNT = 1
-
-
-def unscaled_vjp(outputs: Tensor, inputs: tuple[Tensor, ...], grad_outputs: Tensor,
-                 loss_scale: LossScale) -> tuple[Tensor, ...]:
-    """``gradient(outputs, inputs, grad_outputs)``, under a loss scale taken scaled and unscaled
-    (:func:`~gradreg.penalties.state.loss_scale.unscaled`)."""
-    return unscaled(lambda value: gradient(value, inputs, grad_outputs=grad_outputs), outputs,
-                    loss_scale)
-
-
-def gradient_norms(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
-                   order: int = 1, count: int | None = None, per_sample: bool = True,
-                   loss_scale: LossScale = None) -> Tensor:
-    r"""Norms of :math:`\partial^n (\sum f) / \partial x^n`, per sample or one over everything."""
-    if order == 1:
-        grads = unscaled_vjp(outputs, inputs, torch.ones_like(outputs), loss_scale)
-    else:
-        grads = unscaled(lambda value: tuple(nth_derivative(value, x, order) for x in inputs),
-                         outputs, loss_scale)
-    return per_sample_norm(grads, p, squared=squared, per_sample=per_sample)
 
 
 def _orthonormal(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,

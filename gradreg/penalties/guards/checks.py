@@ -19,8 +19,7 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 
-__all__ = ["check_per_sample", "check_per_sample_losses", "check_points",
-           "model_without_in_place_updates"]
+__all__ = ["check_outputs", "check_points", "model_without_in_place_updates"]
 
 
 @contextmanager
@@ -43,15 +42,15 @@ def model_without_in_place_updates(what: str) -> Iterator[None]:
         ) from err
 
 
-def check_points(inputs: tuple[Tensor, ...], outputs: Tensor | None = None, *,
-                 per_sample: bool = True) -> None:
+def check_points(inputs: tuple[Tensor, ...], *, per_sample: bool = True) -> None:
     """Raise :class:`~gradreg.GradientError` for points a penalty would silently get wrong: the
     same tensor twice (its gradient would be counted twice: the penalty of ``[a, a]`` is that
-    of ``a`` with the gradient doubled), complex points or outputs (the "penalty" would be
-    complex), and, per sample, points of different batch sizes (torch would broadcast a batch
-    of one against the others)."""
+    of ``a`` with the gradient doubled), complex points (the "penalty" would be complex), and,
+    per sample, points of different batch sizes (torch would broadcast a batch of one against
+    the others)."""
     if not inputs:
         raise GradientError("no points given: pass the tensor(s) to differentiate against.")
+    sizes = []
     for i, x in enumerate(inputs):
         if not isinstance(x, Tensor):
             raise GradientError(f"point {i} is a {type(x).__name__}, not a tensor: pass the "
@@ -66,12 +65,7 @@ def check_points(inputs: tuple[Tensor, ...], outputs: Tensor | None = None, *,
                 raise GradientError(
                     f"points {j} and {i} are the same tensor: its gradient would be counted "
                     "twice. Pass each point once.")
-    if outputs is not None and outputs.is_complex():
-        raise GradientError(
-            f"the outputs are complex ({outputs.dtype}): a penalty differentiates real "
-            "per-sample values. Penalize a real function of them (outputs.abs(), or "
-            "torch.view_as_real(outputs)).")
-    sizes = [x.shape[0] if x.ndim > 0 else 1 for x in inputs]
+        sizes.append(x.shape[0] if x.ndim > 0 else 1)
     if per_sample and len(set(sizes)) > 1:
         raise GradientError(
             f"the points have batch sizes {sizes}: every point of a per-sample penalty is one "
@@ -79,11 +73,22 @@ def check_points(inputs: tuple[Tensor, ...], outputs: Tensor | None = None, *,
             "others, mixing samples). Pass points of the same batch size.")
 
 
-def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:
-    """Raise :class:`~gradreg.GradientError` for an empty batch, or for ``outputs`` that are not
-    one row per sample of the points ``inputs`` (a scalar such as ``D(x).mean()``, or another
-    batch size), and for the points :func:`check_points` refuses."""
-    check_points(inputs, outputs)
+def check_outputs(outputs: Tensor, inputs: tuple[Tensor, ...], *, per_sample: bool = True,
+                  losses: bool = False) -> None:
+    """Raise :class:`~gradreg.GradientError` for outputs a penalty would silently get wrong:
+    complex outputs; with ``per_sample``, an empty batch, or outputs that are not one row per
+    sample of the points ``inputs`` (a scalar such as ``D(x).mean()``, or another batch size);
+    with ``losses`` (a penalty of per-sample losses, ``of="loss"``), more than one value per
+    sample, such as logits ``[B, C]`` (the penalty would differentiate their sum over the
+    classes, not the loss). The one check of the outputs of a penalty call, run once per call
+    (:meth:`~gradreg.penalties.call.PenaltyCall.checked`)."""
+    if outputs.is_complex():
+        raise GradientError(
+            f"the outputs are complex ({outputs.dtype}): a penalty differentiates real "
+            "per-sample values. Penalize a real function of them (outputs.abs(), or "
+            "torch.view_as_real(outputs)).")
+    if not per_sample:
+        return
     batch = inputs[0].shape[0] if inputs[0].ndim > 0 else 1
     if batch == 0 or (outputs.ndim > 0 and outputs.shape[0] == 0):
         raise GradientError(
@@ -112,13 +117,7 @@ def check_per_sample(outputs: Tensor, inputs: tuple[Tensor, ...]) -> None:
             f"{batch} samples: pass the per-sample outputs, one row per sample ([{batch}] or "
             f"[{batch}, ...]), e.g. D(x) rather than D(x).mean()."
         )
-
-
-def check_per_sample_losses(outputs: Tensor) -> None:
-    """Raise :class:`~gradreg.GradientError` for the outputs of a penalty of per-sample losses
-    (``of="loss"``) that hold more than one value per sample, such as logits ``[B, C]``: the
-    penalty would differentiate their sum over the classes, not the loss."""
-    if outputs.ndim > 1 and outputs[0].numel() > 1:
+    if losses and outputs.ndim > 1 and outputs[0].numel() > 1:
         raise GradientError(
             f"the outputs have shape {tuple(outputs.shape)}, but this penalty is of per-sample "
             f"losses (of='loss'), one per sample ([{outputs.shape[0]}]): given logits or other "

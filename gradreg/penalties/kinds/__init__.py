@@ -34,7 +34,7 @@ from gradreg.penalties.kinds.hessian import Hessian, HessianPenalty, hessian_pen
 from gradreg.penalties.kinds.spectral import Spectral, spectral_norms
 
 if TYPE_CHECKING:
-    from gradreg.penalties.state.call import Configuration, Method, PenaltyFunctions
+    from gradreg.penalties.call import Configuration, Method, PenaltyFunctions
 
 __all__ = ["KINDS", "KIND_TYPES", "GradientNorm", "Hessian", "HessianPenalty", "Spectral",
            "hessian_penalty", "spectral_norms"]

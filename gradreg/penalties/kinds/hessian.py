@@ -57,6 +57,7 @@ from torch.func import jvp
 
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError
+from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.guards.checks import model_without_in_place_updates
 from gradreg.penalties.guards.coupling import probe_independent_samples
 from gradreg.penalties.guards.options import (
@@ -68,7 +69,6 @@ from gradreg.penalties.guards.options import (
     require,
 )
 from gradreg.penalties.guards.precision import check_difference_rounding
-from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
 __all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Hessian", "HessianMethod", "HessianPenalty",
@@ -204,7 +204,7 @@ class HessianPenalty:
                 f"directions have shape {tuple(directions.shape)}; expected [count, *z.shape] = "
                 f"{[count, *z.shape]}."
             )
-        forward = Replaying(
+        forward = Replaying.of(
             fn if outputs is None else SharedForward(fn, z, outputs, random_state),
             "the Hessian penalty")
         if self.method == "double_backward":
@@ -296,4 +296,4 @@ class HessianMethod:
         if not self._checked:
             probe_independent_samples(call.fn, call.inputs, "kind='hessian'", call.fn_args)
             self._checked = True
-        return self.penalty(call.forward(), call.inputs[0])
+        return self.penalty(call.forward("the Hessian penalty", checked=False), call.inputs[0])

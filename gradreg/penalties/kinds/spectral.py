@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,8 +42,9 @@ from torch.func import jvp, vjp
 
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, as_tuple
+from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas.norms import per_sample_norm
-from gradreg.penalties.guards.checks import check_per_sample, model_without_in_place_updates
+from gradreg.penalties.guards.checks import check_outputs, model_without_in_place_updates
 from gradreg.penalties.guards.coupling import probe_independent_samples
 from gradreg.penalties.guards.options import (
     Option,
@@ -51,7 +53,6 @@ from gradreg.penalties.guards.options import (
     check_per_sample_kind,
     require,
 )
-from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import Replaying
 
 __all__ = ["Spectral", "SpectralMethod", "power_iteration", "spectral_norms"]
@@ -71,11 +72,10 @@ def power_iteration(
     shapes) after ``iterations`` steps of power iteration on :math:`J_i^\top J_i`, detached."""
     check_iterations(iterations)
     points = tuple(x.detach() for x in as_tuple(inputs))
-    if not isinstance(fn, Replaying):
-        fn = Replaying(fn, "the spectral norm's power iteration")
+    fn = Replaying.of(fn, "the spectral norm's power iteration",
+                      partial(check_outputs, inputs=points))
     with torch.no_grad():
-        outputs, pullback = vjp(fn, *points)
-        check_per_sample(outputs, points)
+        _, pullback = vjp(fn, *points)
         v = _normalized(tuple(
             torch.randn(x.shape, generator=generator, dtype=torch.promote_types(
                 x.dtype, torch.float32), device=x.device).to(x.dtype) for x in points))
@@ -103,7 +103,7 @@ def spectral_norms(
             f"(a callable fn(*points) -> per-sample outputs), not {type(fn).__name__}."
         )
     inputs = as_tuple(inputs)
-    fn = Replaying(fn, "kind='spectral'")
+    fn = Replaying.of(fn, "kind='spectral'", partial(check_outputs, inputs=inputs))
     # fused attention kernels have no forward-mode derivative: the model's attention runs through
     # gradreg's, whose JVP and its backward are written in differentiable ops
     with model_without_in_place_updates("kind='spectral'"), differentiable_attention():
@@ -162,7 +162,8 @@ class SpectralMethod:
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        norms = spectral_norms(call.forward(), call.inputs, iterations=self.iterations)
+        norms = spectral_norms(call.forward("kind='spectral'"), call.inputs,
+                               iterations=self.iterations)
         if not self._checked:
             probe_independent_samples(call.fn, call.inputs, "kind='spectral'", call.fn_args)
             self._checked = True

@@ -35,7 +35,7 @@ for the memory of the penalty's graph: it is built and differentiated one micro-
 
 Each method is an option object (:data:`METHOD_TYPES`: a frozen dataclass that checks its own
 fields, states what it supports in ``check(config)`` and builds, once per penalty, a callable from
-one :class:`~gradreg.penalties.state.call.PenaltyCall` to the unweighted penalty in
+one :class:`~gradreg.penalties.call.PenaltyCall` to the unweighted penalty in
 ``build(config, penalty)``); :data:`METHODS`, the names of the flat option ``method``, are theirs.
 Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 
@@ -47,6 +47,7 @@ The helpers of the methods live in their own modules and are importable from her
 
 from __future__ import annotations
 
+from gradreg.penalties.call import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.guards.options import Option
 from gradreg.penalties.guards.precision import (
     STEPS,
@@ -66,7 +67,6 @@ from gradreg.penalties.methods.finite_difference import (
 )
 from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.methods.perturbation import Perturbation, perturbation_sq_norms
-from gradreg.penalties.state.call import Method, PenaltyCall, PenaltyFunctions
 
 __all__ = [
     "METHODS",

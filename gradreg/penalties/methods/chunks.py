@@ -14,8 +14,8 @@ from torch import Tensor
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError
 from gradreg.graph import graph_leaves
+from gradreg.penalties.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.guards.compiled import check_not_compiled
-from gradreg.penalties.state.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.loss_scale import unscaled
 from gradreg.penalties.state.randomness import GeneratorState
 
@@ -148,6 +148,7 @@ class InChunks:
             state, watch = GeneratorState.capture(*xs) if watch else None, False
             with differentiable_attention():
                 outputs = call.fn(*xs, *args)
+            call.check(outputs, inputs=xs)
             check_not_compiled(outputs)
             if state is not None and state.moved():
                 raise GradientError(

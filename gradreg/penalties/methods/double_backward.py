@@ -1,7 +1,7 @@
 r"""The exact method: the penalty of per-sample outputs by double backward.
 
 :class:`ExactPenalty` is what the methods are given as ``exact``
-(:class:`~gradreg.penalties.state.call.PenaltyFunctions`): for outputs :math:`f` computed from
+(:class:`~gradreg.penalties.call.PenaltyFunctions`): for outputs :math:`f` computed from
 points :math:`x_i`, the per-sample norms :math:`n_i = \lVert g_i \rVert_p` of
 ``config.projection`` (:mod:`gradreg.penalties.formulas.projections`; squared where the
 configuration's ``squared`` says so), built with ``create_graph=True``, and the unweighted penalty
@@ -30,14 +30,13 @@ from torch import Tensor
 from gradreg import sharding
 from gradreg.attention import differentiable_attention, explain_fused_attention
 from gradreg.autograd import GradientError, check_double_backward
+from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas.norms import NormPenalty
 from gradreg.penalties.formulas.projections import PROJECTIONS
-from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
 from gradreg.penalties.guards.compiled import check_not_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples
 from gradreg.penalties.guards.options import Option, require
 from gradreg.penalties.methods.chunks import InChunks
-from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.loss_scale import LossScale
 from gradreg.penalties.state.running_mean import RunningMean
 
@@ -81,10 +80,6 @@ class ExactPenalty:
     def __call__(self, outputs: Tensor, inputs: tuple[Tensor, ...],
                  loss_scale: LossScale) -> Tensor:
         config = self.config
-        if config.per_sample:
-            check_per_sample(outputs, inputs)
-            if config.of == "loss":
-                check_per_sample_losses(outputs)
         if not self._checked or self._through_sharded:
             self._through_sharded = sharding.check_penalty_graph(outputs)
         norms = self.norms(outputs, inputs, loss_scale=loss_scale)
@@ -153,8 +148,12 @@ class DoubleBackwardMethod:
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        with differentiable_attention():
-            outputs = call.evaluate()
+        if call.fn is None:  # the outputs of the caller's forward
+            outputs = call.outputs
+            call.check(outputs)
+        else:
+            with differentiable_attention():
+                outputs = call.evaluate()
         if not self._checked:  # a torch.compile'd model: refused on the first call
             check_not_compiled(outputs)
             self._checked = True

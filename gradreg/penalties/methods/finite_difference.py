@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,14 +21,14 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient
 from gradreg.graph import graph_node_names
+from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas.norms import per_sample_norm
-from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
+from gradreg.penalties.guards.checks import check_outputs
 from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.guards.options import Option, check_flag, check_step, require
 from gradreg.penalties.guards.precision import default_step, unit_roundoff
 from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
-from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import Replaying
 
 __all__ = ["PIECEWISE_LINEAR", "SHIFTS", "FiniteDifference", "FiniteDifferenceMethod",
@@ -101,11 +102,9 @@ def finite_difference(
     so
     :math:`S` differences one function.
     """
-    forward = Replaying(fn, "method='finite_difference'")
+    forward = Replaying.of(fn, "method='finite_difference'",
+                           partial(check_outputs, inputs=inputs, losses=losses))
     outputs = forward(*inputs)
-    check_per_sample(outputs, inputs)
-    if losses:  # a penalty of per-sample losses (of="loss"): one value per sample
-        check_per_sample_losses(outputs)
     compiled = runs_compiled(outputs)  # one backward per compiled graph: forwards of their own
     if check:
         check_smooth(outputs)
@@ -195,7 +194,7 @@ class FiniteDifference(Option):
                 "method=ParameterShift(step, shift, adaptive) (the flat options do)")
 
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
-        return FiniteDifferenceMethod(penalty, self.step, losses=config.of == "loss")
+        return FiniteDifferenceMethod(penalty, self.step)
 
 
 class FiniteDifferenceMethod:
@@ -204,13 +203,14 @@ class FiniteDifferenceMethod:
     shifted points replays the random state of the one at the points
     (:meth:`PenaltyCall.forward`)."""
 
-    def __init__(self, penalty: PenaltyFunctions, step: float | None, *, losses: bool) -> None:
-        self.penalty, self.step, self.losses = penalty, step, losses
+    def __init__(self, penalty: PenaltyFunctions, step: float | None) -> None:
+        self.penalty, self.step = penalty, step
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        value = finite_difference(call.forward(), call.inputs, self.penalty.of_gradients,
-                                  step=self.step, check=not self._checked, losses=self.losses)
+        value = finite_difference(call.forward("method='finite_difference'"), call.inputs,
+                                  self.penalty.of_gradients, step=self.step,
+                                  check=not self._checked)
         self._checked = True  # only once the check has passed
         return value
 

@@ -93,7 +93,7 @@ from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
-    from gradreg.penalties.state.call import Configuration, PenaltyCall, PenaltyFunctions
+    from gradreg.penalties.call import Configuration, PenaltyCall, PenaltyFunctions
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
            "adaptive_norm_terms", "shift_length", "trainable"]

@@ -56,18 +56,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.guards.checks import check_per_sample, check_per_sample_losses
+from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
+from gradreg.penalties.guards.checks import check_outputs
 from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.guards.options import Option, check_count, check_flag, check_step, require
 from gradreg.penalties.guards.precision import check_difference_rounding
-from gradreg.penalties.state.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
 __all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Perturbation", "PerturbationMethod",
@@ -131,12 +132,11 @@ def perturbation_sq_norms(
                 f"the perturbation estimate needs floating-point inputs, got {x.dtype}: convert "
                 "the data first, e.g. images.float() / 255."
             )
-    forward = Replaying(fn if outputs is None else SharedForward(fn, inputs[0], outputs,
-                                                                  random_state),
-                        "the perturbation estimate")
+    forward = Replaying.of(
+        fn if outputs is None else SharedForward(fn, inputs[0], outputs, random_state),
+        "the perturbation estimate", partial(check_outputs, inputs=inputs, losses=losses))
     if not central:
         outputs = forward(*inputs)
-        check_per_sample(outputs, inputs)
     total = None
     for probe in range(count):
         shifts = tuple(_probe(x, generator) * step for x in inputs)
@@ -145,9 +145,6 @@ def perturbation_sq_norms(
             shifted = tuple(q if q.requires_grad else q.requires_grad_() for q in shifted)
         plus = forward(*shifted)
         if probe == 0:
-            check_per_sample(plus, inputs)
-            if losses:  # a penalty of per-sample losses (of="loss"): one value per sample
-                check_per_sample_losses(plus)
             check_difference_rounding(
                 [plus], step=step, order=1, weight=1 if central else 2, step_name="step",
                 what="the perturbation estimate's difference quotient of outputs",
@@ -222,7 +219,7 @@ class Perturbation(Option):
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
         return PerturbationMethod(penalty, DEFAULT_STEP if self.step is None else self.step,
                                   DEFAULT_COUNT if self.count is None else self.count,
-                                  central=self.central, losses=config.of == "loss")
+                                  central=self.central)
 
 
 class PerturbationMethod:
@@ -233,14 +230,15 @@ class PerturbationMethod:
     and the random state their forward began with, which the perturbed forwards replay). Samples
     are checked independent on the first call (coupled samples are refused)."""
 
-    def __init__(self, penalty: PenaltyFunctions, step: float, count: int, *, central: bool,
-                 losses: bool) -> None:
+    def __init__(self, penalty: PenaltyFunctions, step: float, count: int, *,
+                 central: bool) -> None:
         self.penalty = penalty
-        self.options = {"step": step, "central": central, "count": count, "losses": losses}
+        self.options = {"step": step, "central": central, "count": count}
         self._checked = False
 
     def __call__(self, call: PenaltyCall) -> Tensor:
-        sq = perturbation_sq_norms(call.forward(), call.inputs, check_samples=not self._checked,
+        sq = perturbation_sq_norms(call.forward("the perturbation estimate"), call.inputs,
+                                   check_samples=not self._checked,
                                    **self.options)
         self._checked = True  # only once the check has passed
         return self.penalty.of_norms(sq)

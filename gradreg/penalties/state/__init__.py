@@ -1,5 +1,4 @@
-"""What one penalty call carries besides tensors: the protocol between the mechanism and the
-methods (:mod:`~gradreg.penalties.state.call`), the random state every forward of a call
+"""What one penalty call carries besides tensors: the random state every forward of a call
 replays (:mod:`~gradreg.penalties.state.randomness`), the modules' buffers kept across shifted
 forwards (:mod:`~gradreg.penalties.state.buffers`), StyleGAN2's running mean
 (:mod:`~gradreg.penalties.state.running_mean`) and an fp16 loss scale

@@ -166,16 +166,32 @@ class Replaying:
 
     ``what``: the penalty, for the error raised where outputs came from elsewhere without their
     random state (a plain callable handing back the task's outputs, a :class:`SharedForward`
-    without one) and a later forward draws random numbers.
+    without one) and a later forward draws random numbers. ``check``: called once, with the
+    outputs of the first forward (the outputs' check of the call).
     """
 
-    def __init__(self, fn: Callable[..., Tensor], what: str) -> None:
-        self.fn, self.what = fn, what
+    def __init__(self, fn: Callable[..., Tensor], what: str,
+                 check: Callable[[Tensor], object] | None = None) -> None:
+        self.fn, self.what, self._check = fn, what, check
         self.state = fn.state if isinstance(fn, SharedForward) else None
         self._reference_drew = self.state is not None
         self._later_checked = False
 
+    @classmethod
+    def of(cls, fn: Callable[..., Tensor], what: str,
+           check: Callable[[Tensor], object] | None = None) -> Replaying:
+        """``fn`` itself where it is a :class:`Replaying` already (one reference forward, one
+        check), else ``Replaying(fn, what, check)``."""
+        return fn if isinstance(fn, Replaying) else cls(fn, what, check)
+
     def __call__(self, *args: Tensor) -> Tensor:
+        outputs = self._forward(*args)
+        if self._check is not None:
+            check, self._check = self._check, None
+            check(outputs)
+        return outputs
+
+    def _forward(self, *args: Tensor) -> Tensor:
         if isinstance(self.fn, SharedForward) and self.fn.shares(args):
             if self.state is None:
                 self.state = GeneratorState.capture(*args)

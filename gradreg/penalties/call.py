@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from gradreg.penalties.state.loss_scale import LossScale
-from gradreg.penalties.state.randomness import SharedForward
+from gradreg.penalties.state.randomness import Replaying, SharedForward
 
 __all__ = ["Configuration", "Method", "PenaltyCall", "PenaltyFunctions"]
 
@@ -41,30 +41,40 @@ class PenaltyCall:
     """One call of a penalty as a method sees it: the points (already subsampled), and either
     the per-sample ``outputs`` at them or a callable ``fn(*inputs, *fn_args)`` that computes
     them; ``loss_scale`` as in :meth:`GradientPenalty.forward
-    <gradreg.penalties.GradientPenalty.forward>`."""
+    <gradreg.penalties.GradientPenalty.forward>`; ``check(outputs)``: the check of the outputs
+    at the points (:func:`~gradreg.penalties.guards.checks.check_outputs` with the points bound:
+    real, one row per sample, one loss per sample for a penalty of losses), the one check of the
+    outputs of a call, which every method runs once on them (through :meth:`evaluate`,
+    :meth:`forward`, or itself on given outputs; ``check(outputs, inputs=part)`` for the
+    outputs of a part of the points)."""
 
     inputs: tuple[Tensor, ...]
+    check: Callable[..., None]
     outputs: Tensor | None = None
     fn: Callable[..., Tensor] | None = None
     fn_args: tuple[Tensor, ...] = ()
     loss_scale: LossScale = None
 
     def evaluate(self) -> Tensor:
-        """The per-sample outputs at the points: those given, or the callable's."""
-        return self.outputs if self.fn is None else self.fn(*self.inputs, *self.fn_args)
+        """The per-sample outputs at the points, checked: those given, or the callable's."""
+        outputs = self.outputs if self.fn is None else self.fn(*self.inputs, *self.fn_args)
+        self.check(outputs)
+        return outputs
 
     def of_points(self, *points: Tensor) -> Tensor:
         """The callable at other points, with the same further arguments."""
         return self.fn(*points, *self.fn_args)
 
-    def forward(self) -> Callable[..., Tensor]:
-        """The callable as a function of the points alone (:meth:`of_points`); a
-        :class:`~gradreg.penalties.state.randomness.SharedForward` stays one, so the methods that
-        run
-        the model again replay the random state of the task's forward."""
-        if isinstance(self.fn, SharedForward):
-            return self.fn.with_args(self.fn_args)
-        return self.of_points
+    def forward(self, what: str, *, checked: bool = True) -> Replaying:
+        """The callable as a function of the points alone, for a method that runs it more than
+        once: every forward draws the random numbers of the first (a
+        :class:`~gradreg.penalties.state.randomness.SharedForward` hands back the task's outputs
+        at the points and the random state its forward began with), and the first forward's
+        outputs are checked (:attr:`check`; not with ``checked=False``, for outputs that are
+        not one tensor). ``what``: the method, for its errors."""
+        fn = (self.fn.with_args(self.fn_args) if isinstance(self.fn, SharedForward)
+              else self.of_points)
+        return Replaying(fn, what, self.check if checked else None)
 
 
 @dataclass(frozen=True)
