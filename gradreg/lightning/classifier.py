@@ -39,7 +39,7 @@ Validation and test differentiate too (FGSM, PGD, input-gradient norm): they nee
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 
@@ -219,25 +219,17 @@ class Classifier(PenalizedModule):
     def _outputs(
         self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
         state: GeneratorState,
-    ) -> tuple[Tensor | Callable[..., Tensor], tuple[Tensor, ...]]:
-        """What an ``"inputs"`` penalty differentiates (``gp.config.of``: logits or per-sample
-        losses), and the callable's per-sample arguments besides the inputs (the labels).
-
-        Double backward shares the task's forward pass, and so do ``finite_difference`` and
-        ``perturbation`` at the points themselves (a :class:`~gradreg.penalties.SharedForward`
-        hands back the task's outputs when called on ``x``, and ``state``, the random state the
-        task's forward began with, is replayed at the other points: the same dropout mask); the
-        shifted points, ``compiled``, ``subsample``, ``chunks`` and
-        the kinds other than the gradient norm run their own forward (``gp.needs_callable``).
-        """
-        task_outputs = logits if gp.config.of == "outputs" else per_sample
-        if not gp.needs_callable:
-            return task_outputs, ()
-        forward, fn_args = ((self.backbone, ()) if gp.config.of == "outputs"
-                            else (self._per_sample_loss, (y,)))
-        if gp.config.method in ("finite_difference", "perturbation"):
-            return SharedForward(forward, x, task_outputs, state), fn_args
-        return forward, fn_args
+    ) -> tuple[SharedForward, tuple[Tensor, ...]]:
+        """The task's forward for an ``"inputs"`` penalty (``gp.config.of``: the logits or the
+        per-sample losses), as one :class:`~gradreg.penalties.SharedForward`, and the callable's
+        per-sample arguments besides the inputs (the labels): the penalty's method decides what
+        it takes of it (double backward differentiates the task's outputs; the finite difference
+        and the perturbation estimate take them at ``x`` and replay ``state``, the random state
+        the task's forward began with, at the other points; ``subsample``, ``chunks`` and the
+        kinds other than the gradient norm run the forward again)."""
+        if gp.config.of == "outputs":
+            return SharedForward(self.backbone, x, logits, state), ()
+        return SharedForward(self._per_sample_loss, x, per_sample, state), (y,)
 
     def _per_sample_loss(self, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(self.backbone(x), y, reduction="none")

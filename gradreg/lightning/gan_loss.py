@@ -14,15 +14,16 @@ A forward that a due exact penalty differentiates twice runs its attention throu
 penalty's own forwards, and the scores R1/R2 share below; every other forward keeps the fused
 kernel.
 
-Penalties get the network itself as ``outputs`` (a callable) and run its forward on their points,
-so every penalty ``method``, ``subsample`` and ``chunks`` work. The exception is R1/R2 by plain
-double backward: as in StyleGAN2, they differentiate the critic scores of the adversarial term
-itself (the reals or fakes are made points before that forward), which saves a forward and a
-backward of the critic on those samples; and the perturbation estimate (``approx_r1``,
-``approx_r2``) gets those scores as a :class:`~gradreg.penalties.SharedForward`, so only the
-perturbed samples take a forward of their own, with the random state the scores' forward began
-with (captured before it): a critic with dropout perturbs the function of the adversarial
-forward's mask.
+Penalties at points of their own (interpolates, DRAGAN's perturbed reals) get the network itself
+as ``outputs`` (a callable) and run its forward on their points. Penalties at the reals or the
+fakes get the adversarial forward as one :class:`~gradreg.penalties.SharedForward` (the critic,
+the samples, made points before that forward, their scores and the random state that forward
+began with), and their method decides what to run, with no branch here: R1/R2 by double
+backward differentiate the scores themselves, as in StyleGAN2 (a forward and a backward of the
+critic saved); the finite difference and the perturbation estimate (``approx_r1``,
+``approx_r2``) take the scores at the samples and run only the shifted forwards, replaying the
+scores' random state (a critic with dropout: the function of the adversarial forward's mask);
+``subsample``, ``chunks`` and the kinds run the critic again.
 
 Adversarial terms :math:`(a_D, a_G)`, functions of the real and fake scores:
 
@@ -157,29 +158,26 @@ class GANLoss:
         fake = self.generator(self.latents(real)).detach()
         due = self._due(CRITIC_POINTS)
 
-        def shares_forward(gp: GradientPenalty) -> bool:  # R1/R2 by plain double backward
-            return gp.config.points in ("real", "fake") and not gp.needs_callable
-
-        shared = {gp.config.points for gp in due.values() if shares_forward(gp)}
         samples = {"real": real, "fake": fake}
-        samples = {k: as_points(v) if k in shared else v for k, v in samples.items()}
+        penalized = {gp.config.points for gp in due.values()} & set(samples)
+        # the samples a due penalty is taken at are points before the adversarial forward, and
+        # that forward's attention has a double backward where a penalty differentiates it twice
+        twice = {gp.config.points for gp in due.values() if not gp.needs_callable} & penalized
+        samples = {k: as_points(v) if k in penalized else v for k, v in samples.items()}
         scores, states = {}, {}
-        for k, v in samples.items():  # attention with a double backward where R1/R2 shares it
-            states[k] = GeneratorState.capture(v)  # replayed by a perturbation estimate's forwards
-            with differentiable_attention() if k in shared else nullcontext():
+        for k, v in samples.items():
+            states[k] = GeneratorState.capture(v)  # replayed by a penalty's other forwards
+            with differentiable_attention() if k in twice else nullcontext():
                 scores[k] = self.critic(v)
         terms = {"adversarial": self.critic_term(scores["real"], scores["fake"]).mean()}
         for name, gp in due.items():
             points = gp.config.points
-            if shares_forward(gp):  # differentiate the adversarial forward's scores
-                terms[name] = gp(scores[points], samples[points], loss_scale=loss_scale)
-            elif points in samples and gp.config.method == "perturbation":  # D(x) from the loss
+            if points in samples:  # the adversarial forward: the method takes what it can of it
                 at = samples[points]
-                terms[name] = gp(SharedForward(self.critic, at, scores[points], states[points]),
-                                 at, loss_scale=loss_scale)
+                outputs = SharedForward(self.critic, at, scores[points], states[points])
             else:
-                terms[name] = gp(self.critic, CRITIC_POINTS[points](real, fake),
-                                 loss_scale=loss_scale)
+                at, outputs = CRITIC_POINTS[points](real, fake), self.critic
+            terms[name] = gp(outputs, at, loss_scale=loss_scale)
         return terms
 
     def generator_terms(self, real: Tensor, loss_scale: float | None = None

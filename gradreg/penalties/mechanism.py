@@ -102,6 +102,7 @@ from gradreg.penalties.guards.checks import check_outputs, check_points
 from gradreg.penalties.guards.finite import FiniteCheck
 from gradreg.penalties.guards.options import finite_number, require
 from gradreg.penalties.methods import ExactPenalty, subsample
+from gradreg.penalties.state.randomness import SharedForward
 from gradreg.penalties.state.running_mean import RunningMean
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
@@ -315,16 +316,29 @@ class GradientPenalty(nn.Module):
     ) -> Tensor:
         """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``.
 
+        ``outputs`` is what the caller has of the model at the points, and the penalty's method
+        decides what to run:
+
+        * a tensor: the per-sample outputs, differentiated as they are (double backward only);
+        * a callable ``fn(*inputs, *fn_args) -> outputs`` (a module, or a closure over the
+          labels for a per-sample loss): the penalty runs the forward itself, which
+          ``subsample``, ``chunks``, the kinds and the methods other than ``"double_backward"``
+          need (:attr:`needs_callable`);
+        * a :class:`~gradreg.penalties.SharedForward` (the callable, the points, the outputs of
+          the caller's forward at them and the random state that forward began with): double
+          backward differentiates those outputs; the finite difference and the perturbation
+          estimate take them at the points and replay the state at the other points; the rest
+          run the callable. One object for every method, so a caller (a training loop, the
+          Lightning modules) needs no branch on the method: share the task's forward this way
+          and the method takes what it can of it.
+
+        ``fn_args``: further per-sample arguments of the callable, batch first and not
+        differentiated (the labels of a per-sample loss), called as ``fn(*points, *fn_args)``
+        and subsampled or split into ``chunks`` with the points.
+
         ``loss_scale``: with fp16 autocast and a ``GradScaler``, pass ``scaler.get_scale()``: the
         gradients are taken of ``outputs * scale`` and multiplied by ``1/scale`` (PyTorch's
         gradient-penalty recipe) so that small fp16 gradients do not underflow.
-
-        ``outputs`` may instead be a callable ``fn(*inputs) -> outputs`` (a module, or a closure
-        over the labels for a per-sample loss): the penalty then runs the forward itself, which
-        ``subsample``, ``chunks`` and the methods other than ``"double_backward"`` need
-        (:attr:`needs_callable`). ``fn_args``: further per-sample arguments of the callable,
-        batch first and not differentiated (the labels of a per-sample loss), called as
-        ``fn(*points, *fn_args)`` and subsampled or split into ``chunks`` with the points.
         """
         if self._lazy:
             self._check_due()
@@ -341,6 +355,9 @@ class GradientPenalty(nn.Module):
               fn_args: tuple[Tensor, ...]) -> PenaltyCall:
         """The call, its points checked, with the points (and ``fn_args``) subsampled and the
         check of its outputs bound to them."""
+        if (isinstance(outputs, SharedForward) and not self._needs_callable
+                and len(inputs) == 1 and outputs.points is inputs[0]):
+            outputs, fn_args = outputs.outputs, ()  # the caller's forward, differentiated as is
         config, fn = self.config, None if isinstance(outputs, Tensor) else outputs
         check_points(inputs, per_sample=self._per_sample)
         if fn is None and (fn_args or self._needs_callable):
