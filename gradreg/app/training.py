@@ -94,7 +94,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         ckpt_path = resolve_checkpoint(cfg.get("ckpt_path"), Path(cfg.paths.runs),
                                        Path(cfg.paths.output_dir))
         runtime.configure(cfg.get("threads"))
-        L.seed_everything(cfg.seed, workers=True)
+        L.seed_everything(cfg.seed, workers=True, verbose=False)  # no log line before an error
         datamodule, model, trainer = build(cfg, resuming=ckpt_path is not None)
         ckpt_path = checkpoint_of(model, ckpt_path, cfg.get("ckpt_path") == "last",
                                   Path(cfg.paths.runs), Path(cfg.paths.output_dir))

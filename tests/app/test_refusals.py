@@ -78,13 +78,12 @@ REFUSED = {
 
 def refused(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
     """stderr of a run of ``args`` that must end with status 2 and one line, no traceback
-    (Lightning's ``Seed set to N`` aside: a run refused while its objects are built prints it
-    first, where Lightning's loggers still have their own console handler)."""
+    (nothing before it: the seed is set without Lightning's ``Seed set to N`` line)."""
     with pytest.raises(SystemExit) as exit_info:
         run_in_process(*args, tmp_path=tmp_path)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err
-    lines = [line for line in err.splitlines() if not line.startswith("Seed set to ")]
+    lines = err.splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0] + "\n"
 
