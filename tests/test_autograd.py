@@ -2,13 +2,18 @@
 
 import gc
 import weakref
+from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import gradreg
 from gradreg import GradientError
+from gradreg.penalties import (
+    make_penalty,
+)
 from tests.once_differentiable import OnceSquare
 
 
@@ -140,3 +145,195 @@ def test_graph_leaves_finds_each_leaf_once_through_the_graph_of_a_gradient() -> 
     found = gradreg.graph.graph_leaves([g.square().sum(), y])
     assert sorted(id(t) for t in found) == sorted(id(t) for t in (w, b, x))
     assert gradreg.graph.graph_leaves([torch.ones(2)]) == []  # no graph, no leaves
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock on vectors: ``ReLU(inplace=True)`` after the first layer
+    and ``out += identity`` before the last ReLU; ``in_place=False`` is the same network written
+    without in-place ops (the oracle)."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.relu = nn.ReLU(inplace=in_place)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.relu(self.l1(x))
+        out = self.l2(out)
+        if self.in_place:
+            out += identity
+        else:
+            out = out + identity
+        return self.relu(out)
+
+
+def twins(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    in_place = cls(in_place=True).double()
+    oracle = cls(in_place=False).double()
+    oracle.load_state_dict(in_place.state_dict())
+    return in_place, oracle
+
+
+def captured_gradient(net: nn.Module, x: Tensor, layer: str) -> tuple[Tensor, Tensor]:
+    with gradreg.capture(net, layer) as acts:
+        y = net(x).square().sum()
+    return acts[layer], gradreg.gradient(y, acts[layer])
+
+
+def test_capture_before_in_place_relu_and_residual_add_is_the_layer_output_gradient() -> None:
+    """dy/dl1 of the in-place block equals the out-of-place twin's; in particular it is 0 on
+    the units the in-place ReLU zeroes (the post-ReLU tensor's gradient is not)."""
+    net, oracle = twins(BasicBlock)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    h, g = captured_gradient(net, x, "l1")
+    h_ref, g_ref = captured_gradient(oracle, x, "l1")
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)  # the layer's output, not post-ReLU
+    torch.testing.assert_close(g, g_ref, rtol=1e-14, atol=1e-15)
+    assert (h < 0).any() and bool((g[h < 0] == 0).all())
+    assert not bool((g[h > 0] == 0).all())
+
+
+def test_intermediate_penalty_on_an_in_place_block_equals_the_out_of_place_twin() -> None:
+    net, oracle = twins(BasicBlock)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    values, grads = [], []
+    for model in (net, oracle):
+        penalty = make_penalty("intermediate", layers=["l1"])
+        with gradreg.capture(model, "l1") as acts:
+            per_sample = model(x).square().sum(1)
+        value = penalty(per_sample, [acts["l1"]])
+        values.append(value)
+        grads.append(torch.autograd.grad(value, list(model.parameters())))
+    torch.testing.assert_close(values[0], values[1], rtol=1e-14, atol=0)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+class LaterInPlace(nn.Module):
+    """A layer, then one in-place op on its output in a later step of the forward."""
+
+    def __init__(self, in_place: bool, op: str = "add_") -> None:
+        super().__init__()
+        self.in_place, self.op = in_place, op
+        self.l1, self.l2 = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        if self.op == "add_":
+            h = h.add_(1.0) if self.in_place else h + 1.0
+        elif self.op == "relu_":
+            h = torch.relu_(h) if self.in_place else torch.relu(h)
+        elif self.in_place:  # "view": += on a slice of the output
+            h[:, :2] += h[:, 2:].exp()
+        else:
+            h = torch.cat([h[:, :2] + h[:, 2:].exp(), h[:, 2:]], 1)
+        return self.l2(h.tanh())
+
+
+@pytest.mark.parametrize("op", ["add_", "relu_", "view"])
+def test_capture_before_other_in_place_ops_matches_the_out_of_place_twin(op: str) -> None:
+    torch.manual_seed(0)
+    net = LaterInPlace(True, op).double()
+    oracle = LaterInPlace(False, op).double()
+    oracle.load_state_dict(net.state_dict())
+    x = torch.randn(5, 3, dtype=torch.float64)
+    h, g = captured_gradient(net, x, "l1")
+    h_ref, g_ref = captured_gradient(oracle, x, "l1")
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=1e-14, atol=1e-15)
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class TwoOutputs(nn.Module):
+    """A submodule with two outputs: a tuple, a namedtuple or a dict."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.l1 = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> object:
+        a, b = self.l1(x), 2 * x
+        return {"tuple": (a, b), "namedtuple": Pair(a, b), "dict": {"a": a, "b": b}}[self.kind]
+
+
+class TwoOutputsNet(nn.Module):
+    """The first output of :class:`TwoOutputs` through a ReLU, in place unless ``in_place`` is
+    False (the oracle)."""
+
+    def __init__(self, in_place: bool, kind: str = "tuple") -> None:
+        super().__init__()
+        self.in_place, self.kind = in_place, kind
+        self.two = TwoOutputs(kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.two(x)
+        a, b = (out["a"], out["b"]) if self.kind == "dict" else out
+        a = a.relu_() if self.in_place else a.relu()
+        return (a * b).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "namedtuple", "dict"])
+def test_capture_of_a_tuple_output_before_in_place_ops(kind: str) -> None:
+    torch.manual_seed(0)
+    net = TwoOutputsNet(True, kind).double()
+    oracle = TwoOutputsNet(False, kind).double()
+    oracle.load_state_dict(net.state_dict())
+    x = torch.randn(5, 3, dtype=torch.float64)
+    grads = []
+    for model in (net, oracle):
+        with gradreg.capture(model, "two") as acts:
+            y = model(x).sum()
+        out = acts["two"]
+        first = out["a"] if kind == "dict" else out[0]
+        grads.append(gradreg.gradient(y, first))
+        assert type(out) is type(net.two(x))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert bool((grads[0] == 0).any())  # the units the ReLU zeroes
+
+
+class ViewOfModified(nn.Module):
+    """``Flatten``'s output is a view of the layer's output, which a later ReLU modifies in
+    place: the captured view changes with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.flat, self.l2 = nn.Linear(3, 4), nn.Flatten(), nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        flat = self.flat(h)
+        h.relu_()
+        return self.l2(flat)
+
+
+def test_capture_of_a_view_whose_base_is_modified_in_place_is_refused() -> None:
+    net = ViewOfModified().double()
+    with gradreg.capture(net, "flat") as acts:
+        y = net(torch.randn(2, 3, dtype=torch.float64)).sum()
+    with pytest.raises(GradientError, match="do not depend on input 0"):
+        gradreg.gradient(y, acts["flat"])
+
+
+def test_captured_gradient_matches_finite_differences() -> None:
+    """dy/dh at h = l1(x) by central differences of y(h) = rest of the in-place block."""
+    net, _ = twins(BasicBlock)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    h, g = captured_gradient(net, x, "l1")
+
+    def rest(h: Tensor) -> Tensor:
+        out = net.l2(torch.relu(h)) + x
+        return torch.relu(out).square().sum()
+
+    eps = 1e-6
+    fd = torch.zeros_like(h)
+    for idx in np.ndindex(*h.shape):
+        step = torch.zeros_like(h)
+        step[idx] = eps
+        fd[idx] = (rest(h.detach() + step) - rest(h.detach() - step)) / (2 * eps)
+    torch.testing.assert_close(g, fd, rtol=1e-6, atol=1e-8)

@@ -29,3 +29,17 @@ def test_a_detached_loss_with_a_penalty_that_requires_grad_is_backpropagated() -
                                          net.parameters())
     torch.testing.assert_close(net.weight.grad, 2 * net.weight.detach())
     assert total.item() == pytest.approx(1.0 + net.weight.square().sum().item())
+
+
+def test_regularized_backward_with_all_parameters_frozen_is_refused() -> None:
+    frozen = torch.tensor(2.0, dtype=torch.float64)  # requires_grad=False
+    other = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)  # in the graph, not given
+    loss = frozen * other
+    with pytest.raises(GradientError, match=r"all 1 parameters given are frozen"):
+        gradreg.regularized_backward(loss, [], [frozen])
+    with pytest.raises(GradientError, match="no parameters were given"):
+        gradreg.regularized_backward(loss, [], [])
+    assert other.grad is None and frozen.grad is None
+    given = torch.tensor(5.0, dtype=torch.float64, requires_grad=True)
+    gradreg.regularized_backward(loss * given, [], [frozen, given])
+    assert given.grad.item() == 6.0 and other.grad is None  # d(2 * 3 * given)/d given

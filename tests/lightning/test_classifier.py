@@ -3,6 +3,7 @@ accumulation, the evaluation metrics, and the construction errors."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from types import SimpleNamespace
 
@@ -289,3 +290,19 @@ def test_two_parameter_penalties_under_accumulation_are_refused() -> None:
                                          r"accumulate_grad_batches=2: .* for one parameter"):
         trainer(max_steps=1, accumulate_grad_batches=2).fit(
             model, DataLoader(TensorDataset(*data()), batch_size=4))
+
+
+# Classifier's attack radius ``fgsm_eps``: a finite number >= 0. A negative one steps down the
+# loss, so that the "adversarial" accuracy came out above the clean one, a result that looked like
+# robustness.
+
+@pytest.mark.parametrize("eps", [-1, -1e-3, math.nan, math.inf, True, "0.1"])
+def test_an_fgsm_eps_that_is_not_a_finite_number_at_least_0_is_refused(eps: object) -> None:
+    with pytest.raises(ValueError, match=r"fgsm_eps must be a finite number >= 0 \(the L-inf "
+                                         rf"radius of the attacks\), got {eps!r}"):
+        Classifier(MLP(4, 3, hidden=(5,)), fgsm_eps=eps)
+
+
+@pytest.mark.parametrize("eps", [0, 0.0, 0.1, 8 / 255])
+def test_an_fgsm_eps_of_0_or_more_is_taken(eps: float) -> None:
+    assert Classifier(MLP(4, 3, hidden=(5,)), fgsm_eps=eps).fgsm_eps == eps

@@ -4,6 +4,7 @@ after a few steps), its step counting across epochs, and its construction errors
 from __future__ import annotations
 
 import copy
+import pickle
 from functools import partial
 
 import lightning as L
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gradreg.lightning.gan import GAN
 from gradreg.lightning.gan_loss import GANLoss
 from gradreg.models import MLP
-from gradreg.penalties import interpolate, make_penalty
+from gradreg.penalties import interpolate, make_penalty, presets
 
 BATCH, BATCHES, EPOCHS, N_CRITIC, LATENT = 8, 3, 2, 2, 2
 ADAM = partial(torch.optim.Adam, lr=1e-2, betas=(0.5, 0.9))
@@ -179,3 +180,18 @@ def test_relativistic_pairing_loss_against_the_formulas() -> None:
     expected_generator = softplus(critic(real) - critic(fake_generator)).mean()
     torch.testing.assert_close(critic_term, expected_critic, rtol=1e-12, atol=0)
     torch.testing.assert_close(generator_term, expected_generator, rtol=1e-12, atol=0)
+
+
+# A GAN (its loss terms included) pickles, as ``ddp_spawn`` needs to start its processes.
+
+def test_a_gan_with_each_adversarial_loss_survives_pickling() -> None:
+    real = torch.randn(4, 2)
+    for loss in ("wgan", "nonsaturating", "relativistic"):
+        torch.manual_seed(0)
+        gan = GAN(MLP(2, 2, hidden=[8]), MLP(2, 1, hidden=[8]), {"r1": presets.r1(1.0)},
+                  loss=loss, latent_dim=2)
+        copy = pickle.loads(pickle.dumps(gan))
+        torch.manual_seed(1)
+        expected = gan.gan_loss.critic_terms(real)["adversarial"]
+        torch.manual_seed(1)
+        assert torch.equal(copy.gan_loss.critic_terms(real)["adversarial"], expected)

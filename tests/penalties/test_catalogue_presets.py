@@ -13,6 +13,7 @@ from gradreg.penalties import (
     approx_r1,
     approx_r2,
     as_points,
+    derivative,
     double_backprop,
     hessian,
     interpolate,
@@ -373,3 +374,13 @@ def test_gradcheck_parameters_to_penalty(name: str) -> None:
     assert penalty_of(*params).item() > 0
     assert torch.autograd.gradcheck(penalty_of, params, eps=1e-6, atol=1e-6, rtol=1e-4,
                                     fast_mode=name == "spectral")
+
+
+def test_derivative_of_a_one_dimensional_function_takes_b_points() -> None:
+    """u(x) = x^3 at x = [1, 2]: u'' = 6x, the penalty mean (6x)^2 = (36 + 144) / 2 = 90."""
+    x = as_points(torch.tensor([1.0, 2.0], dtype=F64))
+    assert derivative(1.0)(x.pow(3), x).item() == pytest.approx(90.0, rel=1e-14)
+    # R1 of D(x) = 3x per sample: 10/2 * 9 = 45
+    assert r1()(3 * x, x).item() == pytest.approx(45.0, rel=1e-14)
+    one = torch.tensor(2.0, dtype=F64, requires_grad=True)  # a 0-d point: one sample
+    assert r1()(3 * one, one).item() == pytest.approx(45.0, rel=1e-14)

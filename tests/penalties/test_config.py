@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
 
-from gradreg.autograd import GradientError
-from gradreg.penalties import GradientPenalty, PenaltyConfig, kinds, make_penalty, methods
+from gradreg import GradientError
+from gradreg.penalties import (
+    GradientPenalty,
+    PenaltyConfig,
+    as_points,
+    kinds,
+    make_penalty,
+    methods,
+    presets,
+    r1,
+    wgan_gp,
+)
 from gradreg.penalties import config as config_module
 from gradreg.penalties.call import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas import projections
@@ -17,6 +28,7 @@ from gradreg.penalties.formulas.options import Norm
 from gradreg.penalties.guards.options import Option, require
 from gradreg.penalties.kinds import hessian as hessian_penalty_module
 from gradreg.penalties.kinds.hessian import hessian_penalty
+from gradreg.penalties.methods.perturbation import perturbation_sq_norms
 from tests.penalties.parameter_gradients import value_and_grad
 
 
@@ -245,3 +257,124 @@ def test_a_hessian_penalty_checks_its_options_when_built_not_when_called(
     assert penalty(lambda q: (q[:, 0] * q[:, 1]).unsqueeze(1), z).item() >= 0
     with pytest.raises(AssertionError, match="options checked again"):
         hessian_penalty(lambda q: q.square(), z)
+
+
+@pytest.mark.parametrize(("weight", "expected"), [
+    (np.float32(2.5), 2.5), (np.float64(0.5), 0.5), (np.int64(3), 3.0), (np.array(1.5), 1.5),
+    (torch.tensor(4.0), 4.0), (torch.tensor(2, dtype=torch.int32), 2.0), (7, 7.0)])
+def test_numpy_scalars_and_0d_tensors_are_weights(weight: object, expected: float) -> None:
+    penalty = r1(weight)
+    assert penalty.weight == expected and type(penalty.weight) is float
+
+
+@pytest.mark.parametrize(("weight", "message"), [
+    (10**400, r"weight is an integer of 1329 bits, too large for a float"),
+    (True, "weight must be a number, got bool True"),
+    ("1.0", "weight must be a number, got str '1.0'"),
+    (torch.tensor([1.0, 2.0]), r"weight must be a number, got a tensor of shape \(2,\)"),
+    (float("inf"), "weight must be a finite number >= 0, got inf"),
+    (np.float64("nan"), "weight must be a finite number >= 0"),
+    (np.bool_(True), "weight must be a number, got bool True"),
+    (np.ones(2), "weight must be a number, got ndarray"),
+], ids=["huge_int", "bool", "str", "vector", "inf", "nan", "numpy_bool", "numpy_vector"])
+def test_weights_that_are_not_finite_numbers_are_refused(weight: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        r1(weight)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"gain": 10**400}, "gain is an integer of"),
+    ({"target": True}, "target must be a number, got bool"),
+    ({"power": "2"}, "power must be a number, got str"),
+    ({"one_sided": "yes"}, "one_sided is a flag: pass True or False"),
+    ({"gain": float("inf")}, "gain must be a finite number"),
+])
+def test_numeric_options_that_are_not_numbers_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        r1(**options)
+
+
+def test_numpy_options_are_converted_to_floats() -> None:
+    penalty = wgan_gp(target=np.float32(0.5), p=float("inf"))
+    config = penalty.config
+    assert config.target == 0.5 and type(config.target) is float and config.p == float("inf")
+
+
+# One name per concept: ``step`` for a step size, ``count`` for a number of random directions,
+# ``"double_backward"`` for the exact method everywhere; the names of earlier releases are refused
+# with the new one.
+
+F64 = torch.float64
+
+
+RENAMED = [("fd_eps", "step", "r1", {"method": "finite_difference"}, 0.01),
+           ("sigma", "step", "approx_r1", {}, 0.05),
+           ("epsilon", "step", "hessian", {}, 0.2),
+           ("num_projections", "count", "jacobian", {}, 2),
+           ("probes", "count", "approx_r1", {}, 3),
+           ("k", "count", "hessian", {}, 3)]
+
+
+@pytest.mark.parametrize(("old", "new", "preset", "options", "value"), RENAMED)
+def test_an_old_option_name_is_refused_with_the_new_one(old: str, new: str, preset: str,
+                                                        options: dict, value: float) -> None:
+    message = f"option '{old}' was renamed '{new}': pass {new}={value!r}"
+    with pytest.raises(TypeError, match=message):
+        make_penalty(preset, **options, **{old: value})
+    with pytest.raises(TypeError, match=message):
+        getattr(presets, preset)(1.0, **options, **{old: value})
+    with pytest.raises(TypeError, match=message):
+        GradientPenalty(**{**presets.PRESETS[preset], **options, old: value})
+    penalty = make_penalty(preset, **options, **{new: value})  # the new name takes it
+    assert getattr(penalty.config, new) == value
+    with pytest.raises(AttributeError,
+                       match=f"'{old}' was renamed '{new}': read penalty.config.{new}"):
+        getattr(penalty, old)
+
+
+def _generator() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+
+
+def test_left_out_step_and_count_are_the_estimates_defaults() -> None:
+    """hessian(): count 2, step 0.1 (the authors' k and epsilon); approx_r1(): one probe at
+    step 0.01 (APT's sigma); each equal to the function called with those values and the same
+    random draws."""
+    g, z = _generator(), torch.randn(6, 3, dtype=F64)
+    torch.manual_seed(3)
+    got = presets.hessian(1.0)(g, as_points(z))
+    torch.manual_seed(3)
+    expected = hessian_penalty(g, z, count=2, step=0.1, reduction="max")
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    critic = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).double()
+    x = torch.randn(5, 3, dtype=F64)
+    torch.manual_seed(4)
+    got = presets.approx_r1(2.0)(critic, as_points(x))
+    torch.manual_seed(4)
+    expected = perturbation_sq_norms(critic, x, step=0.01, count=1).mean()
+    # a linear critic: the estimate is exactly (eps . w)^2, the same draws
+    torch.testing.assert_close(got, 2.0 * 0.5 * expected, rtol=1e-12, atol=0)
+
+
+def test_the_exact_hessian_penalty_is_double_backward_at_every_level() -> None:
+    """method='double_backward' names the exact form of the function and of the preset alike;
+    on a quadratic generator G(z) = (z . a)(z . b) the second difference is exact too, so both
+    methods give one value."""
+    a, b = torch.tensor([1.0, 2.0, -1.0], dtype=F64), torch.tensor([0.5, -1.0, 3.0], dtype=F64)
+
+    def quadratic(z: torch.Tensor) -> torch.Tensor:
+        return ((z @ a) * (z @ b)).unsqueeze(1)
+
+    z = torch.randn(4, 3, dtype=F64)
+    directions = torch.tensor([1.0, -1.0], dtype=F64)[torch.randint(0, 2, (2, 4, 3))]
+    exact = hessian_penalty(quadratic, z, directions=directions, method="double_backward")
+    fd = hessian_penalty(quadratic, z, directions=directions, method="finite_difference")
+    # v^T H v = 2 (v . a)(v . b) per sample; the unbiased variance over the 2 directions
+    second = 2 * (directions @ a) * (directions @ b)  # [2, 4]
+    expected = second.var(dim=0, correction=1).amax()
+    torch.testing.assert_close(exact, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(fd, expected, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="method 'finite_difference' or 'double_backward', got "
+                                         "method='exact'"):
+        hessian_penalty(quadratic, z, method="exact")

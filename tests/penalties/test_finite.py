@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from gradreg import GradientError, NonFiniteError
-from gradreg.penalties import make_penalty
+from gradreg.penalties import (
+    as_points,
+    make_penalty,
+    r1,
+)
 from gradreg.penalties.guards.finite import FiniteCheck, _Recorded
 
 NAN = torch.tensor(float("nan"))
@@ -55,3 +59,15 @@ def test_penalties_with_values_in_flight_can_be_copied() -> None:
     clone = copy.deepcopy(penalty)
     assert clone.finite_check._calls == 1 and not clone.finite_check._recorded
     assert len(penalty.finite_check._recorded) == 1
+
+
+def test_finite_float64_values_beyond_float32_range_are_not_reported() -> None:
+    """Points of 1e300, D(x) = 1e-3 * sum(x): ||g||^2 = 2e-6, R1 = 5 * 2e-6 = 1e-5."""
+    x = as_points(torch.full((2, 2), 1e300, dtype=torch.float64))
+    assert r1()(1e-3 * x.sum(1), x).item() == pytest.approx(1e-5, rel=1e-12)
+    check = FiniteCheck()
+    check(torch.tensor(1e300, dtype=torch.float64), points=(x,))  # finite in float64: 1e300
+    with pytest.raises(NonFiniteError, match="points of call 2"):
+        check(torch.tensor(1.0, dtype=torch.float64), points=(torch.tensor([1e300, float("inf")]),))
+    with pytest.raises(NonFiniteError, match="penalty of call 3 is inf"):
+        check(torch.tensor(float("inf"), dtype=torch.float64))

@@ -308,3 +308,35 @@ def test_the_embeddings_as_points_keep_the_embedding_matrix_gradient() -> None:
     (expected,) = torch.autograd.grad(reference, embedding.weight)
     assert expected.abs().sum() > 0
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_points_of_different_batch_sizes_are_refused() -> None:
+    a, c = as_points(torch.randn(8, 4)), as_points(torch.randn(1, 4))
+    with pytest.raises(GradientError, match=r"batch sizes \[8, 1\]"):
+        r1()((a + c).sum(1), [a, c])
+
+
+def test_the_same_tensor_twice_is_refused() -> None:
+    a = as_points(torch.randn(4, 2))
+    with pytest.raises(GradientError, match="points 0 and 1 are the same tensor"):
+        r1()(a.sum(1), [a, a])
+    with pytest.raises(GradientError, match="same tensor"):
+        make_penalty("param_grad_norm")(a.sum(), [a, a])
+
+
+def test_complex_points_and_outputs_are_refused() -> None:
+    z = torch.randn(3, 2, dtype=torch.complex128).requires_grad_()
+    with pytest.raises(GradientError, match=r"point 0 is complex .*view_as_real"):
+        r1()(z.abs().sum(1), z)
+    x = as_points(torch.randn(3, 2, dtype=torch.float64))
+    with pytest.raises(GradientError, match="the outputs are complex"):
+        r1()(x.sum(1) * (1 + 1j), x)
+
+
+def test_empty_batches_and_points_without_grad_are_refused() -> None:
+    x = as_points(torch.randn(0, 2))
+    with pytest.raises(GradientError, match="empty batch"):
+        r1()(x.sum(1), x)
+    y = torch.randn(3, 2)
+    with pytest.raises(GradientError, match="does not require grad"):
+        r1()(y.sum(1), y)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 import gradreg
 from gradreg import GradientError
 from gradreg.penalties import (
+    PRESETS,
     GradientPenalty,
     as_points,
     gradient_penalty,
@@ -327,3 +328,118 @@ def test_a_wgan_gp_call_reads_top_to_bottom() -> None:
                      "autograd.py", "penalties/guards/finite.py"}
     names = [name for _, name in calls]
     assert names.count("check_points") == names.count("check_outputs") == 1
+
+
+def linear_critic() -> nn.Module:
+    critic = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        critic.weight.copy_(torch.tensor([[1.0, 2.0]]))
+    return critic
+
+
+def test_a_lazy_penalty_called_without_due_is_refused() -> None:
+    """Called on every step, r1(10, every=16) would be 16 times too large: refused."""
+    critic, penalty = linear_critic(), r1(10.0, every=16)
+    x = as_points(torch.randn(3, 2, dtype=torch.float64))
+    with pytest.raises(GradientError, match=r"every=16: .*penalty.due\(\) returned True"):
+        penalty(critic(x).squeeze(1), x)
+    assert penalty.due()  # step 0 is due
+    value = penalty(critic(x).squeeze(1), x)
+    # D(x) = x1 + 2 x2: ||g||^2 = 5, R1 = 10/2 * 5 = 25, times every = 16
+    assert value.item() == pytest.approx(16 * 25.0, rel=1e-14)
+    value = penalty(critic(x).squeeze(1), x)  # a second call on the due step (micro-batches)
+    assert value.item() == pytest.approx(400.0, rel=1e-14)
+    assert not penalty.due()  # step 1 is not
+    with pytest.raises(GradientError, match="every=16"):
+        penalty(critic(x).squeeze(1), x)
+
+
+def test_the_plain_loop_with_due_gives_the_eager_penalty_on_average() -> None:
+    """Over 16 steps, `if gp.due(): loss += gp(...)` adds once 16 * 25 = 400 = 16 eager steps."""
+    critic, lazy = linear_critic(), r1(10.0, every=16)
+    x = as_points(torch.randn(3, 2, dtype=torch.float64))
+    total = sum(lazy(critic(x).squeeze(1), x).item() for _ in range(16) if lazy.due())
+    assert total == pytest.approx(16 * r1(10.0)(critic(x).squeeze(1), x).item(), rel=1e-14)
+    assert lazy.steps_taken == 16
+
+
+def test_every_one_needs_no_due() -> None:
+    critic, x = linear_critic(), as_points(torch.randn(3, 2, dtype=torch.float64))
+    assert r1(10.0)(critic(x).squeeze(1), x).item() == pytest.approx(25.0, rel=1e-14)
+
+
+@pytest.mark.parametrize("one_sided", [False, True])
+@pytest.mark.parametrize("power", [0.5, 0.25])
+def test_power_below_one_at_the_target_has_a_zero_subgradient(power: float,
+                                                              one_sided: bool) -> None:
+    """D(x) = w (0.6, 0.8).x with w = 1: ||g|| = 1 = the target, the penalty 0 and its
+    gradient w.r.t. w the subgradient 0 (torch's own is 0 * inf = NaN)."""
+    w = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    x = as_points(torch.randn(3, 2, dtype=torch.float64))
+    outputs = w * (x @ torch.tensor([0.6, 0.8], dtype=torch.float64))
+    value = wgan_gp(power=power, one_sided=one_sided)(outputs, x)
+    (grad,) = torch.autograd.grad(value, w)
+    assert value.item() == pytest.approx(0.0, abs=1e-14) and grad.item() == 0.0
+    # away from the kink, w = 2: 10 * |2 - 1|^power = 10, d/dw = 10 * power
+    w2 = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    value = wgan_gp(power=power, one_sided=one_sided)(
+        w2 * (x @ torch.tensor([0.6, 0.8], dtype=torch.float64)), x)
+    (grad,) = torch.autograd.grad(value, w2)
+    assert value.item() == pytest.approx(10.0, rel=1e-14)
+    assert grad.item() == pytest.approx(10.0 * power, rel=1e-12)
+
+
+def test_channels_last_and_non_contiguous_points_give_the_contiguous_value() -> None:
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.LazyLinear(1)).double()
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+    conv(x)
+    values = []
+    for layout in (x, x.to(memory_format=torch.channels_last), x.transpose(2, 3).contiguous()
+                   .transpose(2, 3)):
+        points = as_points(layout)
+        assert torch.equal(points, x)
+        values.append(r1()(conv(points).squeeze(1), points))
+    torch.testing.assert_close(values[1], values[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(values[2], values[0], rtol=1e-12, atol=0)
+
+
+def test_float16_points_on_the_cpu() -> None:
+    """D(x) = x.(1, 2) in float16: ||g||^2 = 5 exactly, R1 = 25."""
+    critic = nn.Linear(2, 1, bias=False).half()
+    with torch.no_grad():
+        critic.weight.copy_(torch.tensor([[1.0, 2.0]]))
+    x = as_points(torch.randn(3, 2).half())
+    value = r1()(critic(x).squeeze(1), x)
+    assert value.dtype == torch.float16 and value.item() == 25.0
+
+
+# A penalty's state dict as earlier releases wrote it (the keys ``step``, ``ema`` and
+# ``_extra_state`` with the weight) loads into the penalties of this one, for every preset.
+
+PRESET_OPTIONS = {"intermediate": {"layers": ["act1"]}}
+
+
+def _old_format(step: int, ema: float, weight: float) -> dict:
+    """Written out by hand, as the earlier releases saved it (not by this code)."""
+    return {"step": torch.tensor(step), "ema": torch.tensor(ema),
+            "_extra_state": {"weight": weight}}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_an_old_state_dict_loads_with_its_counter_running_mean_and_weight(name: str) -> None:
+    penalty = make_penalty(name, every=4, **PRESET_OPTIONS.get(name, {}))
+    result = penalty.load_state_dict(_old_format(step=6, ema=0.25, weight=3.5))
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert penalty.weight == 3.5 and penalty.steps_taken == 6
+    assert penalty.ema.item() == 0.25
+    # the lazy counter goes on from 6: due on the 9th call (index 8), not on the 7th
+    assert [penalty.due() for _ in range(4)] == [False, False, True, False]
+
+
+def test_a_float64_running_mean_is_restored_in_float64() -> None:
+    penalty = make_penalty("path_length")
+    state = _old_format(step=1, ema=0.1, weight=2.0)
+    state["ema"] = torch.tensor(0.1, dtype=torch.float64)
+    penalty.load_state_dict(state)
+    assert penalty.ema.dtype == torch.float64 and penalty.ema.item() == 0.1

@@ -10,7 +10,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import grad
 
-from gradreg.penalties import jacobian, path_length
+from gradreg import NonFiniteError
+from gradreg.penalties import (
+    as_points,
+    jacobian,
+    path_length,
+)
 
 B, NUM_WS, W_DIM, SIDE = 3, 4, 5, 4
 
@@ -155,3 +160,40 @@ def test_path_length_of_a_bf16_generator_is_that_of_a_float32_penalty() -> None:
         results.append((values, penalty.ema.dtype, penalty.ema.item()))
     assert results[0] == results[1]
     assert results[1][1] == torch.float32 and results[1][2] > 0
+
+
+def generator() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+
+
+def pl_call(penalty: nn.Module, g: nn.Module, w: Tensor, seed: int) -> Tensor:
+    torch.manual_seed(seed)  # the same projection noise for both penalties
+    w = as_points(w)
+    return penalty(g(w), w)
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_a_nan_batch_leaves_the_path_length_mean_as_it_was(check_finite: bool) -> None:
+    """A NaN batch between clean ones: the running mean and the later values are those of a
+    penalty that never saw it (bitwise), and the checkpointed mean is finite."""
+    g = generator()
+    clean = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    bad = clean[0].clone()
+    bad[1, 0] = float("nan")
+    penalty = path_length(check_finite=check_finite)
+    oracle = path_length()
+    pl_call(penalty, g, clean[0], 0)
+    pl_call(oracle, g, clean[0], 0)
+    before = penalty.ema.clone()
+    if check_finite:
+        with pytest.raises(NonFiniteError, match="points of call 2"):
+            pl_call(penalty, g, bad, 1)
+    else:
+        assert torch.isnan(pl_call(penalty, g, bad, 1))
+    assert torch.equal(penalty.ema, before)
+    for seed, w in enumerate(clean[1:], start=2):
+        value, expected = pl_call(penalty, g, w, seed), pl_call(oracle, g, w, seed)
+        assert torch.isfinite(value) and torch.equal(value, expected)
+    assert torch.equal(penalty.ema, oracle.ema) and penalty.ema.item() != 0.0
+    assert torch.isfinite(penalty.state_dict()["ema"])

@@ -8,6 +8,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 from gradreg import GradientError
+from gradreg.penalties import (
+    as_points,
+    spectral,
+)
 from gradreg.penalties.kinds.spectral import power_iteration, spectral_norms
 
 F64 = torch.float64
@@ -109,3 +113,12 @@ def test_bad_input_is_refused() -> None:
         spectral_norms(net, x, iterations=0)
     with pytest.raises(GradientError, match=r"D\(x\) rather than D\(x\).mean\(\)"):
         spectral_norms(lambda q: net(q).mean(), x)
+
+
+def test_spectral_norm_of_a_b_output_and_of_b_points() -> None:
+    """f(x) = w.x (output [B]): sigma = |w| = 5, penalty 25; f(x) = 2x on [B] points: 4."""
+    w = torch.tensor([3.0, 4.0], dtype=F64)
+    x = as_points(torch.randn(3, 2, dtype=F64))
+    assert spectral(1.0, iterations=2)(lambda q: q @ w, x).item() == pytest.approx(25.0, rel=1e-12)
+    s = as_points(torch.randn(3, dtype=F64))
+    assert spectral(1.0, iterations=2)(lambda q: 2 * q, s).item() == pytest.approx(4.0, rel=1e-12)
