@@ -20,8 +20,11 @@ from gradreg.penalties.accumulation import accumulated_backward
 from gradreg.penalties.config import METHODS, PenaltyConfig
 from gradreg.penalties.formulas.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.formulas.norms import per_sample_norm
+from gradreg.penalties.formulas.options import Norm
 from gradreg.penalties.formulas.points import as_points, interpolate, perturb_dragan
+from gradreg.penalties.kinds import GradientNorm, Hessian, Spectral
 from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty
+from gradreg.penalties.methods import DoubleBackward, FiniteDifference, ParameterShift, Perturbation
 from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.presets import (
     PRESETS,
@@ -53,11 +56,19 @@ __all__ = [
     "METHODS",
     "POINTS",
     "PRESETS",
+    "DoubleBackward",
+    "FiniteDifference",
     "GeneratorState",
+    "GradientNorm",
     "GradientPenalty",
+    "Hessian",
     "LossAt",
+    "Norm",
+    "ParameterShift",
     "PenaltyConfig",
+    "Perturbation",
     "SharedForward",
+    "Spectral",
     "accumulated_backward",
     "approx_r1",
     "approx_r2",

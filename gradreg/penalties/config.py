@@ -86,9 +86,7 @@ class PenaltyConfig:
     :meth:`from_flat`, change some with :meth:`replace`.
 
     Examples:
-        >>> from gradreg.penalties import GradientPenalty, PenaltyConfig
-        >>> from gradreg.penalties.formulas.options import Norm
-        >>> from gradreg.penalties.methods import FiniteDifference
+        >>> from gradreg.penalties import FiniteDifference, GradientPenalty, Norm, PenaltyConfig
         >>> config = PenaltyConfig(Norm(target=1.0), FiniteDifference(step=1e-3),
         ...                        points="interpolates")
         >>> config == PenaltyConfig.from_flat(target=1.0, method="finite_difference", step=1e-3,

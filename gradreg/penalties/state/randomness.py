@@ -113,7 +113,12 @@ class SharedForward:
     (refused with a random model).
 
     Pass it as a penalty's ``outputs`` (``penalty(shared, x)``), e.g.
-    ``shared = SharedForward.run(critic, x)``, the task loss from ``shared.outputs``.
+    ``shared = SharedForward.run(critic, x)``, the task loss from ``shared.outputs``: it is the
+    one object every method takes (module or function, points, the outputs already computed,
+    the replayable random state), and the method decides what to run of it (double backward
+    differentiates ``outputs``, the finite difference and the perturbation estimate take them
+    at the points and replay ``state`` elsewhere, ``subsample``, ``chunks`` and the kinds run
+    ``fn``; :meth:`GradientPenalty.forward <gradreg.penalties.GradientPenalty.forward>`).
 
     Examples:
         R1 without a double backward, sharing the critic's forward at the reals with the task
