@@ -248,8 +248,9 @@ class GradientPenalty(nn.Module):
     @property
     def needs_callable(self) -> bool:
         """Whether :meth:`forward` must be given ``outputs`` as a callable ``fn(*points)``: the
-        methods other than double backward, ``subsample`` and ``chunks`` run their own forward."""
-        return self.config.needs_callable
+        methods other than double backward, ``subsample``, ``chunks`` and the kinds run their own
+        forward (given a :class:`~gradreg.penalties.SharedForward`, they run its callable)."""
+        return self._needs_callable
 
     @property
     def steps_taken(self) -> int:
@@ -367,7 +368,7 @@ class GradientPenalty(nn.Module):
                 f"loss_scale is only supported by method='double_backward' of the gradient norm "
                 f"(got method={config.method.name!r}, kind={config.kind.name!r}): run this "
                 "penalty outside fp16 autocast, in float32.")
-        if fn is not None:
+        if fn is not None and config.subsample < 1:
             both = subsample(inputs + fn_args, config.subsample)
             inputs, fn_args = both[:len(inputs)], both[len(inputs):]
         check = partial(check_outputs, inputs=inputs, per_sample=self._per_sample,
