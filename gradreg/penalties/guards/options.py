@@ -13,16 +13,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = ["HESSIAN_REDUCTIONS", "KIND_METHODS", "Option", "check_count", "check_flag",
-           "check_hessian_options", "check_hessian_values", "check_iterations",
-           "check_kind_method", "check_per_sample_kind", "check_step", "finite_number",
-           "require"]
+__all__ = ["Option", "check_count", "check_flag", "check_iterations", "check_kind_method",
+           "check_per_sample_kind", "check_step", "finite_number", "require"]
 
-#: The methods of each kind other than ``"gradient_norm"`` (which takes every one of METHODS).
-KIND_METHODS = {"spectral": ("double_backward",),
-                "hessian": ("finite_difference", "double_backward")}
-#: The reductions of the Hessian penalty over samples and output units.
-HESSIAN_REDUCTIONS = ("max", "mean")
 
 
 class Option:
@@ -80,9 +73,9 @@ def check_iterations(iterations: int) -> None:
             f"iterations must be an int >= 1 (power-iteration steps), got {iterations!r}")
 
 
-def check_kind_method(kind: str, method: str) -> None:
-    """Refuse a ``method`` that does not compute ``kind`` (:data:`KIND_METHODS`)."""
-    methods = KIND_METHODS[kind]
+def check_kind_method(kind: str, method: str, methods: tuple[str, ...]) -> None:
+    """Refuse a ``method`` other than the ``methods`` that compute ``kind`` (the kind's own
+    ``methods``)."""
     require(method in methods, f"kind={kind!r} is computed by method "
                                f"{' or '.join(map(repr, methods))}, got method={method!r}")
 
@@ -98,26 +91,6 @@ def check_per_sample_kind(kind: str, config: Any) -> None:
             f"kind={kind!r} takes per-sample points other than 'activations', a numeric target, "
             "projection='sum', order=1 and chunks=1")
 
-
-def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
-                          method: str) -> None:
-    """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
-    :func:`~gradreg.penalties.kinds.hessian.hessian_penalty`: ``count`` Rademacher
-    directions per sample, an int >= 2 (the penalty is a variance over them); ``step`` > 0;
-    ``reduction`` one of :data:`HESSIAN_REDUCTIONS`; ``method`` one of ``KIND_METHODS
-    ["hessian"]``. ``None`` leaves ``count`` or ``step`` at its default."""
-    check_kind_method("hessian", method)
-    check_hessian_values(count=count, step=step, reduction=reduction)
-
-
-def check_hessian_values(*, count: int | None, step: float | None, reduction: str) -> None:
-    """The values of :func:`check_hessian_options`, the method apart."""
-    require(reduction in HESSIAN_REDUCTIONS,
-            f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
-            f"reduction={reduction!r}")
-    check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
-                          "two")
-    check_step(step)
 
 
 def finite_number(name: str, value: object, *, minimum: float | None = None,

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -62,17 +62,28 @@ from gradreg.penalties.guards.checks import model_without_in_place_updates
 from gradreg.penalties.guards.coupling import probe_independent_samples
 from gradreg.penalties.guards.options import (
     Option,
-    check_hessian_options,
-    check_hessian_values,
+    check_count,
     check_kind_method,
     check_per_sample_kind,
+    check_step,
     require,
 )
 from gradreg.penalties.guards.precision import check_difference_rounding
 from gradreg.penalties.state.randomness import GeneratorState, Replaying, SharedForward
 
-__all__ = ["DEFAULT_COUNT", "DEFAULT_STEP", "Hessian", "HessianMethod", "HessianPenalty",
-           "hessian_penalty", "rademacher", "second_directional_derivatives"]
+__all__ = [
+    "DEFAULT_COUNT",
+    "DEFAULT_STEP",
+    "REDUCTIONS",
+    "Hessian",
+    "HessianMethod",
+    "HessianPenalty",
+    "check_hessian_options",
+    "check_hessian_values",
+    "hessian_penalty",
+    "rademacher",
+    "second_directional_derivatives",
+]
 
 #: The finite difference's step ε where ``step`` is left out (the authors' ``epsilon``).
 DEFAULT_STEP = 0.1
@@ -140,6 +151,31 @@ def _second_difference(fn: Callable[[Tensor], Outputs], z: Tensor, direction: Te
     return [(p - 2 * g + m) / step**2 for p, g, m in zip(plus, at_z, minus, strict=True)]
 
 
+#: The reductions of the Hessian penalty over samples and output units.
+REDUCTIONS = ("max", "mean")
+
+
+def check_hessian_options(*, count: int | None, step: float | None, reduction: str,
+                          method: str) -> None:
+    """Refuse options the Hessian penalty cannot take, for ``kind="hessian"`` and for
+    :func:`~gradreg.penalties.kinds.hessian.hessian_penalty`: ``count`` Rademacher
+    directions per sample, an int >= 2 (the penalty is a variance over them); ``step`` > 0;
+    ``reduction`` one of :data:`REDUCTIONS`; ``method`` one of :attr:`Hessian.methods`.
+    ``None`` leaves ``count`` or ``step`` at its default."""
+    check_kind_method("hessian", method, Hessian.methods)
+    check_hessian_values(count=count, step=step, reduction=reduction)
+
+
+def check_hessian_values(*, count: int | None, step: float | None, reduction: str) -> None:
+    """The values of :func:`check_hessian_options`, the method apart."""
+    require(reduction in REDUCTIONS,
+            f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
+            f"reduction={reduction!r}")
+    check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
+                          "two")
+    check_step(step)
+
+
 def hessian_penalty(
     fn: Callable[[Tensor], Outputs],
     z: Tensor,
@@ -160,7 +196,7 @@ def hessian_penalty(
     :data:`DEFAULT_COUNT`); ``step`` > 0: the finite-difference step ε (``None``:
     :data:`DEFAULT_STEP`); ``reduction``: ``"max"`` or ``"mean"`` over samples and units;
     ``method``: ``"finite_difference"`` or ``"double_backward"`` (exact). The options are
-    checked by :func:`~gradreg.penalties.config.check_hessian_options`, as ``kind="hessian"``'s
+    checked by :func:`check_hessian_options`, as ``kind="hessian"``'s
     are. ``outputs``: ``fn(z)`` where the caller already computed it (finite difference: saves
     a forward), with ``random_state`` the random state its forward began with (replayed by the
     shifted forwards; needed where the model draws random numbers). ``directions``: the
@@ -243,6 +279,8 @@ class Hessian(Option):
     """
 
     name = "hessian"
+    #: The methods that compute it.
+    methods: ClassVar[tuple[str, ...]] = ("finite_difference", "double_backward")
 
     count: int | None = None
     step: float | None = None
@@ -259,7 +297,7 @@ class Hessian(Option):
     def check(self, config: Configuration) -> None:
         """A variance of second derivatives, not a norm: the norm's options at their
         defaults."""
-        check_kind_method(self.name, config.method.name)
+        check_kind_method(self.name, config.method.name, self.methods)
         check_per_sample_kind(self.name, config)
         norm = config.norm
         require(norm.target == 0 and not norm.one_sided and norm.power == 2 and norm.p == 2,

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -129,6 +129,8 @@ class Spectral(Option):
     """
 
     name = "spectral"
+    #: The methods that compute it.
+    methods: ClassVar[tuple[str, ...]] = ("double_backward",)
 
     iterations: int = 10
 
@@ -142,7 +144,7 @@ class Spectral(Option):
 
     def check(self, config: Configuration) -> None:
         """The operator 2-norm of per-sample Jacobians, by double backward."""
-        check_kind_method(self.name, config.method.name)
+        check_kind_method(self.name, config.method.name, self.methods)
         check_per_sample_kind(self.name, config)
         require(config.norm.p == 2,
                 f"kind='spectral' is the operator 2-norm; got p={config.norm.p!r}")
