@@ -36,7 +36,7 @@ REDUCTIONS = tuple(name for name in REDUCE if name != "none")
 PROJECTION_NAMES = tuple(PROJECTIONS)
 
 
-def number(option: Option, name: str, *, infinite: bool = False) -> float:
+def _number(option: Option, name: str, *, infinite: bool = False) -> float:
     """The option ``name`` of ``option`` as a float (a numpy scalar or a 0-d tensor is
     converted in place, an int or a float kept as written)."""
     value = getattr(option, name)
@@ -86,12 +86,12 @@ class Norm(Option):
 
     def __post_init__(self) -> None:
         if self.target != "ema":
-            target = number(self, "target")
+            target = _number(self, "target")
             require(target >= 0, f"target must be a number >= 0 or 'ema', got {self.target!r}")
-        require(number(self, "power") > 0, f"power must be > 0, got {self.power!r}")
-        require(number(self, "p", infinite=True) > 0,
+        require(_number(self, "power") > 0, f"power must be > 0, got {self.power!r}")
+        require(_number(self, "p", infinite=True) > 0,
                 f"p (the norm's order) must be > 0, got {self.p!r}")
-        number(self, "ema_decay")
+        _number(self, "ema_decay")
         check_flag("one_sided", self.one_sided)
         require(self.reduction in REDUCTIONS,
                 f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
