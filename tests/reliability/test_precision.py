@@ -45,7 +45,8 @@ DIFFERENCING = {"approx_r1": "0.78", "approx_r2": "0.78", "hessian": "1.6"}
 def test_bf16_autocast_1000_steps_finite_and_close_to_fp32(name: str) -> None:
     """1,000 SGD steps under ``autocast(bfloat16)`` (``precision="bf16-mixed"``), batch 16: every
     penalty finite (check_finite would raise), and every 100 steps within tolerance of fp32."""
-    model, gp = tiny_model(), penalty(name)
+    # gr's default step refuses bf16 (test_gr_default_step_refuses_bf16); its recipe's step runs
+    model, gp = tiny_model(), penalty(name, **({"step": 1e-3} if name == "gr" else {}))
     for step in range(BF16_STEPS):
         if step % BF16_CHECK_EVERY == 0:
             bf16 = penalty_under(torch.bfloat16, gp, model, step)
@@ -67,6 +68,14 @@ def test_bf16_autocast_refuses_difference_quotients(name: str, rounding: str) ->
     if name == "hessian":
         exact = penalty(name, method="double_backward")
         assert math.isfinite(penalty_under(torch.bfloat16, exact, model, 0))
+
+
+def test_gr_default_step_refuses_bf16() -> None:
+    """GR's default ε is a float32 step: under bf16 autocast the difference of gradients is
+    rounding noise, refused naming the fixes (float32, an explicit step, double backward)."""
+    with pytest.raises(GradientError, match=r"unit roundoff 3\.9e-03 .*\(LossAt\.run and the "
+                                            r"penalty outside autocast\), pass step"):
+        penalty_under(torch.bfloat16, penalty("gr"), tiny_model(), 0)
 
 
 class StubScaler:

@@ -86,15 +86,21 @@ def default_step(roundoff: float, *, parameters: bool = False) -> float:
     It balances truncation :math:`O(\text{eps})` against rounding :math:`O(u/\text{eps})`:
     1e-6 in float64, 1e-2 in float32, 0.5 in TF32, whose rounding noise is 8192 times float32's;
     with ``parameters``, the length of the parameter shift (:data:`PARAMETER_STEPS`).
-    Coarser arithmetic (bf16, fp16, bf16 matmuls) is refused: it loses all digits.
+    Coarser arithmetic (bf16, fp16, bf16 matmuls) is refused: it loses all digits (a parameter
+    shift's difference of bf16 gradients is rounding noise; the message names ``step`` for a run
+    that takes it anyway, as gradientregularization_trl's bf16 recipe does).
     """
     for unit, step in sorted((PARAMETER_STEPS if parameters else STEPS).items()):
         if roundoff <= unit:
             return step
+    where = ("compute the loss and the penalty in float32 or float64 (LossAt.run and the penalty "
+             "outside autocast), pass step to take the difference in this arithmetic anyway, "
+             if parameters else
+             "run the penalty in float32 or float64 (disable autocast around it), ")
     raise GradientError(
         f"finite differences in arithmetic of unit roundoff {roundoff:.1e} (bf16/fp16, autocast, "
-        "or float32 matmul precision 'medium') lose all digits to rounding: run the penalty in "
-        "float32 or float64 (disable autocast around it), or use method='double_backward'."
+        f"or float32 matmul precision 'medium') lose all digits to rounding: {where}or use "
+        "method='double_backward'."
     )
 
 
