@@ -52,8 +52,7 @@ not interact (BatchNorm in training mode normalizes per micro-batch, as any accu
 
 Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
 loss, logits without a graph (a trainer whose loss is computed without them: TRL's
-``SFTTrainer`` by a fused head), finite differences at trainable embeddings (the embedding
-matrix would get a wrong gradient), penalties at activations that run their own forward, and
+``SFTTrainer`` by a fused head), penalties at activations that run their own forward, and
 under accumulation more than one parameter penalty or ``reduction="max"`` (a maximum over
 micro-batches is not one over the batch). Evaluation (no grad, or the model in eval mode)
 computes the loss alone.
@@ -326,16 +325,9 @@ class PenaltyMixin:
             result = model(inputs_embeds=embeds, **forward)
             return self._losses(model, result, batch) if of_loss else result["logits"]
 
-        fn_args = tuple(inputs[k] for k in keys)
-        if gp.config.method in ("finite_difference", "perturbation"):  # the forward shared
-            if gp.config.method == "finite_difference" and points.grad_fn is not None:
-                raise GradientError(
-                    "method='finite_difference' at the input embeddings gives the trainable "
-                    "embedding matrix behind them a wrong gradient: use method='double_backward' "
-                    "(chunks=... for memory) or 'perturbation', or freeze the input embeddings.")
-            return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
-                      fn_args=fn_args)
-        return gp(at_embeddings, points, fn_args=fn_args)
+        # the trainer's forward shared where the method can (the estimates at the points)
+        return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
+                  fn_args=tuple(inputs[k] for k in keys))
 
     def _parameters(self, due: Mapping[str, GradientPenalty], model: nn.Module,
                     inputs: dict[str, Any], loss: Tensor, state: GeneratorState,

@@ -73,6 +73,32 @@ def test_finite_difference_closure_over_a_per_sample_loss() -> None:
     assert relative_error(estimate, exact) < 1e-6
 
 
+@pytest.mark.parametrize("method", ["finite_difference", "perturbation"])
+def test_estimates_at_embeddings_reach_the_embedding_matrix(method: str) -> None:
+    """Double backprop at a model's embeddings (points computed by a graph): every parameter's
+    gradient, the embedding matrix's included, is that of float64 double backward (finite
+    difference to 1e-6; the perturbation estimate, averaged over 4000 probes, to 10%). A
+    shifted forward from the detached points was 2e5 times off (relative error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(12, 6), nn.Linear(6, 8), nn.Tanh(),
+                          nn.Linear(8, 3)).double()
+    ids, labels = torch.randint(0, 12, (16, 5)), torch.randint(0, 3, (16,))
+
+    def losses(e: Tensor) -> Tensor:
+        return F.cross_entropy(model[1:](e).mean(1), labels, reduction="none")
+
+    def gradients(penalty: GradientPenalty, call: object) -> Tensor:
+        e = model[0](ids)
+        value = penalty(call(e), e)
+        return torch.cat([g.flatten() for g in torch.autograd.grad(value, model.parameters())])
+
+    exact = gradients(make_penalty("double_backprop"), losses)
+    options = {"count": 4000} if method == "perturbation" else {}
+    estimate = gradients(make_penalty("double_backprop", method=method, **options),
+                         lambda e: losses)
+    assert relative_error(estimate, exact) < (0.1 if method == "perturbation" else 1e-6)
+
+
 @pytest.mark.parametrize(("activation", "op"), [
     (nn.ReLU(), "Relu"),
     (lambda h: torch.nn.functional.relu(h), "Relu"),  # functional: no module to find

@@ -71,7 +71,11 @@ def finite_difference(
                         = \nabla_\theta P + O(\text{step}).
 
     Any target, power, norm order, sidedness and reduction enter only through :math:`v`, which is
-    the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Cost: the
+    the (cheap, first-order) gradient of ``penalty_of_grads`` at the detached :math:`g`. Points
+    computed by a graph (a model's embeddings) are shifted with it, so that
+    :math:`\nabla_{x_i} S = (\nabla f_i(x_i + h_i v_i) - \nabla f_i(x_i))/h_i = H_{x_i x_i} v_i +
+    O(\text{step}) = \nabla_{x_i} P + O(\text{step})` reaches what computed them (the embedding
+    matrix); a leaf point's own gradient is not meaningful. Cost: the
     forward at :math:`x`, one backward to the inputs only, a forward and a backward at the shifted
     points; the backward at :math:`x` is shared with whatever else uses ``fn``'s graph (on a
     ``torch.compile``'d model the gradient at :math:`x` runs a forward of its own: a compiled
@@ -124,7 +128,9 @@ def finite_difference(
     norms = per_sample_norm(directions)
     moving = norms > 0
     h = torch.where(moving, step / torch.where(moving, norms, 1.0), 0.0)
-    shifted = tuple(x.detach() + _broadcast(h, v) * v
+    # points computed by a graph (embeddings) keep it: S's gradient to them is then the
+    # difference of input gradients, H_xx v + O(step) = ∂P/∂x, which reaches what computed them
+    shifted = tuple((x if x.grad_fn is not None else x.detach()) + _broadcast(h, v) * v
                     for x, v in zip(inputs, directions, strict=True))
     delta = (forward(*shifted) - outputs).reshape(len(norms), -1).sum(1)
     surrogate = (delta * torch.where(moving, norms / step, 0.0)).sum()
