@@ -180,7 +180,9 @@ class PenaltyConfig:
             ema_decay: the running mean's decay for ``target="ema"``.
             check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
                 passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead
-                of letting it pass silently (:class:`~gradreg.penalties.guards.finite.FiniteCheck`):
+                of letting it pass silently (for ``points="parameters"`` the penalty is a function
+                of the loss's gradient there, which a non-finite parameter makes non-finite: the
+                value's check covers them without a pass over every parameter) (:class:`~gradreg.penalties.guards.finite.FiniteCheck`):
                 on the CPU at once, before the value is used; on CUDA without a host sync, at a
                 later call (normally the next) that names the call, after that call's optimizer
                 step; ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a

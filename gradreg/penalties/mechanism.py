@@ -391,6 +391,8 @@ class GradientPenalty(nn.Module):
         weighted = value * factor
         self.last_value = value.detach()
         if self._check_finite and call.loss_scale is None:
-            self.finite_check(self.last_value, points=call.inputs, weighted=weighted,
+            # parameters: a non-finite one makes the loss's gradient, and the value, non-finite
+            points = () if self.config.points == "parameters" else call.inputs
+            self.finite_check(self.last_value, points=points, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted

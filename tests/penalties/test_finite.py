@@ -10,8 +10,10 @@ import torch
 
 from gradreg import GradientError, NonFiniteError
 from gradreg.penalties import (
+    LossAt,
     as_points,
     make_penalty,
+    param_grad_norm,
     r1,
 )
 from gradreg.penalties.guards.finite import FiniteCheck, _Recorded
@@ -71,3 +73,26 @@ def test_finite_float64_values_beyond_float32_range_are_not_reported() -> None:
         check(torch.tensor(1.0, dtype=torch.float64), points=(torch.tensor([1e300, float("inf")]),))
     with pytest.raises(NonFiniteError, match="penalty of call 3 is inf"):
         check(torch.tensor(float("inf"), dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("method", "message"), [
+    ("double_backward", r"the outputs of call 2 contain NaN or Inf: the model overflowed"),
+    ("finite_difference", r"the penalty of call 2 is nan \(not finite\)")])
+def test_a_non_finite_parameter_makes_a_parameter_penalty_non_finite(method: str,
+                                                                     message: str) -> None:
+    """A penalty on points="parameters" checks no parameter itself: a NaN weight makes the
+    loss (the outputs of double backward, not said to come from finite points) or the loss's
+    gradient and so the value (finite difference) NaN, reported at that call."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 3)
+    penalty = param_grad_norm(0.1, method=method)
+
+    def loss() -> torch.Tensor:
+        return model(x).square().mean()
+
+    params = list(model.parameters())
+    penalty(LossAt.run(loss, x) if method != "double_backward" else loss(), params)
+    with torch.no_grad():
+        model[2].weight[0, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=message):
+        penalty(LossAt.run(loss, x) if method != "double_backward" else loss(), params)

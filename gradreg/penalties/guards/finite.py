@@ -33,6 +33,7 @@ class _Recorded:
     ready: Callable[[], bool]  # the copy has completed (no wait)
     wait: Callable[[], None]  # block until it has
     factor: float = 1.0  # what multiplied the value: weight * every * gain
+    points_checked: bool = True  # whether points were given (a parameter penalty's are not)
 
 
 #: What each entry of a recorded value is, in the order causes come (a NaN in the points makes
@@ -78,10 +79,10 @@ class FiniteCheck:
             event = torch.cuda.Event()
             event.record()
             self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
-                                            factor))
+                                            factor, bool(points)))
         else:
             self._recorded.append(_Recorded(self._calls, entries, lambda: True, lambda: None,
-                                            factor))
+                                            factor, bool(points)))
         self.settle(wait=False)
 
     def settle(self, wait: bool = True) -> None:
@@ -134,7 +135,8 @@ def _message(found: str, recorded: _Recorded, values: list[float], late: str) ->
         )
     if found == "outputs":
         return (
-            f"the outputs of call {call} contain NaN or Inf although the points are finite"
+            f"the outputs of call {call} contain NaN or Inf"
+            f"{' although the points are finite' if recorded.points_checked else ''}"
             f"{late}: the model overflowed or diverged (a mean over an empty batch is NaN too). "
             "Lower the learning rate, check the loss for empty batches, or guard the step "
             "(check_finite=False lets it through)."

@@ -303,27 +303,25 @@ class ParameterFiniteDifference:
             step = default_step(unit_roundoff(loss), parameters=True) * (
                 GRADIENT_SHIFT_FACTOR if self.shift == "gradient" else 1.0)
         shift, scale = shift_length(self.shift, step, length, self.gain)
-        saved = [p.detach().clone() for p in params]
-        try:
-            with torch.no_grad():  # θ + h v̂, v̂ = coefficient * vectors
-                for p, d, amount in zip(params, vectors,
-                                        _in_dtypes(coefficient * shift, vectors), strict=True):
-                    p.data.addcmul_(d, amount)
+        # the list operations (torch._foreach_*) run each tensor's own kernel, as a loop would:
+        # one Python call for all the parameters (their 0-dim factors keep the per-tensor path)
+        data = [p.data for p in params]  # written without moving the parameters' versions
+        saved = [d.clone() for d in data]
+        try:  # θ + h v̂, v̂ = coefficient * vectors
+            torch._foreach_addcmul_(data, vectors, _in_dtypes(coefficient * shift, vectors))
             shifted = _shifted_gradient(fn, state, known, params, self._buffers)
         finally:
-            with torch.no_grad():
-                for p, original in zip(params, saved, strict=True):
-                    p.data.copy_(original)
+            torch._foreach_copy_(data, saved)
         del saved
         if task is None or task.split:
-            hvp = [b.sub_(a).mul_(c) for a, b, c in zip(g, shifted, _in_dtypes(scale, g),
-                                                         strict=True)]
+            torch._foreach_sub_(shifted, g)
+            torch._foreach_mul_(shifted, _in_dtypes(scale, g))
             if task is not None:
                 task.gradient = g
-            return with_gradients(value, list(params), hvp)
+            return with_gradients(value, list(params), shifted)
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
-        task.gradient = [a.lerp_(b, c) for a, b, c in zip(g, shifted, _in_dtypes(factor, g),
-                                                          strict=True)]
+        torch._foreach_lerp_(g, shifted, _in_dtypes(factor, g))
+        task.gradient = g
         return value.detach()
 
     def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
