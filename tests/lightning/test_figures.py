@@ -288,8 +288,8 @@ def test_the_graph_picture_is_legible_at_tensorboards_card_width() -> None:
 def test_the_logged_graph_picture_draws_the_module_calls_as_boxes(tmp_path: Path) -> None:
     """The logger's picture of a Linear classifier's double-backprop loss is the figure of the
     collapsed graph (its pixel size says how many rows it has): the Addmm of ``net`` with the T
-    of its weight and the leaves of weight and bias one box ``net (Linear)``, so the graph's 19
-    nodes are 16 boxes."""
+    of its weight and the leaves of weight and bias one box ``net (Linear)``, so the graph's 18
+    nodes are 15 boxes."""
     module = ManualClassifier()  # backpropagates its loss as it is (no division by Lightning)
     run = fit(tmp_path, module, [AutogradGraphLogger()], max_steps=1)
     (image,) = events(run).Images("graph/autograd")
@@ -297,7 +297,7 @@ def test_the_logged_graph_picture_draws_the_module_calls_as_boxes(tmp_path: Path
         loss = module.loss(*data())  # lr=0: the graph of the logged step
     graph = autograd_graph(loss, dict(module.named_parameters()))
     boxes = collapse_module_calls(graph, {"net": "Linear"})
-    assert (len(graph.nodes), len(boxes.labels)) == (19, 16) and "net (Linear)" in boxes.labels
+    assert (len(graph.nodes), len(boxes.labels)) == (18, 15) and "net (Linear)" in boxes.labels
     expected = graph_figure(boxes.labels, boxes.kinds, boxes.edges, title="one\ntwo")
     assert (image.width, image.height) == (700, round(expected.get_figheight() * expected.dpi))
 
