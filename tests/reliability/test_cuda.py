@@ -203,11 +203,12 @@ def test_check_finite_needs_no_host_sync() -> None:
     try:
         for step_batch in batches:
             penalty_value(gp, model, step_batch)
-        penalty_value(gp, model, x_nan)
+        with pytest.raises(GradientError, match=r"points of call 5 contain NaN or Inf"):
+            penalty_value(gp, model, x_nan)  # reported here where its copy has landed already
+            torch.cuda.set_sync_debug_mode("default")
+            gp.finite_check.settle()  # else once settle has waited for it
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with pytest.raises(GradientError, match=r"points of call 5 contain NaN or Inf"):
-        gp.finite_check.settle()
 
 
 def test_app_default_job_on_a_gpu(tmp_path: Path) -> None:
