@@ -12,9 +12,9 @@ support of the others (a method of another kind, a projection a method does not 
 refused when the configuration is built, by that object's ``check``.
 
 Presets and Hydra configs give flat options (``target=1.0, method="finite_difference",
-step=1e-3``); :meth:`PenaltyConfig.of` is the one adapter from them, routing each option to the
-object that takes it and refusing, with the fix, an option no chosen object takes. The weight is
-not part of a configuration: it may change between steps (schedules) and is checkpointed with
+step=1e-3``); :meth:`PenaltyConfig.from_flat` is the one adapter from them, routing each option to
+the object that takes it and refusing, with the fix, an option no chosen object takes. The weight
+is not part of a configuration: it may change between steps (schedules) and is checkpointed with
 the penalty.
 """
 
@@ -49,7 +49,7 @@ POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", 
 #: number of directions (projections, probes, Rademacher directions) is ``count``.
 RENAMED = {"fd_eps": "step", "sigma": "step", "epsilon": "step", "num_projections": "count",
            "probes": "count", "k": "count"}
-#: The flat options and their defaults (those of :meth:`PenaltyConfig.of`, the presets' and
+#: The flat options and their defaults (those of :meth:`PenaltyConfig.from_flat`, the presets' and
 #: the Hydra configs' keywords).
 FLAT: dict[str, Any] = {
     "target": 0.0, "one_sided": False, "power": 2.0, "p": 2.0, "reduction": "mean", "every": 1,
@@ -180,14 +180,14 @@ class PenaltyConfig:
             ema_decay: the running mean's decay for ``target="ema"``.
             check_finite: raise :class:`~gradreg.GradientError` when the points, the outputs (when
                 passed as a tensor), the penalty or the weighted penalty holds NaN or Inf, instead
-                of letting it pass silently (for ``points="parameters"`` the penalty is a function
-                of the loss's gradient there, which a non-finite parameter makes non-finite: the
-                value's check covers them without a pass over every parameter) (:class:`~gradreg.penalties.guards.finite.FiniteCheck`):
-                on the CPU at once, before the value is used; on CUDA without a host sync, at a
-                later call (normally the next) that names the call, after that call's optimizer
-                step; ``finite_check.settle()`` waits for all. Not under a ``loss_scale``: there a
-                non-finite value is the GradScaler's overflow signal, and the scaler skips the step
-                and lowers its scale.
+                of letting it pass silently (:class:`~gradreg.penalties.guards.finite.FiniteCheck`;
+                for ``points="parameters"`` the penalty is a function of the loss's gradient there,
+                which a non-finite parameter makes non-finite, so the value's check covers them
+                without a pass over every parameter): on the CPU at once, before the value is used;
+                on CUDA without a host sync, at a later call (normally the next) that names the
+                call, after that call's optimizer step; ``finite_check.settle()`` waits for all. Not
+                under a ``loss_scale``: there a non-finite value is the GradScaler's overflow
+                signal, and the scaler skips the step and lowers its scale.
             method: how the parameter gradient is computed, one of :data:`METHODS`:
                 ``"double_backward"`` (exact),
                 ``"finite_difference"`` (no double backward, error O(step); refused on
