@@ -306,7 +306,7 @@ def test_a_wgan_gp_call_reads_top_to_bottom() -> None:
     """One steady-state ``make_penalty("wgan_gp")(D(x_hat), x_hat)`` and its backward, after two
     calls that ran the first call's one-off checks: the gradreg-level Python calls (functions
     defined under ``gradreg/``, comprehensions and lambdas included; torch's own are not
-    counted) are 24 in 6 files (56 in 11 before the reshape): the mechanism, the double backward
+    counted) are 24 in 6 files: the mechanism, the double backward
     method, the checks of the points and of the outputs (each once), the norm's formulas,
     autograd's gradient and the finite check."""
     torch.manual_seed(0)
