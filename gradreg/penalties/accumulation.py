@@ -48,13 +48,17 @@ from torch import Tensor
 
 from gradreg.autograd import GradientError
 from gradreg.penalties.formulas.norms import per_sample_norm
-from gradreg.penalties.guards.precision import default_step, unit_roundoff
+from gradreg.penalties.guards.precision import unit_roundoff
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.methods.param_gradient import (
     _gradient,
+    _in_dtypes,
     _shifted_gradient,
     adaptive_norm_terms,
+    difference_quotient,
+    parameter_step,
     shift_length,
+    shifted_parameters,
     trainable,
 )
 from gradreg.penalties.state.buffers import KeptBuffers
@@ -140,24 +144,13 @@ class Accumulation:
                 (_hessian_vector(fn, state, params, [factor * d for d in v], self._buffers)
                  for fn, state in stored), count)
         length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + h v̂
-        step = (config.step if config.step is not None
-                else default_step(roundoff, parameters=True))
+        step = parameter_step(config.step, config.shift, roundoff)
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
-        saved = [p.detach().clone() for p in params]
-        try:
-            with torch.no_grad():
-                for p, d in zip(params, v, strict=True):
-                    p.data.add_(d * along.to(d.dtype))
+        with shifted_parameters(params, v, _in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
                              for fn, state in stored), count)
-        finally:
-            with torch.no_grad():
-                for p, original in zip(params, saved, strict=True):
-                    p.data.copy_(original)
-        scale = scale * factor
-        return value.detach() * factor, [b.sub_(a).mul_(scale.to(a.dtype))
-                                         for a, b in zip(g, shifted, strict=True)]
+        return value.detach() * factor, difference_quotient(shifted, g, scale * factor)
 
 
 def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],

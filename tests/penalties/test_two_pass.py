@@ -227,18 +227,19 @@ def test_accumulated_batches_give_the_big_batch_step(method: str) -> None:
                                rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("method", ["finite_difference", "double_backward"])
+@pytest.mark.parametrize("method", ["finite_difference", "double_backward", "gr"])
 def test_one_micro_batch_is_the_plain_step(method: str) -> None:
-    options = {"method": method, "step": STEP} if method == "finite_difference" else {}
+    """Also GR at its default step (the shift rule's own default, 3e-7 in float64)."""
+    make = {"finite_difference": partial(param_grad_norm, WEIGHT, method=method, step=STEP),
+            "double_backward": partial(param_grad_norm, WEIGHT), "gr": partial(gr, WEIGHT)}[method]
     model, x, y = problem()
     params = list(model.parameters())
     loss_fn = partial(lambda: F.cross_entropy(model(x), y))
-    at = LossAt.run(loss_fn, x) if options else None
+    at = LossAt.run(loss_fn, x) if method != "double_backward" else None
     loss = at.loss if at else loss_fn()
-    plain_value = param_grad_norm(WEIGHT, **options)(at or loss, params)
+    plain_value = make()(at or loss, params)
     plain = flat(torch.autograd.grad(loss + plain_value, params))
-    loss_value, value = accumulated_backward(param_grad_norm(WEIGHT, **options), [loss_fn],
-                                             params)
+    loss_value, value = accumulated_backward(make(), [loss_fn], params)
     torch.testing.assert_close(grads(model), plain, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(loss_value, loss.detach())
     torch.testing.assert_close(value, plain_value.detach(), rtol=1e-14, atol=0)

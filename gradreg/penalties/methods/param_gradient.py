@@ -76,7 +76,8 @@ three backward passes. :func:`~gradreg.penalties.two_pass.penalized_loss` hands 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,7 +97,8 @@ if TYPE_CHECKING:
     from gradreg.penalties.call import Configuration, PenaltyCall, PenaltyFunctions
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
-           "adaptive_norm_terms", "shift_length", "trainable"]
+           "adaptive_norm_terms", "difference_quotient", "parameter_step", "shift_length",
+           "shifted_parameters", "trainable"]
 
 WHAT = "param_grad_norm by method='finite_difference'"
 #: The default ε of ``shift="gradient"`` (the shift :math:`\epsilon v`, :math:`\lVert \epsilon
@@ -202,6 +204,44 @@ def shift_length(shift: str, step: float, length: Tensor, gain: float
     return moving * step, length / step
 
 
+def parameter_step(step: float | None, shift: str, roundoff: float) -> float:
+    """``step``, or where None the default for a parameter shift by the rule ``shift`` in
+    arithmetic of unit roundoff ``roundoff``: the
+    :func:`~gradreg.penalties.guards.precision.default_step` of a parameter shift, times
+    :data:`GRADIENT_SHIFT_FACTOR` for ``"gradient"``."""
+    if step is not None:
+        return step
+    return default_step(roundoff, parameters=True) * (
+        GRADIENT_SHIFT_FACTOR if shift == "gradient" else 1.0)
+
+
+@contextmanager
+def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
+                       amounts: Sequence[Tensor]) -> Iterator[None]:
+    """The block runs at :math:`\theta_j + a_j d_j` (``amounts`` :math:`a_j`, 0-dim tensors in
+    each parameter's dtype; ``vectors`` :math:`d_j`); the parameters are put back bitwise after
+    it. Written through ``.data``, so the parameters' versions do not move and a graph that
+    saved them (the loss at :math:`\theta`) stays valid; as list operations
+    (``torch._foreach_*``), each tensor's own kernel as a loop would run, one Python call for
+    all the parameters."""
+    data = [p.data for p in params]
+    saved = [d.clone() for d in data]
+    try:
+        torch._foreach_addcmul_(data, list(vectors), list(amounts))
+        yield
+    finally:
+        torch._foreach_copy_(data, saved)
+
+
+def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tensor
+                        ) -> list[Tensor]:
+    """``(shifted - g) * scale``, in ``shifted``'s memory: the difference of the gradients at the
+    shifted parameters and at :math:`\theta`, times the quotient's factor."""
+    torch._foreach_sub_(shifted, list(g))
+    torch._foreach_mul_(shifted, _in_dtypes(scale, g))
+    return shifted
+
+
 def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
     r""":math:`\lvert\theta\rvert \odot g` per parameter (ASAM's norm is of these), the
     parameters' magnitudes detached: held constant in :math:`v = \partial P/\partial g`."""
@@ -298,27 +338,15 @@ class ParameterFiniteDifference:
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
         value, length, vectors, coefficient = self._direction(g, params)
-        step = self.step
-        if step is None:
-            step = default_step(unit_roundoff(loss), parameters=True) * (
-                GRADIENT_SHIFT_FACTOR if self.shift == "gradient" else 1.0)
+        step = parameter_step(self.step, self.shift, unit_roundoff(loss))
         shift, scale = shift_length(self.shift, step, length, self.gain)
-        # the list operations (torch._foreach_*) run each tensor's own kernel, as a loop would:
-        # one Python call for all the parameters (their 0-dim factors keep the per-tensor path)
-        data = [p.data for p in params]  # written without moving the parameters' versions
-        saved = [d.clone() for d in data]
-        try:  # θ + h v̂, v̂ = coefficient * vectors
-            torch._foreach_addcmul_(data, vectors, _in_dtypes(coefficient * shift, vectors))
+        # θ + h v̂, v̂ = coefficient * vectors
+        with shifted_parameters(params, vectors, _in_dtypes(coefficient * shift, vectors)):
             shifted = _shifted_gradient(fn, state, known, params, self._buffers)
-        finally:
-            torch._foreach_copy_(data, saved)
-        del saved
         if task is None or task.split:
-            torch._foreach_sub_(shifted, g)
-            torch._foreach_mul_(shifted, _in_dtypes(scale, g))
             if task is not None:
                 task.gradient = g
-            return with_gradients(value, list(params), shifted)
+            return with_gradients(value, list(params), difference_quotient(shifted, g, scale))
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
         torch._foreach_lerp_(g, shifted, _in_dtypes(factor, g))
         task.gradient = g
