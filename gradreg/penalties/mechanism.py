@@ -392,7 +392,7 @@ class GradientPenalty(nn.Module):
         self.last_value = value.detach()
         if self._check_finite and call.loss_scale is None:
             # parameters: a non-finite one makes the loss's gradient, and the value, non-finite
-            points = () if self.config.points == "parameters" else call.inputs
+            points = call.inputs if self._per_sample else ()
             self.finite_check(self.last_value, points=points, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
