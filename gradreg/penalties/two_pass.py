@@ -76,9 +76,7 @@ class Carried(torch.autograd.Function):
         if not ctx.hand_over:
             return (None, None, None, *(g * scale.to(g.dtype) for g in gradients))
         ctx.gradients = None
-        if scale.device.type != "cpu" or scale.item() != 1:  # a host read where it is free
-            torch._foreach_mul_(gradients, [scale.to(g.dtype) for g in gradients])
-        return (None, None, None, *gradients)
+        return (None, None, None, *(g.mul_(scale.to(g.dtype)) for g in gradients))
 
 
 def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
