@@ -13,6 +13,7 @@ their post-backward. The functions below are the only places gradreg reads or dr
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -178,6 +179,7 @@ def fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+@functools.cache
 def dtensor_type() -> type | None:
     """The class of FSDP2's sharded parameters (``DTensor``): public from torch 2.5, private in
     2.4; None where this torch has none."""

@@ -52,10 +52,10 @@ from gradreg.penalties.guards.precision import unit_roundoff
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.methods.param_gradient import (
     _gradient,
-    _in_dtypes,
     _shifted_gradient,
     adaptive_norm_terms,
     difference_quotient,
+    in_dtypes,
     parameter_step,
     shift_length,
     shifted_parameters,
@@ -147,7 +147,7 @@ class Accumulation:
         step = parameter_step(config.step, config.shift, roundoff)
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
-        with shifted_parameters(params, v, _in_dtypes(along, v)):
+        with shifted_parameters(params, v, in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
                              for fn, state in stored), count)
         return value.detach() * factor, difference_quotient(shifted, g, scale * factor)

@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from gradreg.autograd import GradientError
 from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.methods.param_gradient import LossAt, TaskGradient
+from gradreg.penalties.methods.param_gradient import LossAt, TaskGradient, in_dtypes
 
 __all__ = ["Carried", "penalized_loss"]
 
@@ -73,10 +73,12 @@ class Carried(torch.autograd.Function):
         if gradients is None:
             raise GradientError("the task term of penalized_loss handed its gradient over in its "
                                 "first backward: call penalized_loss again for another one.")
+        scales = in_dtypes(scale, gradients)
         if not ctx.hand_over:
-            return (None, None, None, *(g * scale.to(g.dtype) for g in gradients))
+            return (None, None, None, *torch._foreach_mul(gradients, scales))
         ctx.gradients = None
-        return (None, None, None, *(g.mul_(scale.to(g.dtype)) for g in gradients))
+        torch._foreach_mul_(gradients, scales)
+        return (None, None, None, *gradients)
 
 
 def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,

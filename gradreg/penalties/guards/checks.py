@@ -50,7 +50,7 @@ def check_points(inputs: tuple[Tensor, ...], *, per_sample: bool = True) -> None
     the others)."""
     if not inputs:
         raise GradientError("no points given: pass the tensor(s) to differentiate against.")
-    sizes = []
+    sizes, seen = [], {}
     for i, x in enumerate(inputs):
         if not isinstance(x, Tensor):
             raise GradientError(f"point {i} is a {type(x).__name__}, not a tensor: pass the "
@@ -60,11 +60,11 @@ def check_points(inputs: tuple[Tensor, ...], *, per_sample: bool = True) -> None
                 f"point {i} is complex ({x.dtype}): a gradient penalty is defined for real "
                 "points. Pass the real and imaginary parts as two real points "
                 "(torch.view_as_real(x)) before the forward pass.")
-        for j in range(i):
-            if inputs[j] is x:
-                raise GradientError(
-                    f"points {j} and {i} are the same tensor: its gradient would be counted "
-                    "twice. Pass each point once.")
+        j = seen.setdefault(id(x), i)
+        if j != i:
+            raise GradientError(
+                f"points {j} and {i} are the same tensor: its gradient would be counted "
+                "twice. Pass each point once.")
         sizes.append(x.shape[0] if x.ndim > 0 else 1)
     if per_sample and len(set(sizes)) > 1:
         raise GradientError(

@@ -50,8 +50,9 @@ class FiniteCheck:
     The points and the outputs are each reduced on their device to one number, 0 exactly when
     all their elements are finite and NaN otherwise (:func:`_nonfinite`: no overflow, whatever
     their magnitude); the two and the two values travel in one 4-element tensor of the value's
-    dtype (at least float32, so a finite float64 value above float32's range stays finite): on
-    CUDA one asynchronous copy per call, read once an event says it has completed.
+    dtype (at least float32, so a finite float64 value above float32's range stays finite; a
+    call given neither points nor outputs, a parameter penalty's, sends the two values alone):
+    on CUDA one asynchronous copy per call, read once an event says it has completed.
     """
 
     def __init__(self) -> None:
@@ -67,22 +68,26 @@ class FiniteCheck:
         ``factor * value``; ``points`` and ``outputs``: the tensors it was computed from.
         """
         self._calls += 1
-        dtype = torch.promote_types(value.dtype, torch.float32)
         weighted = value if weighted is None else weighted
-        entries = torch.stack([
-            _nonfinite(points, value.device, dtype),
-            _nonfinite(() if outputs is None else (outputs,), value.device, dtype),
-            value.detach().reshape(()).to(dtype), weighted.detach().reshape(()).to(dtype),
-        ])
-        if value.device.type == "cuda":
-            host = entries.to("cpu", non_blocking=True)  # pinned, asynchronous
-            event = torch.cuda.Event()
-            event.record()
-            self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
-                                            factor, bool(points)))
-        else:
-            self._recorded.append(_Recorded(self._calls, entries, lambda: True, lambda: None,
-                                            factor, bool(points)))
+        checked = bool(points)
+        if value.device.type != "cuda":  # read now, on the host
+            self.settle(wait=False)  # the calls recorded on a device before this one
+            values = [value.item(), weighted.item()]
+            if points or outputs is not None:
+                values[:0] = [_nonfinite(t, value.device, torch.float64).item()
+                              for t in (points, () if outputs is None else (outputs,))]
+            self._raise_first(self._calls, values, factor, checked)
+            return
+        dtype = torch.promote_types(value.dtype, torch.float32)
+        entries = [value.detach().reshape(()).to(dtype), weighted.detach().reshape(()).to(dtype)]
+        if points or outputs is not None:  # else two entries: the penalty and the weighted one
+            entries[:0] = [_nonfinite(points, value.device, dtype),
+                           _nonfinite(() if outputs is None else (outputs,), value.device, dtype)]
+        host = torch.stack(entries).to("cpu", non_blocking=True)  # pinned, asynchronous
+        event = torch.cuda.Event()
+        event.record()
+        self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
+                                        factor, checked))
         self.settle(wait=False)
 
     def settle(self, wait: bool = True) -> None:
@@ -93,15 +98,22 @@ class FiniteCheck:
             recorded.wait()
             values = recorded.host_value.reshape(-1).tolist()
             if len(values) == 1:  # a bare value: the penalty
-                values = [0.0, 0.0, values[0], values[0]]
-            found = next((entry for entry, v in zip(ENTRIES, values, strict=True)
-                          if not math.isfinite(v)), None)
-            if found is not None:
-                self._recorded.clear()
-                late = "" if recorded.call == self._calls else (
-                    f" (found at call {self._calls}: on a GPU the check reads the value "
-                    "asynchronously, after that call's optimizer step)")
-                raise NonFiniteError(_message(found, recorded, values, late))
+                values = values * 2
+            self._raise_first(recorded.call, values, recorded.factor, recorded.points_checked)
+
+    def _raise_first(self, call: int, values: list[float], factor: float,
+                     points_checked: bool) -> None:
+        """Raise for the first non-finite entry of call ``call``'s ``values`` (those of
+        :data:`ENTRIES`, or the last two of them where the call had no points and no outputs)."""
+        values = [0.0] * (len(ENTRIES) - len(values)) + values
+        found = next((entry for entry, v in zip(ENTRIES, values, strict=True)
+                      if not math.isfinite(v)), None)
+        if found is not None:
+            self._recorded.clear()
+            late = "" if call == self._calls else (
+                f" (found at call {self._calls}: on a GPU the check reads the value "
+                "asynchronously, after that call's optimizer step)")
+            raise NonFiniteError(_message(found, call, factor, points_checked, values, late))
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with nothing pending (events cannot be copied)."""
@@ -124,8 +136,8 @@ def _nonfinite(tensors: tuple[Tensor, ...], device: torch.device, dtype: torch.d
     return zero
 
 
-def _message(found: str, recorded: _Recorded, values: list[float], late: str) -> str:
-    call = recorded.call
+def _message(found: str, call: int, factor: float, points_checked: bool, values: list[float],
+             late: str) -> str:
     if found == "points":
         return (
             f"the points of call {call} contain NaN or Inf{late}: the penalty and every parameter "
@@ -136,7 +148,7 @@ def _message(found: str, recorded: _Recorded, values: list[float], late: str) ->
     if found == "outputs":
         return (
             f"the outputs of call {call} contain NaN or Inf"
-            f"{' although the points are finite' if recorded.points_checked else ''}"
+            f"{' although the points are finite' if points_checked else ''}"
             f"{late}: the model overflowed or diverged (a mean over an empty batch is NaN too). "
             "Lower the learning rate, check the loss for empty batches, or guard the step "
             "(check_finite=False lets it through)."
@@ -150,7 +162,7 @@ def _message(found: str, recorded: _Recorded, values: list[float], late: str) ->
         )
     return (
         f"the penalty of call {call} is {values[3]} after weighting (not finite){late}: its "
-        f"unweighted value {values[2]:.6g} times weight * every * gain = {recorded.factor:.6g} "
+        f"unweighted value {values[2]:.6g} times weight * every * gain = {factor:.6g} "
         "overflows the value's dtype. Lower the weight, or compute the penalty in float32 "
         "(outside autocast, or on a float32 model)."
     )

@@ -76,6 +76,7 @@ three backward passes. :func:`~gradreg.penalties.two_pass.penalized_loss` hands 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,8 +98,8 @@ if TYPE_CHECKING:
     from gradreg.penalties.call import Configuration, PenaltyCall, PenaltyFunctions
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
-           "adaptive_norm_terms", "difference_quotient", "parameter_step", "shift_length",
-           "shifted_parameters", "trainable"]
+           "adaptive_norm_terms", "difference_quotient", "in_dtypes", "parameter_step",
+           "shift_length", "shifted_parameters", "trainable"]
 
 WHAT = "param_grad_norm by method='finite_difference'"
 #: The default ε of ``shift="gradient"`` (the shift :math:`\epsilon v`, :math:`\lVert \epsilon
@@ -238,7 +239,7 @@ def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tenso
     """``(shifted - g) * scale``, in ``shifted``'s memory: the difference of the gradients at the
     shifted parameters and at :math:`\theta`, times the quotient's factor."""
     torch._foreach_sub_(shifted, list(g))
-    torch._foreach_mul_(shifted, _in_dtypes(scale, g))
+    torch._foreach_mul_(shifted, in_dtypes(scale, g))
     return shifted
 
 
@@ -248,7 +249,7 @@ def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[T
     return [t * p.detach().abs() for t, p in zip(g, params, strict=True)]
 
 
-def _in_dtypes(number: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+def in_dtypes(number: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
     """``number`` in the dtype of each of ``tensors`` (converted once per dtype)."""
     converted: dict[torch.dtype, Tensor] = {}
     for t in tensors:
@@ -318,7 +319,8 @@ class ParameterFiniteDifference:
         params = trainable(held_unsharded(call.inputs, WHAT), WHAT)
         given = getattr(call.fn, "loss", None)
         task: TaskGradient | None = getattr(call.fn, "task", None)
-        if task is not None and any(a is not b for a, b in zip(params, call.inputs, strict=True)):
+        if task is not None and params is not call.inputs and any(
+                a is not b for a, b in zip(params, call.inputs, strict=True)):
             raise GradientError(f"{WHAT} on FSDP2-sharded parameters takes the task loss's "
                                 "gradient separately: use loss + penalty(LossAt(fn, loss), "
                                 "params) inside gradreg.sharding.penalty_step.")
@@ -337,20 +339,37 @@ class ParameterFiniteDifference:
                 f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
         retain = shared is not None and (task is None or task.retain_graph)
         g = _gradient(loss, params, retain=retain)
-        value, length, vectors, coefficient = self._direction(g, params)
-        step = parameter_step(self.step, self.shift, unit_roundoff(loss))
-        shift, scale = shift_length(self.shift, step, length, self.gain)
-        # θ + h v̂, v̂ = coefficient * vectors
-        with shifted_parameters(params, vectors, _in_dtypes(coefficient * shift, vectors)):
+        value, vectors, amount, scale = self._shift(g, params, loss)
+        with shifted_parameters(params, vectors, in_dtypes(amount, vectors)):  # θ + h v̂
             shifted = _shifted_gradient(fn, state, known, params, self._buffers)
         if task is None or task.split:
             if task is not None:
                 task.gradient = g
             return with_gradients(value, list(params), difference_quotient(shifted, g, scale))
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
-        torch._foreach_lerp_(g, shifted, _in_dtypes(factor, g))
+        torch._foreach_lerp_(g, shifted, in_dtypes(factor, g))
         task.gradient = g
         return value.detach()
+
+    def _shift(self, g: list[Tensor], params: tuple[Tensor, ...], loss: Tensor
+               ) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
+        r"""The penalty :math:`P(g)`, the shift :math:`h \hat v = a\,d` as vectors :math:`d_j`
+        and an amount :math:`a` (a scalar), and the difference quotient's factor
+        :math:`\lVert v \rVert / h` (:func:`shift_length`). For the plain 2-norm shifted by
+        ``"normalized"`` (``param_grad_norm``, ``sam``): :math:`P = n = \lVert g \rVert`,
+        :math:`d = g`, :math:`a = r / n` and the factor :math:`1/r` (:math:`a` = 0 and the
+        factor 0 where :math:`g = 0`: no shift), without the penalty function."""
+        step = self.step if self.step is not None else parameter_step(
+            None, self.shift, unit_roundoff(loss))
+        if self.linear and self.p == 2 and not self.adaptive and self.shift == "normalized":
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
+            moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
+            # P(n) = n itself: of_norms of one norm with target 0 and power 1 is the identity
+            return (norm, g, step / torch.where(moving, norm, math.inf),
+                    moving.to(norm.dtype) / step)
+        value, length, vectors, coefficient = self._direction(g, params)
+        shift, scale = shift_length(self.shift, step, length, self.gain)
+        return value, vectors, coefficient * shift, scale
 
     def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
                    ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
@@ -367,8 +386,7 @@ class ParameterFiniteDifference:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
             moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
             if self.linear:  # the plain norm (param_grad_norm, sam): P' = 1, no derivative
-                return (self.penalty.of_norms(norm), moving.to(norm.dtype), g,
-                        torch.where(moving, 1 / norm, 0.0))
+                return norm, moving.to(norm.dtype), g, torch.where(moving, 1 / norm, 0.0)
             leaf = (norm.square() if self.squared else norm).requires_grad_()
             with torch.enable_grad():
                 value = self.penalty.of_norms(leaf)

@@ -96,6 +96,9 @@ class KeptBuffers:
     def kept(self, params: Sequence[Tensor]) -> Iterator[None]:
         key = tuple(id(p) for p in params)
         known = self._modules if key == self._key else None
+        if known == []:  # a model without buffers: nothing to keep
+            yield
+            return
         with buffers_kept(self.what, known) as watched:
             yield
         self._key, self._modules = key, list(watched)

@@ -94,14 +94,25 @@ class GeneratorState:
 
     @contextmanager
     def replayed(self) -> Iterator[None]:
-        """Run the block from this state; the generators are restored after it."""
-        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type):
-            torch.set_rng_state(self.cpu)
-            if self.devices:
-                module = torch.get_device_module(self.device_type)
-                for i, state in zip(self.devices, self.accelerator, strict=True):
-                    module.set_rng_state(state, i)
+        """Run the block from this state; the generators are restored after it (what
+        ``torch.random.fork_rng`` does, for the CPU and :attr:`devices` only)."""
+        module = torch.get_device_module(self.device_type) if self.devices else None
+        before = GeneratorState(torch.get_rng_state(), self.device_type, self.devices,
+                                tuple(module.get_rng_state(i) for i in self.devices)
+                                if module else ())
+        self._set()
+        try:
             yield
+        finally:
+            before._set()
+
+    def _set(self) -> None:
+        """Set the generators to this state."""
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            module = torch.get_device_module(self.device_type)
+            for i, state in zip(self.devices, self.accelerator, strict=True):
+                module.set_rng_state(state, i)
 
 
 @dataclass(frozen=True, eq=False)
