@@ -17,8 +17,9 @@ def test_quick_param_gradient_benchmark_writes_json(tmp_path: Path) -> None:
                    capture_output=True, timeout=300)
     report = json.loads((tmp_path / "param_gradient.json").read_text())
     assert {"cpu", "torch", "threads"} <= set(report["machine"])
-    assert {r["method"] for r in report["rows"]} == {"plain", "hand_gnp", "gnp_plain_form",
-                                                     "gnp", "hand_sam", "sam"}
+    assert {r["method"] for r in report["rows"]} == {
+        "plain", "hand_gnp", "gnp_plain_form", "gnp", "gnp_backward", "hand_sam", "sam",
+        "sam_backward"}
     for row in report["rows"]:
         assert row["median_ms"] > 0 and row["peak_mb"] >= 0
         assert (row["vs_hand"] is None) == row["method"].startswith(("plain", "hand"))

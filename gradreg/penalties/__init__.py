@@ -50,7 +50,7 @@ from gradreg.penalties.presets import (
     wgan_lp,
 )
 from gradreg.penalties.state.randomness import GeneratorState, SharedForward
-from gradreg.penalties.two_pass import penalized_loss
+from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
 __all__ = [
     "METHODS",
@@ -88,6 +88,7 @@ __all__ = [
     "max_gp",
     "param_grad_norm",
     "path_length",
+    "penalized_backward",
     "penalized_loss",
     "per_sample_norm",
     "perturb_dragan",

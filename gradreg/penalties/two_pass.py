@@ -48,7 +48,7 @@ from gradreg.autograd import GradientError
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.methods.param_gradient import LossAt, TaskGradient, in_dtypes
 
-__all__ = ["Carried", "penalized_loss"]
+__all__ = ["Carried", "add_to_grad", "penalized_backward", "penalized_loss"]
 
 
 class Carried(torch.autograd.Function):
@@ -111,15 +111,118 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
         (0.7568, True)
         >>> (task + penalty).backward()  # the step's gradient, carried by the task term
     """
+    at, gradient, value = _two_passes("penalized_loss", penalty, at, params, retain_graph, split)
+    if gradient is None:
+        return at.loss, value
+    return Carried.apply(at.loss.detach(), gradient, not split, *params), value
+
+
+def penalized_backward(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
+                       scale: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
+    r"""Add :math:`s\,
+abla_	heta (L + c\,P)` to each parameter's ``.grad`` (set where it is
+    None, as ``backward`` does) and return ``(task, weighted penalty)``, detached: the backward
+    of :func:`penalized_loss`'s terms, without an autograd node to carry the gradient to the
+    parameters or a backward of the caller's. By ``method="finite_difference"`` the gradient is
+    the paper's two passes (module docstring), added to ``.grad`` directly, through autograd's
+    accumulation where something may watch it (a ``torch.distributed`` process group is
+    initialized, e.g. DDP's reducer; a parameter has a hook); by double backward, the backward
+    of :math:`s\,(L + c\,P)`.
+
+    ``scale`` :math:`s`: what the step's gradient is multiplied by, as a ``backward`` of the
+    scaled loss would (a ``GradScaler``'s ``get_scale()``, :math:`1/k` for :math:`k`
+    accumulated micro-batches each penalizing its own gradient); 1 where None. Under float16
+    autocast it must be given: a ``GradScaler``'s step divides ``.grad`` by its scale.
+
+    Examples:
+        The ``.grad`` of :func:`penalized_loss`'s backward, :math:`\nabla L + c\,H\hat g`
+        (on the same random state: here the model draws none), then the optimizer's step:
+
+        >>> import torch
+        >>> from gradreg.penalties import (LossAt, param_grad_norm, penalized_backward,
+        ...                                penalized_loss)
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> params = list(model.parameters())
+        >>> gnp = param_grad_norm(0.01, method="finite_difference")
+        >>> def loss():
+        ...     return torch.nn.functional.cross_entropy(model(x), y)
+        >>> task, penalty = penalized_backward(gnp, LossAt.run(loss, x), params)
+        >>> grads = [p.grad for p in params]
+        >>> model.zero_grad()
+        >>> sum(penalized_loss(gnp, LossAt.run(loss, x), params)).backward()
+        >>> all(torch.equal(a, p.grad) for a, p in zip(grads, params))
+        True
+        >>> torch.optim.SGD(params, lr=0.1).step()
+    """
+    params = list(params)
+    scale = _backward_scale(scale, params)
+    at, gradient, value = _two_passes("penalized_backward", penalty, at, params, False, False)
+    if gradient is None:
+        ((at.loss + value) * scale).backward()
+        return at.loss.detach(), value.detach()
+    if isinstance(scale, Tensor):
+        torch._foreach_mul_(gradient, in_dtypes(scale.to(gradient[0].device), gradient))
+    elif scale != 1.0:
+        torch._foreach_mul_(gradient, scale)
+    add_to_grad(params, gradient)
+    return at.loss.detach(), value
+
+
+def add_to_grad(params: Sequence[Tensor], gradients: list[Tensor]) -> None:
+    """``.grad += gradients`` (set where None, taking the gradients' memory), as ``backward``
+    accumulates; through autograd's accumulation (:func:`torch.autograd.backward` of the
+    parameters) where a hook may watch it: a ``torch.distributed`` process group is initialized
+    (DDP's and FSDP's reducers hook the accumulation), or a parameter has a tensor or
+    post-accumulate hook."""
+    if _watched(params):
+        torch.autograd.backward(params, gradients)
+        return
+    for p, g in zip(params, gradients, strict=True):
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+def _watched(params: Sequence[Tensor]) -> bool:
+    """Whether a hook may watch the accumulation of ``params``' gradients."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    return any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+               for p in params)
+
+
+def _backward_scale(scale: float | Tensor | None, params: list[Tensor]) -> float | Tensor:
+    """``scale``, 1.0 where None; refused where None under float16 autocast on the parameters'
+    device (a ``GradScaler`` would divide an unscaled gradient by its scale)."""
+    if scale is not None:
+        return scale if isinstance(scale, Tensor) else float(scale)
+    device = params[0].device.type if params else "cpu"
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
+        raise GradientError(
+            "penalized_backward adds the unscaled gradient to .grad, and under float16 autocast a "
+            "GradScaler's step divides .grad by its scale: pass scale=scaler.get_scale() "
+            "(scale=1.0 where no GradScaler is used), or use penalized_loss and "
+            "scaler.scale(task + penalty).backward().")
+    return 1.0
+
+
+def _two_passes(what: str, penalty: GradientPenalty, at: LossAt, params: list[Tensor],
+                retain_graph: bool, split: bool) -> tuple[LossAt, list[Tensor] | None, Tensor]:
+    """``at`` (its loss computed where not given, the random state captured first), the step's
+    gradient by the penalty's two passes (None for a penalty by double backward, whose value
+    carries its gradient) and the weighted penalty; ``what``: the caller, for the error."""
     if penalty.config.points != "parameters":
         raise GradientError(
-            f"penalized_loss takes a penalty on points='parameters', got "
+            f"{what} takes a penalty on points='parameters', got "
             f"points={penalty.config.points!r}: call that penalty as penalty(outputs, points).")
-    params = list(params)
     if at.loss is None:
         at = LossAt.run(at.fn, *params)
     if not penalty.needs_callable:
-        return at.loss, penalty(at.loss, params)
+        return at, None, penalty(at.loss, params)
     config = penalty.config
     at.task = TaskGradient(penalty.weight * config.every * config.gain, retain_graph, split)
     try:
@@ -127,4 +230,4 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
         gradient = at.task.gradient
     finally:
         at.task = None
-    return Carried.apply(at.loss.detach(), gradient, not split, *params), value
+    return at, gradient, value

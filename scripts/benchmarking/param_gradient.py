@@ -12,12 +12,16 @@ update) per method:
 * ``gnp_plain_form``: ``loss + param_grad_norm(LossAt.run(...), params)``, one backward (three
   backward passes);
 * ``gnp``: :func:`gradreg.penalties.two_pass.penalized_loss` (two passes, the mask replayed, the
-  buffers kept);
-* ``hand_sam``: davda54/sam's two steps; ``sam``: ``penalized_loss(sam(rho), ...)``.
+  buffers kept) and one ``backward`` of its terms;
+* ``gnp_backward``: :func:`gradreg.penalties.two_pass.penalized_backward` (the same passes, the
+  gradient added to ``.grad`` without a backward of the caller's);
+* ``hand_sam``: davda54/sam's two steps; ``sam`` and ``sam_backward``: the two forms with
+  ``sam(rho)``.
 
 Times are process CPU time (``--clock cpu``) or wall time; the ratio of a method is the median
-over rounds of its time over the plain step's in the same round (methods interleaved
-round-robin, so that machine noise hits all alike); ``× hand`` is the median over rounds of the
+over rounds of its time over the plain step's in the same round (every method once per round, in
+an order shuffled per round, so that machine noise and the caches left by the step before hit
+all alike); ``× hand`` is the median over rounds of the
 ratio to the hand-written recipe of the same penalty. Peak memory is the tensor memory of one
 step's forwards and backwards above what is alive before it
 (:func:`benchmarking.timing.peak_memory`).
@@ -25,6 +29,7 @@ step's forwards and backwards above what is alive before it
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -38,11 +43,12 @@ from gradreg import differentiable_attention
 from gradreg.models import TransformerClassifier
 from gradreg.penalties import param_grad_norm, sam
 from gradreg.penalties.methods.param_gradient import LossAt
-from gradreg.penalties.two_pass import penalized_loss
+from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
 WEIGHT, STEP, RHO, LR = 0.01, 0.01, 0.05, 0.01
 #: method -> the hand-written recipe it is compared with
-AGAINST = {"gnp": "hand_gnp", "gnp_plain_form": "hand_gnp", "sam": "hand_sam"}
+AGAINST = {"gnp": "hand_gnp", "gnp_backward": "hand_gnp", "gnp_plain_form": "hand_gnp",
+           "sam": "hand_sam", "sam_backward": "hand_sam"}
 
 
 def cases(quick: bool) -> dict[str, tuple[nn.Module, Tensor, Tensor]]:
@@ -101,8 +107,10 @@ def steps(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Callable[[], None
             "hand_gnp": lambda: hand_two_pass(model, loss_fn, STEP, WEIGHT / STEP),
             "gnp_plain_form": plain_form,
             "gnp": lambda: two_pass(gnp),
+            "gnp_backward": lambda: penalized_backward(gnp, LossAt.run(loss_fn, x), params),
             "hand_sam": lambda: hand_two_pass(model, loss_fn, RHO, 1.0),
-            "sam": lambda: two_pass(rho)}
+            "sam": lambda: two_pass(rho),
+            "sam_backward": lambda: penalized_backward(rho, LossAt.run(loss_fn, x), params)}
 
 
 def measure(name: str, model: nn.Module, x: Tensor, y: Tensor, reps: int,
@@ -120,8 +128,10 @@ def measure(name: str, model: nn.Module, x: Tensor, y: Tensor, reps: int,
     for method in runs:  # warm-up
         step(method)
     times: dict[str, list[float]] = {method: [] for method in runs}
+    order, shuffle = list(runs), random.Random(0).shuffle
     for _ in range(reps):
-        for method in runs:
+        shuffle(order)
+        for method in order:
             times[method].append(step(method))
     memory = {}
     for method in runs:

@@ -1,4 +1,5 @@
-"""Parameter-gradient penalties at the two-pass cost (:func:`penalized_loss`), SAM as a preset,
+"""Parameter-gradient penalties at the two-pass cost (:func:`penalized_loss`,
+:func:`penalized_backward`), SAM as a preset,
 and the penalty of an accumulated batch (:func:`accumulated_backward`), against references
 written here, in float64."""
 
@@ -17,7 +18,7 @@ from gradreg import GradientError
 from gradreg.penalties import asam, gr, param_grad_norm, sam
 from gradreg.penalties.accumulation import accumulated_backward
 from gradreg.penalties.methods.param_gradient import LossAt
-from gradreg.penalties.two_pass import penalized_loss
+from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
 WEIGHT, STEP = 0.5, 1e-4
 
@@ -109,6 +110,136 @@ def test_penalized_loss_refuses_a_penalty_on_other_points() -> None:
     with pytest.raises(GradientError, match="points='parameters', got points='real'"):
         penalized_loss(r1(), LossAt(lambda: F.cross_entropy(model(x), y)),
                        list(model.parameters()))
+
+
+def exact_step_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """∇θ(L + WEIGHT ||∇θ L||) by double backward: the oracle of the finite difference."""
+    params = list(model.parameters())
+    loss = F.cross_entropy(model(x), y)
+    return flat(torch.autograd.grad(loss + param_grad_norm(WEIGHT)(loss, params), params))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_penalized_backward_fills_grad_as_the_backward_of_penalized_loss(dropout: float) -> None:
+    """``.grad`` equals that of ``(task + value).backward()`` bitwise, with dropout (its mask
+    replayed), in two forwards and two backwards, and added to a ``.grad`` already there; and
+    equals the exact step gradient (double backward, dropout off) to the difference's
+    truncation."""
+    model, x, y = problem(dropout)
+    params = list(model.parameters())
+
+    def loss_fn() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    torch.manual_seed(1)
+    task, value = penalized_loss(gnp, LossAt.run(loss_fn, x), params)
+    (task + value).backward()
+    expected = grads(model)
+    model.zero_grad()
+    Passes.count.update(forward=0, backward=0)
+    torch.manual_seed(1)
+    loss, penalty = penalized_backward(gnp, LossAt.run(loss_fn, x), params)
+    assert Passes.count == {"forward": 2, "backward": 2}
+    assert torch.equal(grads(model), expected)
+    assert (loss.item(), penalty.item()) == (task.item(), value.item())
+    assert not loss.requires_grad and not penalty.requires_grad
+    torch.manual_seed(1)
+    penalized_backward(gnp, LossAt.run(loss_fn, x), params)  # accumulates, as backward does
+    torch.testing.assert_close(grads(model), 2 * expected, rtol=1e-15, atol=0)
+    if dropout == 0.0:
+        exact = exact_step_gradient(model, x, y)
+        assert ((expected - exact).norm() / exact.norm()).item() < 1e-4  # 2e-5: O(STEP)
+
+
+def test_penalized_backward_scales_the_step_gradient() -> None:
+    """``scale=s`` (a float or a tensor: a GradScaler's scale, 1/k for k micro-batches) adds
+    s times the gradient; by double backward the backward of s (L + c P)."""
+    model, x, y = problem()
+    params = list(model.parameters())
+
+    def loss_fn() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    penalized_backward(gnp, LossAt.run(loss_fn, x), params)
+    once = grads(model)
+    for scale in (0.25, torch.tensor(0.25, dtype=torch.float64)):
+        model.zero_grad()
+        penalized_backward(gnp, LossAt.run(loss_fn, x), params, scale=scale)
+        torch.testing.assert_close(grads(model), 0.25 * once, rtol=1e-15, atol=0)
+    model.zero_grad()
+    loss, penalty = penalized_backward(param_grad_norm(WEIGHT), LossAt.run(loss_fn, x), params,
+                                       scale=4.0)
+    assert loss.item() == loss_fn().item()
+    torch.testing.assert_close(grads(model), 4 * exact_step_gradient(model, x, y), rtol=1e-14,
+                               atol=1e-16)
+    assert not penalty.requires_grad
+
+
+def test_penalized_backward_goes_through_autograd_where_a_hook_watches_grad() -> None:
+    """A parameter's tensor hook and post-accumulate hook see the gradient, as after a
+    backward (the gradient is accumulated by autograd, not written to ``.grad``)."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    seen: dict[str, list[torch.Tensor]] = {"hook": [], "accumulated": []}
+    params[0].register_hook(lambda g: seen["hook"].append(g.clone()))
+    params[0].register_post_accumulate_grad_hook(
+        lambda p: seen["accumulated"].append(p.grad.clone()))
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+
+    def loss_fn() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    penalized_backward(gnp, LossAt.run(loss_fn, x), params)
+    # the tensor hook sees the gradients at θ and at the shifted θ too, as penalized_loss's
+    # backward makes it see them; the accumulation, once
+    assert len(seen["hook"]) == 3 and torch.equal(seen["hook"][-1], params[0].grad)
+    assert len(seen["accumulated"]) == 1 and torch.equal(seen["accumulated"][0], params[0].grad)
+    expected = copy.deepcopy(model)
+    task, value = penalized_loss(gnp, LossAt.run(lambda: F.cross_entropy(expected(x), y), x),
+                                 list(expected.parameters()))
+    (task + value).backward()
+    assert torch.equal(grads(model), grads(expected))
+
+
+def test_penalized_backward_goes_through_autograd_under_a_process_group(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a ``torch.distributed`` group initialized (DDP's reducer hooks the accumulation),
+    the gradient is accumulated by ``torch.autograd.backward`` of the parameters."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.autograd, "backward",
+                        lambda tensors, grads: calls.append(len(tensors)) or backward(tensors,
+                                                                                       grads))
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    penalized_backward(gnp, LossAt.run(lambda: F.cross_entropy(model(x), y), x), params)
+    assert calls == [len(params)]
+    assert all(p.grad is not None for p in params)
+
+
+def test_penalized_backward_under_float16_autocast_needs_the_scale() -> None:
+    model, x, y = problem()
+    model.float()
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=1e-2)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(
+            GradientError, match=r"pass scale=scaler.get_scale\(\) \(scale=1.0 where no "):
+        penalized_backward(gnp, LossAt(lambda: F.cross_entropy(model(x.float()), y)),
+                           list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_penalized_backward_refuses_a_penalty_on_other_points() -> None:
+    from gradreg.penalties import r1
+
+    model, x, y = problem()
+    with pytest.raises(GradientError, match="penalized_backward takes a penalty on "
+                                            "points='parameters'"):
+        penalized_backward(r1(), LossAt(lambda: F.cross_entropy(model(x), y)),
+                           list(model.parameters()))
 
 
 def davda54_sam(model: nn.Module, loss_fn: partial, rho: float, *, adaptive: bool = False,

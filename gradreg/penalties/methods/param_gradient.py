@@ -218,9 +218,10 @@ def parameter_step(step: float | None, shift: str, roundoff: float) -> float:
 
 @contextmanager
 def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
-                       amounts: Sequence[Tensor]) -> Iterator[None]:
+                       amounts: list[Tensor] | float) -> Iterator[None]:
     """The block runs at :math:`\theta_j + a_j d_j` (``amounts`` :math:`a_j`, 0-dim tensors in
-    each parameter's dtype; ``vectors`` :math:`d_j`); the parameters are put back bitwise after
+    each parameter's dtype, or one number for all: :func:`in_dtypes`; ``vectors`` :math:`d_j`);
+    the parameters are put back bitwise after
     it. Written through ``.data``, so the parameters' versions do not move and a graph that
     saved them (the loss at :math:`\theta`) stays valid; as list operations
     (``torch._foreach_*``), each tensor's own kernel as a loop would run, one Python call for
@@ -228,13 +229,16 @@ def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
     data = [p.data for p in params]
     saved = [d.clone() for d in data]
     try:
-        torch._foreach_addcmul_(data, list(vectors), list(amounts))
+        if isinstance(amounts, list):
+            torch._foreach_addcmul_(data, list(vectors), amounts)
+        else:
+            torch._foreach_add_(data, list(vectors), alpha=amounts)
         yield
     finally:
         torch._foreach_copy_(data, saved)
 
 
-def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tensor
+def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tensor | float
                         ) -> list[Tensor]:
     """``(shifted - g) * scale``, in ``shifted``'s memory: the difference of the gradients at the
     shifted parameters and at :math:`\theta`, times the quotient's factor."""
@@ -249,8 +253,11 @@ def adaptive_norm_terms(g: Sequence[Tensor], params: Sequence[Tensor]) -> list[T
     return [t * p.detach().abs() for t, p in zip(g, params, strict=True)]
 
 
-def in_dtypes(number: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``number`` in the dtype of each of ``tensors`` (converted once per dtype)."""
+def in_dtypes(number: Tensor | float, tensors: Sequence[Tensor]) -> list[Tensor] | float:
+    """``number`` in the dtype of each of ``tensors`` (converted once per dtype), for a list
+    operation over them; a Python number as it is (the operation takes one for all)."""
+    if not isinstance(number, Tensor):
+        return number
     converted: dict[torch.dtype, Tensor] = {}
     for t in tensors:
         if t.dtype not in converted:
@@ -352,21 +359,25 @@ class ParameterFiniteDifference:
         return value.detach()
 
     def _shift(self, g: list[Tensor], params: tuple[Tensor, ...], loss: Tensor
-               ) -> tuple[Tensor, list[Tensor], Tensor, Tensor]:
+               ) -> tuple[Tensor, list[Tensor], Tensor | float, Tensor | float]:
         r"""The penalty :math:`P(g)`, the shift :math:`h \hat v = a\,d` as vectors :math:`d_j`
         and an amount :math:`a` (a scalar), and the difference quotient's factor
         :math:`\lVert v \rVert / h` (:func:`shift_length`). For the plain 2-norm shifted by
         ``"normalized"`` (``param_grad_norm``, ``sam``): :math:`P = n = \lVert g \rVert`,
         :math:`d = g`, :math:`a = r / n` and the factor :math:`1/r` (:math:`a` = 0 and the
-        factor 0 where :math:`g = 0`: no shift), without the penalty function."""
+        factor 0 where :math:`g = 0`: no shift), without the penalty function; on the CPU,
+        where reading :math:`n` stalls no stream, as Python numbers (no 0-dim operations)."""
         step = self.step if self.step is not None else parameter_step(
             None, self.shift, unit_roundoff(loss))
         if self.linear and self.p == 2 and not self.adaptive and self.shift == "normalized":
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
+            if norm.device.type == "cpu":
+                n = norm.item()  # not > 0 where g = 0 or NaN: no shift (the value is checked)
+                return (norm, g, step / n, 1 / step) if n > 0 else (norm, g, 0.0, 0.0)
             moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
             # P(n) = n itself: of_norms of one norm with target 0 and power 1 is the identity
-            return (norm, g, step / torch.where(moving, norm, math.inf),
-                    moving.to(norm.dtype) / step)
+            return (norm, g, torch.where(moving, norm, math.inf).reciprocal_().mul_(step),
+                    moving.to(norm.dtype).div_(step))
         value, length, vectors, coefficient = self._direction(g, params)
         shift, scale = shift_length(self.shift, step, length, self.gain)
         return value, vectors, coefficient * shift, scale
