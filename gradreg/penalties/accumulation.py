@@ -37,6 +37,16 @@ A training loop that hands over one micro-batch per backward (Lightning's automa
 with ``accumulate_grad_batches``) uses :class:`Accumulation`: each micro-batch's backward carries
 its :math:`g_k`, and the last one's also the penalty's gradient, after the second phase over the
 micro-batches kept until then (the Lightning ``Classifier`` does so).
+
+A batch split over the :math:`W` ranks of ``torch.distributed``'s default group (DDP, equal
+shares) is split the same way: its gradient is the mean over the ranks of their (accumulated)
+gradients, :math:`\bar g = \frac1W \sum_r \bar g_r`, and :math:`\bar H v = \frac1W \sum_r
+\bar H_r v`. With ``over_ranks`` the first phase ends with one all-reduce of :math:`\bar g_r`
+(the penalty's value and :math:`v` are then the whole batch's, the same on every rank) and each
+rank's second phase gives its :math:`\bar H_r v`, which DDP's mean of the ranks' gradients
+completes (:func:`accumulated_backward`, for a model not wrapped in DDP, averages the step's
+gradient itself: a second all-reduce). Without it each rank penalizes its own gradient, another
+objective, as for micro-batches.
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ from gradreg.penalties.methods.param_gradient import (
 from gradreg.penalties.state.buffers import KeptBuffers
 from gradreg.penalties.state.randomness import GeneratorState
 
-__all__ = ["Accumulation", "accumulated_backward"]
+__all__ = ["Accumulation", "accumulated_backward", "mean_over_ranks"]
 
 WHAT = "accumulated_backward"
 
@@ -83,9 +93,11 @@ class Accumulation:
     :meth:`add` runs a micro-batch's first phase, :meth:`finish` the second phase of all of
     them. ``penalty``: on ``points="parameters"`` by ``"finite_difference"`` or
     ``"double_backward"``, weighted as it is (:math:`c`: its weight times ``every`` and
-    ``gain``)."""
+    ``gain``); ``over_ranks``: the micro-batches are this rank's share of a batch split over the
+    ranks (module docstring)."""
 
-    def __init__(self, penalty: GradientPenalty, params: Sequence[Tensor]) -> None:
+    def __init__(self, penalty: GradientPenalty, params: Sequence[Tensor], *,
+                 over_ranks: bool = False) -> None:
         config = penalty.config
         if config.points != "parameters" or config.method not in ("finite_difference",
                                                                     "double_backward"):
@@ -93,7 +105,15 @@ class Accumulation:
                 f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' "
                 f"or 'double_backward', got points={config.points!r}, "
                 f"method={config.method.name!r}.")
+        if over_ranks and not (torch.distributed.is_available()
+                               and torch.distributed.is_initialized()):
+            raise GradientError(
+                f"{WHAT} with over_ranks=True averages the gradient over the ranks of "
+                "torch.distributed's default group, and none is initialized: call "
+                "torch.distributed.init_process_group first (torchrun, or Lightning's DDP), or "
+                "leave over_ranks=False in one process.")
         self.penalty, self.params = penalty, trainable(list(params), WHAT)
+        self.over_ranks = over_ranks
         self._buffers = KeptBuffers(WHAT)
         self._reset()
 
@@ -129,6 +149,8 @@ class Accumulation:
         penalty, params, config = self.penalty, self.params, self.penalty.config
         stored, count = self._stored, len(self._stored)
         g = [t.div_(count) for t in self._sum]
+        if self.over_ranks:
+            mean_over_ranks(g)
         roundoff = self._roundoff
         self._reset()
         leaves = [t.detach().requires_grad_() for t in g]
@@ -154,13 +176,17 @@ class Accumulation:
 
 
 def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],
-                         params: Sequence[Tensor], *, on: Sequence[Tensor] = ()
-                         ) -> tuple[Tensor, Tensor]:
+                         params: Sequence[Tensor], *, on: Sequence[Tensor] = (),
+                         over_ranks: bool = False) -> tuple[Tensor, Tensor]:
     r"""Add to each parameter's ``.grad`` the gradient of :math:`L + c\,P(\bar g)` of the
     accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
     mean loss (micro-batches of equal size); ``penalty``: as for :class:`Accumulation` (call it
     only on steps where ``penalty.due()``); ``on``: the batch's tensors, whose devices' random
-    states are replayed. Returns the detached mean loss and weighted penalty.
+    states are replayed. With ``over_ranks`` the micro-batches are this rank's equal share of a
+    batch split over the ranks of ``torch.distributed``'s default group, for a model that is not
+    wrapped in DDP: the penalty is the whole batch's, and the gradient added to ``.grad`` is the
+    whole batch's step gradient, the same on every rank (averaged here, as DDP would). Returns the
+    detached mean loss and weighted penalty (this rank's mean loss).
 
     Examples:
         Two micro-batches of four: the penalty is that of the batch of eight's gradient.
@@ -182,25 +208,44 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
         >>> all(p.grad is not None for p in params)
         True
     """
-    accumulation = Accumulation(penalty, params)
+    accumulation = Accumulation(penalty, params, over_ranks=over_ranks)
     if not losses:
         raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")
     penalty._check_due()
-    values = []
+    values, task = [], None
     for fn in losses:  # the first phase: the graphs freed one by one
         state = GeneratorState.capture(*on, *accumulation.params)
         loss = fn()
         values.append(loss.detach())
         part = accumulation.add(fn, state, loss)
-        with torch.no_grad():
-            for p, t in zip(accumulation.params, part, strict=True):
-                t.div_(len(losses))
-                p.grad = t if p.grad is None else p.grad.add_(t)
+        torch._foreach_div_(part, len(losses))
+        if task is None:
+            task = part
+        else:
+            torch._foreach_add_(task, part)
     value, hv = accumulation.finish()
+    torch._foreach_add_(task, hv)
+    if over_ranks:  # the ranks' mean, as DDP's backward would take it
+        mean_over_ranks(task)
     with torch.no_grad():
-        for p, t in zip(accumulation.params, hv, strict=True):
-            p.grad.add_(t)
+        for p, t in zip(accumulation.params, task, strict=True):
+            p.grad = t if p.grad is None else p.grad.add_(t)
     return torch.stack(values).mean(), value
+
+
+def mean_over_ranks(tensors: list[Tensor]) -> None:
+    r"""Replace ``tensors`` in place by their mean over the ranks of ``torch.distributed``'s
+    default group, :math:`\frac1W \sum_r t_r` (one all-reduce of a flat copy per dtype)."""
+    world = torch.distributed.get_world_size()
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        torch.distributed.all_reduce(flat)
+        flat.div_(world)
+        parts = flat.split([t.numel() for t in group])
+        torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(parts, group, strict=True)])
 
 
 def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],

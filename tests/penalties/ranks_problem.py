@@ -1,0 +1,39 @@
+"""The problem of the over-ranks test: a float64 MLP, a batch of 16, and one
+accumulated step of a parameter penalty (the one-process reference and each rank's share)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradreg.penalties import accumulated_backward, param_grad_norm
+
+METHODS = ("finite_difference", "double_backward")
+WEIGHT, STEP = 0.5, 1e-5
+
+
+def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    return model, torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: str, *,
+         micro_batches: int, over_ranks: bool = False) -> dict[str, torch.Tensor]:
+    """``.grad`` after one ``accumulated_backward`` of ``param_grad_norm`` by ``method`` over
+    ``micro_batches`` equal parts of ``(x, y)``, with the loss and the weighted penalty."""
+    params = list(model.parameters())
+    options = {"step": STEP} if method == "finite_difference" else {}
+    penalty = param_grad_norm(WEIGHT, method=method, **options)
+    size = len(x) // micro_batches
+
+    def loss(rows: slice) -> torch.Tensor:
+        return F.cross_entropy(model(x[rows]), y[rows])
+
+    losses = [partial(loss, slice(k * size, (k + 1) * size)) for k in range(micro_batches)]
+    task, value = accumulated_backward(penalty, losses, params, on=(x,), over_ranks=over_ranks)
+    return {"grad": torch.cat([p.grad.flatten() for p in params]), "loss": task,
+            "penalty": value}

@@ -1,0 +1,39 @@
+"""One rank of the penalty of a batch split over 2 gloo ranks (``python -m
+tests.penalties.ranks_run OUT`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set): each rank
+takes its half of the batch of :func:`problem`, in two micro-batches, through
+``accumulated_backward(..., over_ranks=True)``, and saves the gradient and the values it
+reached per method."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.penalties.ranks_problem import METHODS, problem, step
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for method in METHODS:
+        model, x, y = problem()
+        share = len(x) // world
+        rows = slice(rank * share, (rank + 1) * share)
+        results[method] = step(model, x[rows], y[rows], method, micro_batches=2,
+                               over_ranks=True)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+    # gloo's teardown at exit hung now and then on torch 2.4: the rank ends here, its result
+    # saved
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

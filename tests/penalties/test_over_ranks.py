@@ -1,0 +1,53 @@
+"""The penalty of a batch split over ranks (``over_ranks``): 2 gloo ranks, each with half of the
+batch in two micro-batches, end with the gradient of one process that takes the whole batch in
+four, for both methods (float64); without a process group the option is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradreg import GradientError
+from gradreg.penalties import param_grad_norm
+from gradreg.penalties.accumulation import Accumulation
+from tests.distributed import run_processes
+from tests.penalties.ranks_problem import METHODS, problem, step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_run", str(out)],
+                  [{"RANK": str(rank), "WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT,
+                  timeout=120)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_take_the_penalty_of_the_whole_batch(ranks: list[dict], method: str) -> None:
+    first, second = ranks[0][method], ranks[1][method]
+    model, x, y = problem()
+    whole = step(model, x, y, method, micro_batches=4)
+    assert torch.equal(first["grad"], second["grad"])  # the replicas stay the same
+    # float rounding (by the finite difference: of the gradients, divided by the step 1e-5)
+    assert ((first["grad"] - whole["grad"]).norm() / whole["grad"].norm()).item() < 1e-10
+    torch.testing.assert_close(first["penalty"], whole["penalty"], rtol=1e-13, atol=0)
+    assert torch.equal(first["penalty"], second["penalty"])
+    torch.testing.assert_close((first["loss"] + second["loss"]) / 2, whole["loss"],
+                               rtol=1e-14, atol=0)
+    own = step(*problem()[:1], x[:8], y[:8], method, micro_batches=2)
+    # each rank's own penalty, the objective without over_ranks, is another one
+    assert (own["grad"] - whole["grad"]).norm() > 1e-3 * whole["grad"].norm()
+
+
+def test_over_ranks_without_a_process_group_is_refused() -> None:
+    model, _, _ = problem()
+    with pytest.raises(GradientError, match="over_ranks=True averages the gradient over the "
+                                            "ranks .* none is initialized"):
+        Accumulation(param_grad_norm(0.5, method="finite_difference"),
+                     list(model.parameters()), over_ranks=True)
