@@ -54,8 +54,9 @@ Refused in one line: points of a GAN (``real``, ``fake``...), a head without a k
 loss, logits without a graph (a trainer whose loss is computed without them: TRL's
 ``SFTTrainer`` by a fused head), penalties at activations that run their own forward, and
 under accumulation more than one parameter penalty or ``reduction="max"`` (a maximum over
-micro-batches is not one over the batch). Evaluation (no grad, or the model in eval mode)
-computes the loss alone.
+micro-batches is not one over the batch), and parameter penalties on more than one process
+(``args.world_size > 1``: each process would penalize its own share's gradient). Evaluation
+(no grad, or the model in eval mode) computes the loss alone.
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -339,6 +340,13 @@ class PenaltyMixin:
         parameter = {n: gp for n, gp in due.items() if gp.config.points == "parameters"}
         if not parameter:
             return loss
+        if self.args.world_size > 1:
+            raise GradientError(
+                f"penalties {sorted(parameter)} penalize the parameter gradient, and this "
+                f"trainer runs on {self.args.world_size} processes, each with its share of the "
+                "batch: each would penalize its own share's gradient, not the batch's. Train on "
+                "one process, or use gradreg.lightning.classifier.Classifier, whose DDP takes the "
+                "whole batch's gradient.")
 
         def loss_at_parameters() -> Tensor:
             return parent(model, dict(inputs), num_items_in_batch=num_items_in_batch)

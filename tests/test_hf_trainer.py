@@ -186,3 +186,13 @@ def test_accumulation_refuses_what_it_cannot_split_in_one_line(tmp_path, penalti
                                train_dataset=Tokens(), penalties=penalties)
     with pytest.raises(GradientError, match=match):
         trainer.train()
+
+
+def test_parameter_penalties_on_several_processes_are_refused(tmp_path, monkeypatch) -> None:
+    """Each process would penalize its own share's gradient, not the batch's."""
+    trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path),
+                               train_dataset=Tokens(), penalties={"sam": sam(0.05)})
+    monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
+    with pytest.raises(GradientError, match=r"penalties \['sam'\] penalize the parameter "
+                                            r"gradient, and this trainer runs on 2 processes"):
+        trainer.train()

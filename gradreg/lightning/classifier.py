@@ -28,9 +28,13 @@ of the micro-batches' penalties gives (each would penalize its own micro-batch's
 taken in two phases (:mod:`gradreg.penalties.accumulation`): each micro-batch's step takes its
 gradient, and the one after which the optimizer steps runs the second pass of every micro-batch
 of the window (kept until then with the random state of its forward), so the step equals one
-big batch's within float rounding (one such penalty, ``every=1``). DDP averages the ranks'
-gradients (a global-batch strategy weights them by their share of the batch), so
-``reduction="sum"`` on more than one rank is refused.
+big batch's within float rounding (one such penalty, ``every=1``). Under DDP a batch is also
+split over the ranks, and the same two phases take the penalty of the whole batch's gradient (the
+ranks' mean, one all-reduce before the direction: ``over_ranks`` of
+:class:`~gradreg.penalties.accumulation.Accumulation`), with or without accumulation (one
+parameter penalty), rather than each rank's own. DDP averages the ranks' gradients (a
+global-batch strategy weights them by their share of the batch), so ``reduction="sum"`` on more
+than one rank is refused.
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
 ``Trainer(inference_mode=False)``; the steps re-enable grad with ``torch.enable_grad()``.
@@ -46,6 +50,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from lightning import Trainer
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
 from gradreg import capture, differentiable_attention, gradient
@@ -70,6 +75,13 @@ INFERENCE_MODE_ERROR = (
     "validation/test of a Classifier takes input gradients (FGSM, gradient norm), which "
     "torch.inference_mode() forbids: build the Trainer with inference_mode=False."
 )
+
+
+def over_ranks(trainer: Trainer | None) -> bool:
+    """Whether each rank trains on its share of the step's batch under DDP (more than one
+    rank), whose parameter penalties are then of the whole batch's gradient."""
+    return (trainer is not None and trainer.world_size > 1
+            and isinstance(trainer.strategy, DDPStrategy))
 
 
 class Classifier(PenalizedModule):
@@ -174,7 +186,8 @@ class Classifier(PenalizedModule):
             elif gp.config.points == "activations":
                 penalties[name] = gp(per_sample, [activations[layer] for layer in gp.config.layers],
                                      loss_scale=scale)
-            elif accumulated > 1:  # "parameters", of the accumulated batch: two phases
+            elif accumulated > 1 or over_ranks(trainer):  # "parameters", of the batch split
+                # into micro-batches or over ranks: two phases
                 task, value = self._accumulated(name, gp, loss, state, x, y, trainer,
                                                 retain_graph=len(due) > 1)
                 if value is not None:  # on the micro-batch after which the optimizer steps
@@ -197,7 +210,8 @@ class Classifier(PenalizedModule):
                      x: Tensor, y: Tensor, trainer: Trainer, *, retain_graph: bool
                      ) -> tuple[Tensor, Tensor | None]:
         r"""A parameter penalty of the accumulated batch's gradient under
-        ``accumulate_grad_batches`` (:class:`~gradreg.penalties.accumulation.Accumulation`):
+        ``accumulate_grad_batches`` and DDP (the ranks' mean:
+        :class:`~gradreg.penalties.accumulation.Accumulation`, ``over_ranks``):
         each micro-batch's task term carries its loss's gradient :math:`g_k` (Lightning divides
         it by the count :math:`N`, so ``.grad`` sums :math:`\bar g`); on the micro-batch after
         which the optimizer steps, the penalty :math:`c\,P(\bar g)` is returned and the task
@@ -205,7 +219,8 @@ class Classifier(PenalizedModule):
         micro-batches (kept with their random states until then)."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(gp, self._trainable())
+            accumulation = self._accumulations[name] = Accumulation(
+                gp, self._trainable(), over_ranks=over_ranks(trainer))
         g = accumulation.add(partial(self._mean_loss, x, y), state, loss,
                              retain_graph=retain_graph)
         value = None
@@ -250,18 +265,20 @@ class Classifier(PenalizedModule):
 
     def on_fit_start(self) -> None:
         """Refuse per-sample ``reduction="sum"`` penalties on more than one rank (DDP averages
-        the ranks' gradients, which makes a sum the mean of the ranks' sums), and, with gradient
-        accumulation, more than one parameter-gradient penalty or a lazy one (module
-        docstring)."""
+        the ranks' gradients, which makes a sum the mean of the ranks' sums), more than one
+        parameter-gradient penalty with gradient accumulation or under DDP, and a lazy one with
+        gradient accumulation (module docstring)."""
         parameter = {name: gp for name, gp in self.penalties.items()
                      if gp.config.points == "parameters"}
         accumulated = self.trainer.accumulate_grad_batches
-        if accumulated > 1 and (len(parameter) > 1 or any(gp.config.every > 1
-                                                          for gp in parameter.values())):
+        lazy = accumulated > 1 and any(gp.config.every > 1 for gp in parameter.values())
+        if (accumulated > 1 or over_ranks(self.trainer)) and (len(parameter) > 1 or lazy):
+            split = (f"accumulate_grad_batches={accumulated}" if accumulated > 1 else
+                     f"DDP over {self.trainer.world_size} ranks")
             raise ValueError(
-                f"penalties {sorted(parameter)} with accumulate_grad_batches={accumulated}: the "
-                "penalty of the accumulated batch's gradient is taken for one parameter penalty "
-                "computed at every step (every=1); use one, or a batch of the accumulated size")
+                f"penalties {sorted(parameter)} with {split}: the penalty of the whole batch's "
+                "gradient is taken for one parameter penalty (computed at every step under "
+                "accumulation, every=1); use one, or a batch of the whole size in one process")
         self._accumulations.clear()
         summed = sorted(name for name, gp in self.penalties.items()
                         if gp.config.reduction == "sum" and gp.config.per_sample)

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradreg import GradientError
@@ -160,10 +161,11 @@ def test_a_sum_penalty_on_more_than_one_rank_is_refused() -> None:
     """DDP averages the ranks' gradients: a sum would become the mean of the ranks' sums."""
     model = classifier({"db": make_penalty("double_backprop", reduction="sum"),
                         "pg": make_penalty("param_grad_norm", reduction="sum")})
-    model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1)
+    model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1,
+                                     strategy=DDPStrategy())
     with pytest.raises(ValueError, match=r"penalties \['db'\] sum over samples .* 2 ranks"):
         model.on_fit_start()
-    model._trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=1)
+    model._trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=1, strategy=None)
     model.on_fit_start()
 
 
@@ -282,6 +284,18 @@ def test_a_parameter_penalty_under_accumulation_is_that_of_the_accumulated_batch
     for name in initial:
         torch.testing.assert_close(small[name], large[name], rtol=0, atol=1e-12)
         assert not torch.allclose(small[name], initial[name], atol=1e-3)  # they did move
+
+
+def test_two_parameter_penalties_under_ddp_are_refused() -> None:
+    """Each takes the whole batch's gradient over the ranks with the task's: one at a time."""
+    model = classifier({"a": make_penalty("sam"), "b": make_penalty("param_grad_norm")})
+    model._trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1,
+                                     strategy=DDPStrategy())
+    with pytest.raises(ValueError, match=r"penalties \['a', 'b'\] with DDP over 2 ranks: the "
+                                         r"penalty of the whole batch's gradient .* one "):
+        model.on_fit_start()
+    model._trainer.world_size = 1
+    model.on_fit_start()
 
 
 def test_two_parameter_penalties_under_accumulation_are_refused() -> None:

@@ -43,10 +43,20 @@ SCENARIOS: dict[str, tuple[Callable[[], L.LightningModule], Callable[[], TensorD
         lambda: noisy_toy("8gaussians", 128),
     ),
     "penalty_only": (PenaltyOnly, lambda: toy("8gaussians", 128)),
+    # a penalty of the parameter gradient: of the whole batch's (the ranks' mean), not each
+    # rank's own, by finite difference (SAM) and by double backward
+    "classifier_sam": (lambda: classifier(sam={"name": "sam", "weight": 0.05}),
+                       lambda: toy("moons", 128)),
+    "classifier_param_grad_norm": (
+        lambda: classifier(gnp={"name": "param_grad_norm", "weight": 0.1}),
+        lambda: toy("moons", 128),
+    ),
 }
 # (scenario, strategy) in the order the ranks run them; the last one is expected to fail
 DDP_RUNS = [
     ("classifier_double_backprop", "ddp"),
+    ("classifier_sam", "ddp"),
+    ("classifier_param_grad_norm", "ddp"),
     ("gan_wgan_gp_r1", "ddp_find_unused_parameters_true"),
     ("penalty_only", "ddp_find_unused_parameters_true"),
     ("penalty_only", "ddp"),
