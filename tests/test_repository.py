@@ -4,6 +4,7 @@ release or the run's output folder, which .gitignore keeps out)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
@@ -78,3 +79,18 @@ def test_only_png_images_in_docs_are_allowed():
     assert allowed("docs/dashboard.png")
     assert not allowed("docs/sub/dashboard.png") and not allowed("dashboard.png")
     assert not allowed("docs/index.md")
+
+
+#: control characters a text file may hold: none but the newline (a tab, a backspace or a form
+#: feed in a source is a docstring's ``\t``, ``\b`` or ``\f`` written outside a raw string:
+#: ``\theta`` rendered as a tab and "heta")
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
+
+
+def test_no_control_character_in_a_python_or_markdown_file():
+    found = [f"{path}:{number}" for path in tracked_files()
+             if path.endswith((".py", ".md", ".yaml", ".toml"))
+             for number, line in enumerate((ROOT / path).read_text(encoding="utf-8")
+                                           .split("\n"), 1)
+             if CONTROL.search(line)]
+    assert not found, f"control characters (outside raw strings?) at {found}"

@@ -141,8 +141,8 @@ class Accumulation:
         return g
 
     def finish(self) -> tuple[Tensor, list[Tensor]]:
-        r"""The weighted penalty :math:`c\,P(ar g)` (detached) of the mean gradient of the
-        micro-batches added since the last call, and its parameter gradient :math:`c\,ar H
+        r"""The weighted penalty :math:`c\,P(\bar g)` (detached) of the mean gradient of the
+        micro-batches added since the last call, and its parameter gradient :math:`c\,\bar H
         v`, by the second phase over them (their forwards replayed from their states)."""
         if self._sum is None:
             raise GradientError(f"{WHAT}: no micro-batch was added before finish().")

@@ -119,8 +119,7 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
 
 def penalized_backward(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
                        scale: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
-    r"""Add :math:`s\,
-abla_	heta (L + c\,P)` to each parameter's ``.grad`` (set where it is
+    r"""Add :math:`s\,\nabla_\theta (L + c\,P)` to each parameter's ``.grad`` (set where it is
     None, as ``backward`` does) and return ``(task, weighted penalty)``, detached: the backward
     of :func:`penalized_loss`'s terms, without an autograd node to carry the gradient to the
     parameters or a backward of the caller's. By ``method="finite_difference"`` the gradient is
