@@ -172,7 +172,7 @@ def _jvp_of_jvp(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tenso
 
 def _differentiate(fn: Callable[..., tuple[Tensor | None, ...]], inputs: tuple,
                    cotangents: tuple[Tensor | None, ...]) -> list[Tensor | None]:
-    """The gradients of :math:`\\sum_i \\langle fn(inputs)_i, cotangents_i\rangle` w.r.t. the
+    r"""The gradients of :math:`\sum_i \langle fn(inputs)_i, cotangents_i\rangle` w.r.t. the
     tensors of ``inputs`` that require grad (None for the rest), with their graph."""
     wanted = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
     with torch.enable_grad():
@@ -244,7 +244,7 @@ def _log_sum_exp(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 
 
 class _AttentionGrad(torch.autograd.Function):
-    """:math:`(\bar Q, \bar K, \bar V[, \bar M])` of :math:`(Q, K, V, M, \bar O)`
+    r""":math:`(\bar Q, \bar K, \bar V[, \bar M])` of :math:`(Q, K, V, M, \bar O)`
     (:func:`blockwise_attention.vjp`); its backward is :func:`blockwise_attention.second_order`
     (the double backward; in differentiable ops on :math:`L \times S` tensors where that
     backward is itself differentiated)."""

@@ -4,6 +4,7 @@ release or the run's output folder, which .gitignore keeps out)."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -94,3 +95,29 @@ def test_no_control_character_in_a_python_or_markdown_file():
                                            .split("\n"), 1)
              if CONTROL.search(line)]
     assert not found, f"control characters (outside raw strings?) at {found}"
+
+
+#: an escape that turns a docstring's LaTeX into a control character: ``\theta`` (tab),
+#: ``\bar`` (backspace), ``\frac`` (form feed), ``\rangle`` (carriage return), ``\nabla``
+#: (newline), ``\alpha`` (bell), ``\varepsilon`` (vertical tab)
+ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\[abfnrtv][A-Za-z]")
+
+
+def test_docstrings_with_backslashes_are_raw_strings():
+    found = []
+    for path in tracked_files():
+        if not path.endswith(".py"):
+            continue
+        source = (ROOT / path).read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                              | ast.AsyncFunctionDef) or not node.body:
+                continue
+            first = node.body[0]
+            if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                continue
+            text = ast.get_source_segment(source, first.value) or ""
+            if not text[:2].lower().startswith("r") and ESCAPE.search(text):
+                found.append(f"{path}:{first.lineno}")
+    assert not found, f"docstrings whose LaTeX escapes become control characters: {found}"

@@ -219,11 +219,11 @@ def parameter_step(step: float | None, shift: str, roundoff: float) -> float:
 @contextmanager
 def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
                        amounts: list[Tensor] | float) -> Iterator[None]:
-    """The block runs at :math:`\theta_j + a_j d_j` (``amounts`` :math:`a_j`, 0-dim tensors in
+    r"""The block runs at :math:`\theta_j + a_j d_j` (``amounts`` :math:`a_j`, 0-dim tensors in
     each parameter's dtype, or one number for all: :func:`in_dtypes`; ``vectors`` :math:`d_j`);
-    the parameters are put back bitwise after
-    it. Written through ``.data``, so the parameters' versions do not move and a graph that
-    saved them (the loss at :math:`\theta`) stays valid; as list operations
+    the parameters are put back bitwise after it. Written through ``.data``, so the parameters'
+    versions do not move and a graph that saved them (the loss at :math:`\theta`) stays valid;
+    as list operations
     (``torch._foreach_*``), each tensor's own kernel as a loop would run, one Python call for
     all the parameters."""
     data = [p.data for p in params]
@@ -240,7 +240,7 @@ def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
 
 def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tensor | float
                         ) -> list[Tensor]:
-    """``(shifted - g) * scale``, in ``shifted``'s memory: the difference of the gradients at the
+    r"""``(shifted - g) * scale``, in ``shifted``'s memory: the difference of the gradients at the
     shifted parameters and at :math:`\theta`, times the quotient's factor."""
     torch._foreach_sub_(shifted, list(g))
     torch._foreach_mul_(shifted, in_dtypes(scale, g))
