@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradreg.penalties import accumulated_backward, param_grad_norm
+from gradreg.penalties import LossAt, accumulated_backward, param_grad_norm, penalized_backward
 
 METHODS = ("finite_difference", "double_backward")
 WEIGHT, STEP = 0.5, 1e-5
@@ -37,3 +37,14 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: str, *,
     task, value = accumulated_backward(penalty, losses, params, on=(x,), over_ranks=over_ranks)
     return {"grad": torch.cat([p.grad.flatten() for p in params]), "loss": task,
             "penalty": value}
+
+
+def own_step(model: nn.Module, forward: nn.Module, x: torch.Tensor, y: torch.Tensor
+             ) -> torch.Tensor:
+    """``.grad`` after one ``penalized_backward`` of ``param_grad_norm`` by finite difference of
+    the loss of ``forward`` (``model`` itself, or ``model`` wrapped in DDP) on ``(x, y)``: the
+    rank's own penalty."""
+    params = list(model.parameters())
+    penalty = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    penalized_backward(penalty, LossAt.run(lambda: F.cross_entropy(forward(x), y), x), params)
+    return torch.cat([p.grad.flatten() for p in params])

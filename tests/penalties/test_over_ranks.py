@@ -14,7 +14,7 @@ from gradreg import GradientError
 from gradreg.penalties import param_grad_norm
 from gradreg.penalties.accumulation import Accumulation
 from tests.distributed import run_processes
-from tests.penalties.ranks_problem import METHODS, problem, step
+from tests.penalties.ranks_problem import METHODS, own_step, problem, step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,20 @@ def test_two_ranks_take_the_penalty_of_the_whole_batch(ranks: list[dict], method
     own = step(*problem()[:1], x[:8], y[:8], method, micro_batches=2)
     # each rank's own penalty, the objective without over_ranks, is another one
     assert (own["grad"] - whole["grad"]).norm() > 1e-3 * whole["grad"].norm()
+
+
+def test_penalized_backward_in_a_ddp_model_is_averaged_by_ddp(ranks: list[dict]) -> None:
+    """Each rank's own penalty (no ``over_ranks``), its gradient averaged by DDP's reducer: the
+    mean of the two halves' steps taken apart, the same on both ranks (written to ``.grad``
+    directly, it would not reach the reducer and the replicas would part)."""
+    first, second = (r["ddp_penalized_backward"] for r in ranks)
+    x, y = problem()[1:]
+    halves = [own_step(model, model, x[rows], y[rows])
+              for model, rows in ((problem()[0], slice(0, 8)), (problem()[0], slice(8, 16)))]
+    assert torch.equal(first, second)
+    mean = (halves[0] + halves[1]) / 2
+    assert ((first - mean).norm() / mean.norm()).item() < 1e-12
+    assert (halves[0] - halves[1]).norm() > 1e-2 * mean.norm()  # the halves do differ
 
 
 def test_over_ranks_without_a_process_group_is_refused() -> None:
