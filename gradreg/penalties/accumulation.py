@@ -161,8 +161,11 @@ class Accumulation:
                                                       per_sample=False))
             v = torch.autograd.grad(value, leaves)
         penalty.last_value = value.detach()
+        weighted = value.detach() * factor
+        if config.check_finite:  # as the penalty's own call checks its value
+            penalty.finite_check(penalty.last_value, weighted=weighted, factor=factor)
         if config.method == "double_backward":  # H_k v exactly, by double backward
-            return value.detach() * factor, _mean(
+            return weighted, _mean(
                 (_hessian_vector(fn, state, params, [factor * d for d in v], self._buffers)
                  for fn, state in stored), count)
         length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + h v̂
@@ -172,7 +175,7 @@ class Accumulation:
         with shifted_parameters(params, v, in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
                              for fn, state in stored), count)
-        return value.detach() * factor, difference_quotient(shifted, g, scale * factor)
+        return weighted, difference_quotient(shifted, g, scale * factor)
 
 
 def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],

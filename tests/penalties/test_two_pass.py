@@ -435,3 +435,23 @@ def test_gr_default_step_is_a_fraction_of_the_parameter_step_and_below_one_perce
                        gr_gradient(model64, x.double(), y, step=1e-6 * 0.3))
     error = ((default.double() - exact).norm() / exact.norm()).item()
     assert error < 1e-2
+
+
+@pytest.mark.parametrize("method", ["finite_difference", "double_backward"])
+def test_the_accumulated_penalty_is_checked_finite(method: str) -> None:
+    """A non-finite parameter makes the accumulated batch's penalty NaN: refused, as the
+    penalty's own call refuses it (``check_finite=False`` lets it through)."""
+    from gradreg.autograd import NonFiniteError
+
+    model, x, y = problem()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    params = list(model.parameters())
+    halves = [lambda: F.cross_entropy(model(x[:8]), y[:8]),
+              lambda: F.cross_entropy(model(x[8:]), y[8:])]
+    with pytest.raises(NonFiniteError, match=r"the penalty of call 1 is nan \(not finite\)"):
+        accumulated_backward(param_grad_norm(WEIGHT, method=method), halves, params, on=(x,))
+    model.zero_grad()
+    _, value = accumulated_backward(param_grad_norm(WEIGHT, method=method, check_finite=False),
+                                    halves, params, on=(x,))
+    assert value.isnan()
