@@ -73,6 +73,7 @@ from gradreg.penalties.methods.param_gradient import (
 )
 from gradreg.penalties.state.buffers import KeptBuffers
 from gradreg.penalties.state.randomness import GeneratorState
+from gradreg.penalties.two_pass import add_to_grad
 
 __all__ = ["Accumulation", "accumulated_backward", "mean_over_ranks"]
 
@@ -185,11 +186,13 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
     accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
     mean loss (micro-batches of equal size); ``penalty``: as for :class:`Accumulation` (call it
     only on steps where ``penalty.due()``); ``on``: the batch's tensors, whose devices' random
-    states are replayed. With ``over_ranks`` the micro-batches are this rank's equal share of a
-    batch split over the ranks of ``torch.distributed``'s default group, for a model that is not
-    wrapped in DDP: the penalty is the whole batch's, and the gradient added to ``.grad`` is the
-    whole batch's step gradient, the same on every rank (averaged here, as DDP would). Returns the
-    detached mean loss and weighted penalty (this rank's mean loss).
+    states are replayed. The gradient reaches ``.grad`` as
+    :func:`~gradreg.penalties.two_pass.add_to_grad` adds it (in a model wrapped in DDP, through
+    DDP's reducer, which averages the ranks' steps). With ``over_ranks`` the micro-batches are
+    this rank's equal share of a batch split over the ranks of ``torch.distributed``'s default
+    group: the penalty is the whole batch's, and the gradient added is the whole batch's step
+    gradient, the same on every rank (averaged here, so that a model not wrapped in DDP needs no
+    reducer). Returns the detached mean loss and weighted penalty (this rank's mean loss).
 
     Examples:
         Two micro-batches of four: the penalty is that of the batch of eight's gradient.
@@ -230,9 +233,7 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
     torch._foreach_add_(task, hv)
     if over_ranks:  # the ranks' mean, as DDP's backward would take it
         mean_over_ranks(task)
-    with torch.no_grad():
-        for p, t in zip(accumulation.params, task, strict=True):
-            p.grad = t if p.grad is None else p.grad.add_(t)
+    add_to_grad(accumulation.params, task)  # through DDP's reducer where the model has one
     return torch.stack(values).mean(), value
 
 
