@@ -39,12 +39,23 @@ def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: str, *,
             "penalty": value}
 
 
-def own_step(model: nn.Module, forward: nn.Module, x: torch.Tensor, y: torch.Tensor
-             ) -> torch.Tensor:
-    """``.grad`` after one ``penalized_backward`` of ``param_grad_norm`` by finite difference of
-    the loss of ``forward`` (``model`` itself, or ``model`` wrapped in DDP) on ``(x, y)``: the
-    rank's own penalty."""
+#: the steps that add a gradient to ``.grad`` themselves
+OWN_STEPS = ("penalized_backward", "accumulated_backward")
+
+
+def own_step(model: nn.Module, forward: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             how: str) -> torch.Tensor:
+    """``.grad`` after one step ``how`` (:data:`OWN_STEPS`) of ``param_grad_norm`` by finite
+    difference of the loss of ``forward`` (``model`` itself, or ``model`` wrapped in DDP) on
+    ``(x, y)``: the rank's own penalty."""
     params = list(model.parameters())
     penalty = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
-    penalized_backward(penalty, LossAt.run(lambda: F.cross_entropy(forward(x), y), x), params)
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(forward(x), y)
+
+    if how == "penalized_backward":
+        penalized_backward(penalty, LossAt.run(loss, x), params)
+    else:
+        accumulated_backward(penalty, [loss], params, on=(x,))
     return torch.cat([p.grad.flatten() for p in params])

@@ -2,8 +2,8 @@
 tests.penalties.ranks_run OUT`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set): each rank
 takes its half of the batch of :func:`problem`, in two micro-batches, through
 ``accumulated_backward(..., over_ranks=True)``, and saves the gradient and the values it
-reached per method; then ``penalized_backward`` through the model wrapped in DDP (its gradient
-accumulated by autograd, so that DDP's reducer averages it)."""
+reached per method; then ``penalized_backward`` and ``accumulated_backward`` through the model
+wrapped in DDP (their gradient accumulated by autograd, so that DDP's reducer averages it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.penalties.ranks_problem import METHODS, own_step, problem, step
+from tests.penalties.ranks_problem import METHODS, OWN_STEPS, own_step, problem, step
 
 
 def main(out: Path) -> None:
@@ -29,10 +29,11 @@ def main(out: Path) -> None:
         rows = slice(rank * share, (rank + 1) * share)
         results[method] = step(model, x[rows], y[rows], method, micro_batches=2,
                                over_ranks=True)
-    model, x, y = problem()
     rows = slice(rank * share, (rank + 1) * share)
-    results["ddp_penalized_backward"] = own_step(model, DistributedDataParallel(model), x[rows],
-                                                 y[rows])
+    for how in OWN_STEPS:
+        model, x, y = problem()
+        results[f"ddp_{how}"] = own_step(model, DistributedDataParallel(model), x[rows], y[rows],
+                                         how)
     torch.save(results, out / f"rank{rank}.pt")
 
 

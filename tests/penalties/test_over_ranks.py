@@ -14,7 +14,7 @@ from gradreg import GradientError
 from gradreg.penalties import param_grad_norm
 from gradreg.penalties.accumulation import Accumulation
 from tests.distributed import run_processes
-from tests.penalties.ranks_problem import METHODS, own_step, problem, step
+from tests.penalties.ranks_problem import METHODS, OWN_STEPS, own_step, problem, step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,13 +45,14 @@ def test_two_ranks_take_the_penalty_of_the_whole_batch(ranks: list[dict], method
     assert (own["grad"] - whole["grad"]).norm() > 1e-3 * whole["grad"].norm()
 
 
-def test_penalized_backward_in_a_ddp_model_is_averaged_by_ddp(ranks: list[dict]) -> None:
+@pytest.mark.parametrize("how", OWN_STEPS)
+def test_a_step_in_a_ddp_model_is_averaged_by_ddp(ranks: list[dict], how: str) -> None:
     """Each rank's own penalty (no ``over_ranks``), its gradient averaged by DDP's reducer: the
     mean of the two halves' steps taken apart, the same on both ranks (written to ``.grad``
     directly, it would not reach the reducer and the replicas would part)."""
-    first, second = (r["ddp_penalized_backward"] for r in ranks)
+    first, second = (r[f"ddp_{how}"] for r in ranks)
     x, y = problem()[1:]
-    halves = [own_step(model, model, x[rows], y[rows])
+    halves = [own_step(model, model, x[rows], y[rows], how)
               for model, rows in ((problem()[0], slice(0, 8)), (problem()[0], slice(8, 16)))]
     assert torch.equal(first, second)
     mean = (halves[0] + halves[1]) / 2
