@@ -169,10 +169,12 @@ class BasicBlock(nn.Module):
         return self.relu(out)
 
 
-def twins(cls: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+def twins(cls: type[nn.Module], **options: object) -> tuple[nn.Module, nn.Module]:
+    """The module ``cls`` with its in-place ops, and its out-of-place twin (the oracle) with the
+    same seeded weights, in float64."""
     torch.manual_seed(0)
-    in_place = cls(in_place=True).double()
-    oracle = cls(in_place=False).double()
+    in_place = cls(in_place=True, **options).double()
+    oracle = cls(in_place=False, **options).double()
     oracle.load_state_dict(in_place.state_dict())
     return in_place, oracle
 
@@ -235,10 +237,7 @@ class LaterInPlace(nn.Module):
 
 @pytest.mark.parametrize("op", ["add_", "relu_", "view"])
 def test_capture_before_other_in_place_ops_matches_the_out_of_place_twin(op: str) -> None:
-    torch.manual_seed(0)
-    net = LaterInPlace(True, op).double()
-    oracle = LaterInPlace(False, op).double()
-    oracle.load_state_dict(net.state_dict())
+    net, oracle = twins(LaterInPlace, op=op)
     x = torch.randn(5, 3, dtype=torch.float64)
     h, g = captured_gradient(net, x, "l1")
     h_ref, g_ref = captured_gradient(oracle, x, "l1")
@@ -280,10 +279,7 @@ class TwoOutputsNet(nn.Module):
 
 @pytest.mark.parametrize("kind", ["tuple", "namedtuple", "dict"])
 def test_capture_of_a_tuple_output_before_in_place_ops(kind: str) -> None:
-    torch.manual_seed(0)
-    net = TwoOutputsNet(True, kind).double()
-    oracle = TwoOutputsNet(False, kind).double()
-    oracle.load_state_dict(net.state_dict())
+    net, oracle = twins(TwoOutputsNet, kind=kind)
     x = torch.randn(5, 3, dtype=torch.float64)
     grads = []
     for model in (net, oracle):
