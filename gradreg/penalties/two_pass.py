@@ -118,7 +118,8 @@ def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor
 
 
 def penalized_backward(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
-                       scale: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       scale: float | Tensor | torch.amp.GradScaler | None = None
+                       ) -> tuple[Tensor, Tensor]:
     r"""Add :math:`s\,\nabla_\theta (L + c\,P)` to each parameter's ``.grad`` (set where it is
     None, as ``backward`` does) and return ``(task, weighted penalty)``, detached: the backward
     of :func:`penalized_loss`'s terms, without an autograd node to carry the gradient to the
@@ -129,9 +130,19 @@ def penalized_backward(penalty: GradientPenalty, at: LossAt, params: Sequence[Te
     of :math:`s\,(L + c\,P)`.
 
     ``scale`` :math:`s`: what the step's gradient is multiplied by, as a ``backward`` of the
-    scaled loss would (a ``GradScaler``'s ``get_scale()``, :math:`1/k` for :math:`k`
-    accumulated micro-batches each penalizing its own gradient); 1 where None. Under float16
-    autocast it must be given: a ``GradScaler``'s step divides ``.grad`` by its scale.
+    scaled loss would: a ``torch.amp.GradScaler`` itself (its current scale, read as
+    ``scaler.scale(loss).backward()`` reads it, without a host sync, which also starts the
+    scaler so that ``scaler.step`` accepts the step), :math:`1/k` for :math:`k` accumulated
+    micro-batches each penalizing its own gradient; 1 where None. Under float16 autocast it must
+    be given: a ``GradScaler``'s step divides ``.grad`` by its scale.
+
+    A GradScaler loop::
+
+        scaler = torch.amp.GradScaler("cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            penalized_backward(gnp, LossAt.run(loss_fn, x), params, scale=scaler)
+        scaler.step(optimizer)
+        scaler.update()
 
     Examples:
         The ``.grad`` of :func:`penalized_loss`'s backward, :math:`\nabla L + c\,H\hat g`
@@ -194,16 +205,21 @@ def _watched(params: Sequence[Tensor]) -> bool:
                for p in params)
 
 
-def _backward_scale(scale: float | Tensor | None, params: list[Tensor]) -> float | Tensor:
-    """``scale``, 1.0 where None; refused where None under float16 autocast on the parameters'
-    device (a ``GradScaler`` would divide an unscaled gradient by its scale)."""
+def _backward_scale(scale: float | Tensor | torch.amp.GradScaler | None, params: list[Tensor]
+                    ) -> float | Tensor:
+    """``scale``, a GradScaler's scale as the 0-dim tensor ``scaler.scale`` multiplies by (1 where
+    it is disabled), 1.0 where None; refused where None under float16 autocast on the
+    parameters' device (a ``GradScaler`` would divide an unscaled gradient by its scale)."""
+    device = params[0].device if params else torch.device("cpu")
+    if isinstance(scale, torch.amp.GradScaler):
+        return scale.scale(torch.ones((), device=device))
     if scale is not None:
         return scale if isinstance(scale, Tensor) else float(scale)
-    device = params[0].device.type if params else "cpu"
+    device = device.type
     if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
         raise GradientError(
             "penalized_backward adds the unscaled gradient to .grad, and under float16 autocast a "
-            "GradScaler's step divides .grad by its scale: pass scale=scaler.get_scale() "
+            "GradScaler's step divides .grad by its scale: pass scale=scaler (the GradScaler) "
             "(scale=1.0 where no GradScaler is used), or use penalized_loss and "
             "scaler.scale(task + penalty).backward().")
     return 1.0

@@ -225,9 +225,15 @@ def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
     versions do not move and a graph that saved them (the loss at :math:`\theta`) stays valid;
     as list operations
     (``torch._foreach_*``), each tensor's own kernel as a loop would run, one Python call for
-    all the parameters."""
+    all the parameters.
+
+    Inside ``torch.autocast`` the cast copies of the parameters that autocast keeps for the
+    whole block (its weight cache, keyed by the tensor, blind to a change of ``.data``) are
+    dropped on entry and on exit: the block's forward casts the shifted values, and a forward
+    after it the restored ones (kept, they would run the shifted pass at :math:`\theta`)."""
     data = [p.data for p in params]
     saved = [d.clone() for d in data]
+    torch.clear_autocast_cache()
     try:
         if isinstance(amounts, list):
             torch._foreach_addcmul_(data, list(vectors), amounts)
@@ -236,6 +242,7 @@ def shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
         yield
     finally:
         torch._foreach_copy_(data, saved)
+        torch.clear_autocast_cache()
 
 
 def difference_quotient(shifted: list[Tensor], g: Sequence[Tensor], scale: Tensor | float

@@ -10,11 +10,13 @@ parameters, which are not the model's).
 :func:`buffers_kept` runs a block under a global module forward pre-hook: each module that runs
 in it has its buffers' version counters noted, and those of normalization layers with running
 statistics (``nn.modules.batchnorm._NormBase``: BatchNorm, SyncBatchNorm, InstanceNorm with
-``track_running_stats``, gradreg's BatchNorm) copied, before it runs. After the block the copies
-are written back (bitwise). A buffer of any other module written in place in the block (a
-spectral normalization's power-iteration vector, a running mean of one's own) cannot be put back
-without a copy of every buffer of every module at every step: it is refused by a
-:class:`~gradreg.GradientError` naming the module and the buffer.
+``track_running_stats``, gradreg's BatchNorm) set aside, the module running on copies of them.
+After the block the buffers themselves are put back: untouched, so their values are bitwise those
+the first forward left and their version counters have not moved (a graph of the first forward
+that saved them, BatchNorm's, can still be differentiated after the block). A buffer of any
+other module written in place in the block (a spectral normalization's power-iteration vector, a
+running mean of one's own) cannot be put back without a copy of every buffer of every module at
+every step: it is refused by a :class:`~gradreg.GradientError` naming the module and the buffer.
 
 A global hook takes every module call off torch's fast path (about 15% of a small transformer's
 forward on CPU), so :class:`KeptBuffers` runs the hook once per set of parameters and then
@@ -27,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -55,8 +56,10 @@ def buffers_kept(what: str, modules: list[nn.Module] | None = None) -> Iterator[
         buffers = {name: b for name, b in module._buffers.items() if b is not None}
         watched.append(module)
         versions[key] = {name: b._version for name, b in buffers.items()}
-        if isinstance(module, _NormBase):
-            saved[key] = {name: b.clone() for name, b in buffers.items()}
+        if isinstance(module, _NormBase):  # the block runs on copies; the buffers stay aside
+            saved[key] = buffers
+            for name, b in buffers.items():
+                module._buffers[name] = b.clone()
 
     for module in modules or ():
         note(module)
@@ -66,10 +69,8 @@ def buffers_kept(what: str, modules: list[nn.Module] | None = None) -> Iterator[
     finally:
         if handle is not None:
             handle.remove()
-        with torch.no_grad():
-            for module in watched:
-                for name, copy in saved.get(id(module), {}).items():
-                    module._buffers[name].copy_(copy)
+        for module in watched:
+            module._buffers.update(saved.get(id(module), {}))
     for module in watched:
         if id(module) in saved:
             continue
