@@ -83,7 +83,7 @@ from gradreg.penalties import (
     SharedForward,
     penalized_loss,
 )
-from gradreg.penalties.accumulation import Accumulation  # per micro-batch, as Lightning's
+from gradreg.penalties.accumulation import Accumulation, combined  # per micro-batch, as Lightning's
 from gradreg.penalties.two_pass import Carried
 
 __all__ = ["PenalizedTrainer", "PenaltyMixin", "per_sample_losses"]  # noqa: F822 (built on use)
@@ -387,9 +387,9 @@ class PenaltyMixin:
         g = accumulation.add(scaled, state, loss * factor, retain_graph=retain)
         if self._micro_batch == 0:  # the last micro-batch of the optimizer step
             value, hv = accumulation.finish()
-            g = [a.add_(b, alpha=count) for a, b in zip(g, hv, strict=True)]
+            g = combined(g, hv, count)
             values[name] = value
-        g = [t.div_(factor) for t in g]
+        g = [None if t is None else t.div_(factor) for t in g]  # None: a parameter unused
         return Carried.apply(loss.detach(), g, True, *accumulation.params)
 
 

@@ -65,7 +65,7 @@ from gradreg.lightning.penalized import (
 )
 from gradreg.lightning.precision import loss_scale
 from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
-from gradreg.penalties.accumulation import Accumulation
+from gradreg.penalties.accumulation import Accumulation, combined
 from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import Carried, penalized_loss
 
@@ -227,7 +227,7 @@ class Classifier(PenalizedModule):
         if not accumulating(trainer):
             value, hv = accumulation.finish()
             count = trainer.accumulate_grad_batches
-            g = [a.add_(b, alpha=count) for a, b in zip(g, hv, strict=True)]
+            g = combined(g, hv, count)
         hand_over = not terms_requested(self)  # a gradient split differentiates it again
         return Carried.apply(loss.detach(), g, hand_over, *accumulation.params), value
 

@@ -62,6 +62,7 @@ from gradreg.penalties.guards.precision import unit_roundoff
 from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.methods.param_gradient import (
     _gradient,
+    _gradient_and_unused,
     _shifted_gradient,
     adaptive_norm_terms,
     difference_quotient,
@@ -70,23 +71,29 @@ from gradreg.penalties.methods.param_gradient import (
     shift_length,
     shifted_parameters,
     trainable,
+    without_unused,
 )
 from gradreg.penalties.state.buffers import KeptBuffers
 from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.penalties.two_pass import add_to_grad
 
-__all__ = ["Accumulation", "accumulated_backward", "mean_over_ranks"]
+__all__ = ["Accumulation", "accumulated_backward", "combined", "mean_over_ranks"]
 
 WHAT = "accumulated_backward"
 
 
-def _mean(parts: Iterator[list[Tensor]], count: int) -> list[Tensor]:
-    """The mean of ``count`` lists of tensors, summed one list at a time (one list's memory)."""
+def _mean(parts: Iterator[list[Tensor]], rows: list[int] | None, count: int) -> list[Tensor]:
+    """The mean of ``count`` lists of tensors, weighted by ``rows`` (the samples of each: the
+    mean over the samples of all) where given, summed one list at a time (one list's memory)."""
+    weights = iter(rows or ())
     total = next(parts)
+    if rows is not None:
+        torch._foreach_mul_(total, float(next(weights)))
     for part in parts:
+        alpha = 1.0 if rows is None else float(next(weights))
         for t, u in zip(total, part, strict=True):
-            t.add_(u)
-    return [t.div_(count) for t in total]
+            t.add_(u, alpha=alpha)
+    return [t.div_(count if rows is None else sum(rows)) for t in total]
 
 
 class Accumulation:
@@ -115,44 +122,67 @@ class Accumulation:
                 "leave over_ranks=False in one process.")
         self.penalty, self.params = penalty, trainable(list(params), WHAT)
         self.over_ranks = over_ranks
+        #: this rank's share N_r / N of the samples, set by finish() over ranks with rows given
+        self.share: Tensor | None = None
         self._buffers = KeptBuffers(WHAT)
         self._reset()
 
     def _reset(self) -> None:
         self._stored: list[tuple[Callable[[], Tensor], GeneratorState]] = []
+        self._rows: list[int | None] = []
         self._sum: list[Tensor] | None = None
         self._roundoff = 0.0
+        self._unused: frozenset[int] = frozenset()  # by every micro-batch added so far
 
     def add(self, fn: Callable[[], Tensor], state: GeneratorState, loss: Tensor | None = None,
-            *, retain_graph: bool = False) -> list[Tensor]:
-        """The first phase of one micro-batch: the gradient :math:`g_k` of its loss ``loss``
-        (computed by ``fn()`` from ``state`` where not given), returned and summed; ``fn`` and
-        ``state`` (the random state its forward began with) are kept for :meth:`finish`."""
+            *, rows: int | None = None, retain_graph: bool = False) -> list[Tensor | None]:
+        r"""The first phase of one micro-batch: the gradient :math:`g_k` of its loss ``loss``
+        (computed by ``fn()`` from ``state`` where not given), returned (None for a parameter
+        the loss does not use, as a backward leaves its ``.grad``) and summed, weighted by
+        ``rows`` (the number of samples its mean loss is over) where given: the mean gradient is
+        then that of all the samples, :math:`\bar g = \sum_k n_k g_k / \sum_k n_k`, and else
+        the micro-batches' mean, :math:`\frac1N \sum_k g_k` (equal sizes). ``fn`` and ``state``
+        (the random state its forward began with) are kept for :meth:`finish`."""
+        if self._rows and (rows is None) != (self._rows[0] is None):
+            raise GradientError(f"{WHAT}: rows given for some micro-batches and not for others: "
+                                "give each micro-batch's number of samples, or none.")
         if loss is None:
             with state.replayed():
                 loss = fn()
-        g = _gradient(loss, self.params, retain=retain_graph)
+        g, unused = _gradient_and_unused(loss, self.params, retain=retain_graph)
+        if self.over_ranks:  # a parameter unused here may be used on another rank
+            unused = frozenset()
+        self._unused = unused if not self._stored else self._unused & unused
         self._stored.append((fn, state))
+        self._rows.append(rows)
         self._roundoff = max(self._roundoff, unit_roundoff(loss))
+        weight = 1.0 if rows is None else float(rows)
         if self._sum is None:
-            self._sum = [t.clone() for t in g]
+            self._sum = [t * weight for t in g]
         else:
             for total, t in zip(self._sum, g, strict=True):
-                total.add_(t)
-        return g
+                total.add_(t, alpha=weight)
+        return without_unused(g, unused)
 
-    def finish(self) -> tuple[Tensor, list[Tensor]]:
+    def finish(self) -> tuple[Tensor, list[Tensor | None]]:
         r"""The weighted penalty :math:`c\,P(\bar g)` (detached) of the mean gradient of the
         micro-batches added since the last call, and its parameter gradient :math:`c\,\bar H
-        v`, by the second phase over them (their forwards replayed from their states)."""
+        v`, by the second phase over them (their forwards replayed from their states); None for
+        a parameter that no micro-batch's loss uses."""
         if self._sum is None:
             raise GradientError(f"{WHAT}: no micro-batch was added before finish().")
         penalty, params, config = self.penalty, self.params, self.penalty.config
         stored, count = self._stored, len(self._stored)
-        g = [t.div_(count) for t in self._sum]
-        if self.over_ranks:
-            mean_over_ranks(g)
-        roundoff = self._roundoff
+        rows = None if self._rows[0] is None else [int(n) for n in self._rows]
+        total = count if rows is None else sum(rows)
+        if self.over_ranks and rows is not None:  # Σ_r N_r ḡ_r / Σ_r N_r
+            self.share = mean_over_ranks(self._sum, total)
+            g = self._sum
+        else:
+            g = [t.div_(total) for t in self._sum]
+            if self.over_ranks:
+                mean_over_ranks(g)
+        roundoff, unused = self._roundoff, self._unused
         self._reset()
         leaves = [t.detach().requires_grad_() for t in g]
         factor = penalty.weight * config.every * config.gain
@@ -166,36 +196,40 @@ class Accumulation:
         if config.check_finite:  # as the penalty's own call checks its value
             penalty.finite_check(penalty.last_value, weighted=weighted, factor=factor)
         if config.method == "double_backward":  # H_k v exactly, by double backward
-            return weighted, _mean(
+            return weighted, without_unused(_mean(
                 (_hessian_vector(fn, state, params, [factor * d for d in v], self._buffers)
-                 for fn, state in stored), count)
+                 for fn, state in stored), rows, count), unused)
         length = torch.sqrt(sum(d.square().sum() for d in v))  # the mean gradient at θ + h v̂
         step = parameter_step(config.step, config.shift, roundoff)
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
         with shifted_parameters(params, v, in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
-                             for fn, state in stored), count)
-        return weighted, difference_quotient(shifted, g, scale * factor)
+                             for fn, state in stored), rows, count)
+        return weighted, without_unused(difference_quotient(shifted, g, scale * factor), unused)
 
 
 def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[], Tensor]],
-                         params: Sequence[Tensor], *, on: Sequence[Tensor] = (),
-                         over_ranks: bool = False) -> tuple[Tensor, Tensor]:
+                         params: Sequence[Tensor], *, rows: Sequence[int] | None = None,
+                         on: Sequence[Tensor] = (), over_ranks: bool = False
+                         ) -> tuple[Tensor, Tensor]:
     r"""Add to each parameter's ``.grad`` the gradient of :math:`L + c\,P(\bar g)` of the
     accumulated batch (module docstring); ``losses``: one callable per micro-batch returning its
-    mean loss (micro-batches of equal size); ``penalty``: as for :class:`Accumulation` (call it
-    only on steps where ``penalty.due()``); ``on``: the batch's tensors, whose devices' random
-    states are replayed. The gradient reaches ``.grad`` as
-    :func:`~gradreg.penalties.two_pass.add_to_grad` adds it (in a model wrapped in DDP, through
-    DDP's reducer, which averages the ranks' steps). With ``over_ranks`` the micro-batches are
-    this rank's equal share of a batch split over the ranks of ``torch.distributed``'s default
-    group: the penalty is the whole batch's, and the gradient added is the whole batch's step
-    gradient, the same on every rank (averaged here, so that a model not wrapped in DDP needs no
-    reducer). Returns the detached mean loss and weighted penalty (this rank's mean loss).
+    mean loss; ``rows``: the number of samples of each micro-batch, :math:`n_k` (required for
+    more than one micro-batch, or with ``over_ranks``: the batch's mean loss is :math:`L =
+    \sum_k n_k L_k / \sum_k n_k`, a last micro-batch of fewer samples weighted as one batch
+    weights its samples); ``penalty``: as for :class:`Accumulation` (call it only on steps where
+    ``penalty.due()``); ``on``: the batch's tensors, whose devices' random states are replayed.
+    The gradient reaches ``.grad`` as :func:`~gradreg.penalties.two_pass.add_to_grad` adds it
+    (in a model wrapped in DDP, through DDP's reducer, which averages the ranks' steps). With
+    ``over_ranks`` the micro-batches are this rank's share of a batch split over the ranks of
+    ``torch.distributed``'s default group (shares of any sizes, weighted by their samples): the
+    penalty is the whole batch's, and the gradient added is the whole batch's step gradient, the
+    same on every rank (reduced here, so that a model not wrapped in DDP needs no reducer).
+    Returns the detached mean loss and weighted penalty (this rank's mean loss).
 
     Examples:
-        Two micro-batches of four: the penalty is that of the batch of eight's gradient.
+        Micro-batches of two and six: the penalty is that of the batch of eight's gradient.
 
         >>> import torch
         >>> from gradreg.penalties import accumulated_backward, param_grad_norm
@@ -207,8 +241,8 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
         ...     return torch.nn.functional.mse_loss(model(x[rows]), y[rows])
         >>> norm = torch.cat([g.flatten() for g in torch.autograd.grad(loss(), params)]).norm()
         >>> gp = param_grad_norm(0.1, method="finite_difference")
-        >>> halves = [lambda: loss(slice(0, 4)), lambda: loss(slice(4, 8))]
-        >>> task, penalty = accumulated_backward(gp, halves, params, on=(x,))
+        >>> parts = [lambda: loss(slice(0, 2)), lambda: loss(slice(2, 8))]
+        >>> task, penalty = accumulated_backward(gp, parts, params, rows=[2, 6], on=(x,))
         >>> round(task.item(), 4), round(penalty.item(), 6) == round(0.1 * norm.item(), 6)
         (0.7568, True)
         >>> all(p.grad is not None for p in params)
@@ -217,39 +251,82 @@ def accumulated_backward(penalty: GradientPenalty, losses: Sequence[Callable[[],
     accumulation = Accumulation(penalty, params, over_ranks=over_ranks)
     if not losses:
         raise GradientError(f"{WHAT} needs at least one micro-batch's loss.")
+    if rows is None and (len(losses) > 1 or over_ranks):
+        raise GradientError(
+            f"{WHAT} of {len(losses)} micro-batch(es){' over ranks' if over_ranks else ''} needs "
+            "rows=[...], the number of samples each micro-batch's mean loss is over: the batch's "
+            "mean loss weights each micro-batch by its samples (micro-batches of 4 and 12 are "
+            "not halves).")
+    if rows is not None and (len(rows) != len(losses) or any(n <= 0 for n in rows)):
+        raise GradientError(f"{WHAT}: rows={list(rows)} must give a positive number of samples "
+                            f"for each of the {len(losses)} micro-batches.")
     penalty._check_due()
+    weights = [1.0] * len(losses) if rows is None else [n / sum(rows) for n in rows]
     values, task = [], None
-    for fn in losses:  # the first phase: the graphs freed one by one
-        state = GeneratorState.capture(*on, *accumulation.params)
-        loss = fn()
-        values.append(loss.detach())
-        part = accumulation.add(fn, state, loss)
-        torch._foreach_div_(part, len(losses))
-        if task is None:
-            task = part
-        else:
-            torch._foreach_add_(task, part)
+    for fn, n, weight in zip(losses, rows or [None] * len(losses), weights, strict=True):
+        state = GeneratorState.capture(*on, *accumulation.params)  # the first phase: the
+        loss = fn()  # graphs freed one by one
+        if not loss.requires_grad:
+            raise GradientError(
+                f"{WHAT}: micro-batch {len(values)}'s loss does not require grad (computed under "
+                "torch.no_grad() or inference_mode, or of frozen parameters): compute it with "
+                "grad enabled, from the parameters given.")
+        values.append(loss.detach() * weight)
+        part = [None if t is None else t.mul_(weight)
+                for t in accumulation.add(fn, state, loss, rows=n)]
+        task = part if task is None else combined(task, part)
     value, hv = accumulation.finish()
-    torch._foreach_add_(task, hv)
-    if over_ranks:  # the ranks' mean, as DDP's backward would take it
-        mean_over_ranks(task)
+    task = combined(task, hv)
+    if over_ranks:  # Σ_r N_r/N (the rank's step gradient), as DDP's backward would take it
+        given = [t for t in task if t is not None]
+        share = accumulation.share * torch.distributed.get_world_size()
+        torch._foreach_mul_(given, in_dtypes(share.to(given[0].device), given))
+        mean_over_ranks(given)
     add_to_grad(accumulation.params, task)  # through DDP's reducer where the model has one
-    return torch.stack(values).mean(), value
+    return torch.stack(values).sum(), value
 
 
-def mean_over_ranks(tensors: list[Tensor]) -> None:
+def _add(total: Tensor | None, part: Tensor | None, alpha: float = 1.0) -> Tensor | None:
+    """``total + alpha * part`` in ``total``'s memory (in ``part``'s where ``total`` is None),
+    None standing for a gradient no loss gave (a parameter unused): None where both are."""
+    if part is None:
+        return total
+    if total is None:
+        return part if alpha == 1.0 else part.mul_(alpha)
+    return total.add_(part, alpha=alpha)
+
+
+def combined(gradients: Sequence[Tensor | None], penalty_gradients: Sequence[Tensor | None],
+             alpha: float = 1.0) -> list[Tensor | None]:
+    r"""``gradients + alpha * penalty_gradients`` per parameter, in their memory: a micro-batch's
+    :math:`g_k` (:meth:`Accumulation.add`) and :math:`\bar H v` (:meth:`Accumulation.finish`),
+    None for a parameter that neither reaches (it keeps ``.grad`` None)."""
+    return [_add(g, h, alpha) for g, h in zip(gradients, penalty_gradients, strict=True)]
+
+
+def mean_over_ranks(tensors: list[Tensor], rows: int | None = None) -> Tensor | None:
     r"""Replace ``tensors`` in place by their mean over the ranks of ``torch.distributed``'s
-    default group, :math:`\frac1W \sum_r t_r` (one all-reduce of a flat copy per dtype)."""
+    default group, :math:`\frac1W \sum_r t_r` (one all-reduce of a flat copy per dtype); with
+    ``rows`` (this rank's number of samples, :math:`N_r`; ``tensors`` then sums over them),
+    :math:`\sum_r t_r / \sum_r N_r`, the mean over all the ranks' samples, and return this
+    rank's share :math:`N_r / \sum_r N_r` (a 0-dim float64 tensor: one all-reduce more)."""
     world = torch.distributed.get_world_size()
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    share = None
+    if rows is not None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        everyone = torch.tensor(float(rows), dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(everyone)
+        share = rows / everyone
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
         torch.distributed.all_reduce(flat)
-        flat.div_(world)
+        flat.div_(world) if share is None else flat.mul_((share / rows).to(flat.dtype))
         parts = flat.split([t.numel() for t in group])
         torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(parts, group, strict=True)])
+    return share
 
 
 def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],

@@ -73,12 +73,15 @@ class Carried(torch.autograd.Function):
         if gradients is None:
             raise GradientError("the task term of penalized_loss handed its gradient over in its "
                                 "first backward: call penalized_loss again for another one.")
-        scales = in_dtypes(scale, gradients)
-        if not ctx.hand_over:
-            return (None, None, None, *torch._foreach_mul(gradients, scales))
-        ctx.gradients = None
-        torch._foreach_mul_(gradients, scales)
-        return (None, None, None, *gradients)
+        given = [t for t in gradients if t is not None]  # None: a parameter the loss does not use
+        scales = in_dtypes(scale, given)
+        if ctx.hand_over:
+            ctx.gradients = None
+            torch._foreach_mul_(given, scales)
+        else:
+            given = torch._foreach_mul(given, scales)
+        scaled = iter(given)
+        return (None, None, None, *(None if t is None else next(scaled) for t in gradients))
 
 
 def penalized_loss(penalty: GradientPenalty, at: LossAt, params: Sequence[Tensor], *,
@@ -173,24 +176,27 @@ def penalized_backward(penalty: GradientPenalty, at: LossAt, params: Sequence[Te
     if gradient is None:
         ((at.loss + value) * scale).backward()
         return at.loss.detach(), value.detach()
-    if isinstance(scale, Tensor):
-        torch._foreach_mul_(gradient, in_dtypes(scale.to(gradient[0].device), gradient))
-    elif scale != 1.0:
-        torch._foreach_mul_(gradient, scale)
+    given = [t for t in gradient if t is not None]  # None: a parameter the loss does not use
+    if isinstance(scale, Tensor) and given:
+        torch._foreach_mul_(given, in_dtypes(scale.to(given[0].device), given))
+    elif not isinstance(scale, Tensor) and scale != 1.0:
+        torch._foreach_mul_(given, scale)
     add_to_grad(params, gradient)
     return at.loss.detach(), value
 
 
-def add_to_grad(params: Sequence[Tensor], gradients: list[Tensor]) -> None:
+def add_to_grad(params: Sequence[Tensor], gradients: Sequence[Tensor | None]) -> None:
     """``.grad += gradients`` (set where None, taking the gradients' memory), as ``backward``
     accumulates; through autograd's accumulation (:func:`torch.autograd.backward` of the
     parameters) where a hook may watch it: a ``torch.distributed`` process group is initialized
     (DDP's and FSDP's reducers hook the accumulation), or a parameter has a tensor or
-    post-accumulate hook."""
+    post-accumulate hook. A gradient None (a parameter the loss does not use) leaves ``.grad``
+    as it is, as ``backward`` does."""
+    pairs = [(p, g) for p, g in zip(params, gradients, strict=True) if g is not None]
     if _watched(params):
-        torch.autograd.backward(params, gradients)
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
         return
-    for p, g in zip(params, gradients, strict=True):
+    for p, g in pairs:
         if p.grad is None:
             p.grad = g
         else:

@@ -22,19 +22,24 @@ def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, method: str, *,
-         micro_batches: int, over_ranks: bool = False) -> dict[str, torch.Tensor]:
+         micro_batches: int = 1, sizes: list[int] | None = None, over_ranks: bool = False
+         ) -> dict[str, torch.Tensor]:
     """``.grad`` after one ``accumulated_backward`` of ``param_grad_norm`` by ``method`` over
-    ``micro_batches`` equal parts of ``(x, y)``, with the loss and the weighted penalty."""
+    ``micro_batches`` equal parts of ``(x, y)`` (or parts of ``sizes`` rows), with the loss and
+    the weighted penalty."""
     params = list(model.parameters())
     options = {"step": STEP} if method == "finite_difference" else {}
     penalty = param_grad_norm(WEIGHT, method=method, **options)
-    size = len(x) // micro_batches
+    sizes = sizes or [len(x) // micro_batches] * micro_batches
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
 
     def loss(rows: slice) -> torch.Tensor:
         return F.cross_entropy(model(x[rows]), y[rows])
 
-    losses = [partial(loss, slice(k * size, (k + 1) * size)) for k in range(micro_batches)]
-    task, value = accumulated_backward(penalty, losses, params, on=(x,), over_ranks=over_ranks)
+    losses = [partial(loss, slice(start, start + n)) for start, n in zip(starts, sizes,
+                                                                         strict=True)]
+    task, value = accumulated_backward(penalty, losses, params, rows=sizes, on=(x,),
+                                       over_ranks=over_ranks)
     return {"grad": torch.cat([p.grad.flatten() for p in params]), "loss": task,
             "penalty": value}
 

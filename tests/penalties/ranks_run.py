@@ -29,6 +29,10 @@ def main(out: Path) -> None:
         rows = slice(rank * share, (rank + 1) * share)
         results[method] = step(model, x[rows], y[rows], method, micro_batches=2,
                                over_ranks=True)
+        # unequal shares: 5 rows on rank 0 (one micro-batch), 11 on rank 1 (4 + 7)
+        mine = slice(0, 5) if rank == 0 else slice(5, 16)
+        results[f"unequal_{method}"] = step(problem()[0], x[mine], y[mine], method,
+                                            sizes=[5] if rank == 0 else [4, 7], over_ranks=True)
     rows = slice(rank * share, (rank + 1) * share)
     for how in OWN_STEPS:
         model, x, y = problem()

@@ -45,6 +45,20 @@ def test_two_ranks_take_the_penalty_of_the_whole_batch(ranks: list[dict], method
     assert (own["grad"] - whole["grad"]).norm() > 1e-3 * whole["grad"].norm()
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_unequal_shares_are_weighted_by_their_samples(ranks: list[dict], method: str) -> None:
+    """5 rows on one rank (one micro-batch) and 11 on the other (4 + 7): the step of the one
+    batch of 16, the same on both ranks."""
+    first, second = ranks[0][f"unequal_{method}"], ranks[1][f"unequal_{method}"]
+    model, x, y = problem()
+    whole = step(model, x, y, method)
+    assert torch.equal(first["grad"], second["grad"])
+    assert ((first["grad"] - whole["grad"]).norm() / whole["grad"].norm()).item() < 1e-10
+    torch.testing.assert_close(first["penalty"], whole["penalty"], rtol=1e-12, atol=0)
+    torch.testing.assert_close((5 * first["loss"] + 11 * second["loss"]) / 16, whole["loss"],
+                               rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("how", OWN_STEPS)
 def test_a_step_in_a_ddp_model_is_averaged_by_ddp(ranks: list[dict], how: str) -> None:
     """Each rank's own penalty (no ``over_ranks``), its gradient averaged by DDP's reducer: the

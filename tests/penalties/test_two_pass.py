@@ -352,7 +352,7 @@ def test_accumulated_batches_give_the_big_batch_step(method: str) -> None:
         for _ in range(3):
             optimizer.zero_grad()
             accumulated_backward(gnp, micro_losses(net, x, y, micro), list(net.parameters()),
-                                 on=(x,))
+                                 rows=[len(x) // micro] * micro, on=(x,))
             optimizer.step()
     torch.testing.assert_close(flat(list(accumulated.parameters())), flat(list(big.parameters())),
                                rtol=1e-12, atol=1e-13)
@@ -385,7 +385,7 @@ def test_accumulated_dropout_batches_replay_each_micro_batchs_mask() -> None:
         model.zero_grad()
         torch.manual_seed(3)
         accumulated_backward(param_grad_norm(WEIGHT, **options), micro_losses(model, x, y, 2),
-                             params, on=(x,))
+                             params, rows=[8, 8], on=(x,))
         results.append(grads(model))
     assert (results[1] - results[0]).norm() <= 1e-5 * results[0].norm()
 
@@ -450,8 +450,9 @@ def test_the_accumulated_penalty_is_checked_finite(method: str) -> None:
     halves = [lambda: F.cross_entropy(model(x[:8]), y[:8]),
               lambda: F.cross_entropy(model(x[8:]), y[8:])]
     with pytest.raises(NonFiniteError, match=r"the penalty of call 1 is nan \(not finite\)"):
-        accumulated_backward(param_grad_norm(WEIGHT, method=method), halves, params, on=(x,))
+        accumulated_backward(param_grad_norm(WEIGHT, method=method), halves, params,
+                             rows=[8, 8], on=(x,))
     model.zero_grad()
     _, value = accumulated_backward(param_grad_norm(WEIGHT, method=method, check_finite=False),
-                                    halves, params, on=(x,))
+                                    halves, params, rows=[8, 8], on=(x,))
     assert value.isnan()

@@ -99,7 +99,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
            "adaptive_norm_terms", "difference_quotient", "in_dtypes", "parameter_step",
-           "shift_length", "shifted_parameters", "trainable"]
+           "shift_length", "shifted_parameters", "trainable", "without_unused"]
 
 WHAT = "param_grad_norm by method='finite_difference'"
 #: The default ε of ``shift="gradient"`` (the shift :math:`\epsilon v`, :math:`\lVert \epsilon
@@ -273,8 +273,26 @@ def in_dtypes(number: Tensor | float, tensors: Sequence[Tensor]) -> list[Tensor]
 
 
 def _gradient(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool) -> list[Tensor]:
+    """The gradient of ``loss`` w.r.t. ``params``, zeros for a parameter it does not use."""
+    return _gradient_and_unused(loss, params, retain=retain)[0]
+
+
+def _gradient_and_unused(loss: Tensor, params: tuple[Tensor, ...], *, retain: bool
+                         ) -> tuple[list[Tensor], frozenset[int]]:
+    """:func:`_gradient` and the indices of the parameters ``loss`` does not use (whose
+    ``.grad`` a backward leaves untouched: None where it was)."""
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    unused = frozenset(j for j, g in enumerate(grads) if g is None)
+    return ([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)],
+            unused)
+
+
+def without_unused(gradients: list[Tensor], unused: frozenset[int]) -> list[Tensor | None]:
+    """``gradients`` with None at the ``unused`` parameters: what a backward hands them (an
+    optimizer then leaves them alone, as it leaves a parameter whose ``.grad`` is None)."""
+    if not unused:
+        return gradients
+    return [None if j in unused else t for j, t in enumerate(gradients)]
 
 
 def _loss_at_theta(fn: Callable[[], Tensor], loss: Tensor | None, state: GeneratorState | None,
@@ -352,17 +370,19 @@ class ParameterFiniteDifference:
                 f"params); got {type(loss).__name__}"
                 f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}")
         retain = shared is not None and (task is None or task.retain_graph)
-        g = _gradient(loss, params, retain=retain)
+        g, unused = _gradient_and_unused(loss, params, retain=retain)
         value, vectors, amount, scale = self._shift(g, params, loss)
         with shifted_parameters(params, vectors, in_dtypes(amount, vectors)):  # θ + h v̂
             shifted = _shifted_gradient(fn, state, known, params, self._buffers)
         if task is None or task.split:
             if task is not None:
-                task.gradient = g
-            return with_gradients(value, list(params), difference_quotient(shifted, g, scale))
+                task.gradient = without_unused(g, unused)
+            used = [j for j in range(len(params)) if j not in unused]  # .grad None stays None
+            quotient = difference_quotient(shifted, g, scale)
+            return with_gradients(value, [params[j] for j in used], [quotient[j] for j in used])
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
         torch._foreach_lerp_(g, shifted, in_dtypes(factor, g))
-        task.gradient = g
+        task.gradient = without_unused(g, unused)
         return value.detach()
 
     def _shift(self, g: list[Tensor], params: tuple[Tensor, ...], loss: Tensor
