@@ -124,6 +124,7 @@ class Accumulation:
         self.over_ranks = over_ranks
         #: this rank's share N_r / N of the samples, set by finish() over ranks with rows given
         self.share: Tensor | None = None
+        self._watched = False  # whether a shifted forward was watched for generators of its own
         self._buffers = KeptBuffers(WHAT)
         self._reset()
 
@@ -204,8 +205,10 @@ class Accumulation:
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
         with shifted_parameters(params, v, in_dtypes(along, v)):
-            shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers)
-                             for fn, state in stored), rows, count)
+            shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers,
+                                               watch=not self._watched and k == 0)
+                             for k, (fn, state) in enumerate(stored)), rows, count)
+        self._watched = True
         return weighted, without_unused(difference_quotient(shifted, g, scale * factor), unused)
 
 

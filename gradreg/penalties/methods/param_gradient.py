@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,7 +91,7 @@ from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.precision import default_step, unit_roundoff
 from gradreg.penalties.methods.chunks import with_gradients
 from gradreg.penalties.state.buffers import KeptBuffers
-from gradreg.penalties.state.randomness import GeneratorState
+from gradreg.penalties.state.randomness import GeneratorState, OwnGenerators
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
@@ -310,13 +310,26 @@ def _loss_at_theta(fn: Callable[[], Tensor], loss: Tensor | None, state: Generat
 
 
 def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bool,
-                      params: tuple[Tensor, ...], buffers: KeptBuffers) -> list[Tensor]:
+                      params: tuple[Tensor, ...], buffers: KeptBuffers, *,
+                      watch: bool = False) -> list[Tensor]:
     r"""The gradient of the loss at the shifted parameters, its forward drawing the random
     numbers of the forward at :math:`\theta`, the modules' buffers left as that forward left
-    them (put back after the backward, which may read them: BatchNorm's running statistics)."""
+    them (put back after the backward, which may read them: BatchNorm's running statistics).
+    With ``watch``, a forward that draws from a ``torch.Generator`` of its own (whose numbers
+    no captured state replays) is refused (:class:`OwnGenerators`: once per penalty, as the
+    watch takes every torch call through Python)."""
     with buffers.kept(params):
         with state.replayed():
-            loss = fn()
+            with OwnGenerators() if watch else nullcontext() as own:
+                loss = fn()
+            if own is not None and own.drawn:
+                raise GradientError(
+                    f"{WHAT} runs the model again at the shifted parameters, and its forward "
+                    f"draws from a torch.Generator of its own ({', '.join(sorted(set(own.drawn)))}"
+                    " given generator=): no captured state replays it, so the shifted forward "
+                    "would draw other numbers and the difference would measure the change of "
+                    "draws. Draw from torch's global generator (seeded by torch.manual_seed), or "
+                    "penalize by method='double_backward' (one forward).")
             if not known and state.moved():
                 raise GradientError(
                     f"{WHAT} runs the model again at the shifted parameters, and the model "
@@ -343,6 +356,7 @@ class ParameterFiniteDifference:
         # P(n) = n (target 0, power 1): P'(n) = 1
         self.linear = norm.target == 0 and norm.power == 1 and not norm.squared
         self._shares: bool | None = None  # whether the loss given at θ is used (first call)
+        self._watched = False  # whether a shifted forward was watched for generators of its own
         self._buffers = KeptBuffers(WHAT)
 
     def __call__(self, call: PenaltyCall) -> Tensor:
@@ -372,8 +386,10 @@ class ParameterFiniteDifference:
         retain = shared is not None and (task is None or task.retain_graph)
         g, unused = _gradient_and_unused(loss, params, retain=retain)
         value, vectors, amount, scale = self._shift(g, params, loss)
+        watch = not (self._watched or runs_compiled(loss))
         with shifted_parameters(params, vectors, in_dtypes(amount, vectors)):  # θ + h v̂
-            shifted = _shifted_gradient(fn, state, known, params, self._buffers)
+            shifted = _shifted_gradient(fn, state, known, params, self._buffers, watch=watch)
+        self._watched = True
         if task is None or task.split:
             if task is not None:
                 task.gradient = without_unused(g, unused)
