@@ -23,7 +23,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "FSDP_STATE_HOLD",
     "BatchNormBase",
     "FSDPSettings",
+    "NormBase",
     "TorchDispatchMode",
     "attention_in_functional",
     "batchnorm_node_in_training",
@@ -60,6 +61,11 @@ __all__ = [
 #: The base class of ``nn.BatchNorm1d/2d/3d``: their parameters, buffers, state-dict keys and
 #: running-statistics rule, which gradreg's BatchNorm keeps while replacing the forward.
 BatchNormBase = _BatchNorm
+
+#: The base class of the normalization layers that may keep running statistics (BatchNorm,
+#: SyncBatchNorm, InstanceNorm, gradreg's BatchNorm): their buffers are what a repeated forward
+#: sets aside (:mod:`gradreg.penalties.state.buffers`).
+NormBase = _NormBase
 
 #: A mode that sees every aten op dispatched while it is active (TF32 emulation, FLOP counts).
 #: ``torch.overrides.TorchFunctionMode`` is public but sees ``torch.*`` calls, not the aten ops

@@ -3,14 +3,17 @@ naming it, the torch version and gradreg/torch_compat.py, the one module to chan
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import pathlib
 from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
+import gradreg
 from gradreg.batchnorm import BatchNorm1d
 from gradreg.graph import walk_backward_graph
 from gradreg.sharding import supports_exact_step
@@ -20,6 +23,7 @@ from gradreg.torch_compat import (
     FSDP_POST_BACKWARD_NODE,
     SAVED_TRAINING,
     BatchNormBase,
+    NormBase,
     TorchDispatchMode,
     attention_in_functional,
     batchnorm_node_in_training,
@@ -45,6 +49,7 @@ from gradreg.torch_compat import (
 from tests.one_rank_fsdp import one_rank, shard
 
 PRIVATE_NAMES = [("torch.nn.modules.batchnorm", "_BatchNorm"),
+                 ("torch.nn.modules.batchnorm", "_NormBase"),
                  ("torch.utils._python_dispatch", "TorchDispatchMode"),
                  ("torch._dynamo", "is_dynamo_supported")]
 
@@ -62,6 +67,14 @@ def test_the_batchnorm_base_is_that_of_torchs_batchnorms() -> None:
     assert all(issubclass(cls, BatchNormBase)
                for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, BatchNorm1d)), moved(
         "torch.nn.modules.batchnorm._BatchNorm as the base of nn.BatchNorm1d/2d/3d")
+
+
+def test_the_norm_base_is_that_of_the_normalization_layers_with_running_statistics() -> None:
+    assert all(issubclass(cls, NormBase)
+               for cls in (nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                           BatchNorm1d)), moved(
+        "torch.nn.modules.batchnorm._NormBase as the base of BatchNorm, SyncBatchNorm and "
+        "InstanceNorm")
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -292,3 +305,32 @@ def test_a_compiled_regions_autograd_node_has_its_name() -> None:
 def test_fsdp2s_parameters_are_dtensors(sharded: dict) -> None:
     parameter = next(sharded["model"].parameters())
     assert isinstance(parameter, dtensor_type()), moved("DTensor as FSDP2's parameter class")
+
+
+def private_torch_imports(source: str) -> list[str]:
+    """The private names of torch's that ``source`` imports (a module or a name with a leading
+    underscore, under ``torch``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names
+                      if a.name.split(".")[0] == "torch" and "._" in a.name]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if "._" in f".{node.module}.{a.name}"]
+    return found
+
+
+def test_private_torch_imports_are_found() -> None:
+    assert private_torch_imports("from torch.nn.modules.batchnorm import _NormBase\n"
+                                 "import torch._dynamo\nfrom torch._C import foo\n"
+                                 "from torch import nn\nimport torch.nn.functional as F\n") == [
+        "torch.nn.modules.batchnorm._NormBase", "torch._dynamo", "torch._C.foo"]
+
+
+def test_only_the_compat_module_imports_private_names_of_torch() -> None:
+    root = pathlib.Path(gradreg.__file__).parent
+    offenders = {str(path.relative_to(root.parent)): names
+                 for path in sorted(root.rglob("*.py")) if path.name != "torch_compat.py"
+                 if (names := private_torch_imports(path.read_text(encoding="utf-8")))}
+    assert not offenders, f"import these through gradreg/torch_compat.py: {offenders}"

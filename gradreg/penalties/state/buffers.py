@@ -9,7 +9,7 @@ parameters, which are not the model's).
 
 :func:`buffers_kept` runs a block under a global module forward pre-hook: each module that runs
 in it has its buffers' version counters noted, and those of normalization layers with running
-statistics (``nn.modules.batchnorm._NormBase``: BatchNorm, SyncBatchNorm, InstanceNorm with
+statistics (:data:`~gradreg.torch_compat.NormBase`: BatchNorm, SyncBatchNorm, InstanceNorm with
 ``track_running_stats``, gradreg's BatchNorm) set aside, the module running on copies of them.
 After the block the buffers themselves are put back: untouched, so their values are bitwise those
 the first forward left and their version counters have not moved (a graph of the first forward
@@ -30,10 +30,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from gradreg.autograd import GradientError
+from gradreg.torch_compat import NormBase
 
 __all__ = ["KeptBuffers", "buffers_kept"]
 
@@ -56,7 +56,7 @@ def buffers_kept(what: str, modules: list[nn.Module] | None = None) -> Iterator[
         buffers = {name: b for name, b in module._buffers.items() if b is not None}
         watched.append(module)
         versions[key] = {name: b._version for name, b in buffers.items()}
-        if isinstance(module, _NormBase):  # the block runs on copies; the buffers stay aside
+        if isinstance(module, NormBase):  # the block runs on copies; the buffers stay aside
             saved[key] = buffers
             for name, b in buffers.items():
                 module._buffers[name] = b.clone()
