@@ -65,6 +65,7 @@ from gradreg.penalties.methods.param_gradient import (
     _gradient_and_unused,
     _shifted_gradient,
     adaptive_norm_terms,
+    check_default_step_is_smooth,
     difference_quotient,
     in_dtypes,
     parameter_step,
@@ -150,6 +151,10 @@ class Accumulation:
         if loss is None:
             with state.replayed():
                 loss = fn()
+        config = self.penalty.config
+        if (not self._stored and not self._watched and config.method == "finite_difference"
+                and config.step is None and config.shift == "normalized" and not config.adaptive):
+            check_default_step_is_smooth(loss)
         g, unused = _gradient_and_unused(loss, self.params, retain=retain_graph)
         if self.over_ranks:  # a parameter unused here may be used on another rank
             unused = frozenset()

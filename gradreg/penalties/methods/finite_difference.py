@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from gradreg.autograd import GradientError, gradient
-from gradreg.graph import graph_node_names
 from gradreg.penalties.call import Configuration, Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.formulas.norms import per_sample_norm
 from gradreg.penalties.guards.checks import check_outputs
@@ -28,19 +27,12 @@ from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.coupling import check_independent_samples, probe_independent_samples
 from gradreg.penalties.guards.options import Option, check_flag, check_step, require
 from gradreg.penalties.guards.precision import default_step, unit_roundoff
+from gradreg.penalties.guards.smoothness import PIECEWISE_LINEAR, piecewise_linear_ops
 from gradreg.penalties.methods.param_gradient import ParameterFiniteDifference
 from gradreg.penalties.state.randomness import Replaying
 
 __all__ = ["PIECEWISE_LINEAR", "SHIFTS", "FiniteDifference", "FiniteDifferenceMethod",
            "ParameterShift", "check_smooth", "finite_difference"]
-
-#: Backward-node name prefixes of the ops whose derivative jumps (activations, max pooling, clamp,
-#: abs, max/min): a finite difference across a kink has an O(1) error.
-PIECEWISE_LINEAR = (
-    "Relu", "LeakyRelu", "RreluWithNoise", "PreluKernel", "Hardtanh", "Threshold", "Hardswish",
-    "Hardsigmoid", "Hardshrink", "Softshrink", "MaxPool", "AdaptiveMaxPool", "Clamp", "Abs",
-    "Maximum", "Minimum", "Max", "Min", "Amax", "Amin",
-)
 
 PenaltyOfGradients = Callable[[tuple[Tensor, ...]], Tensor]
 PerSampleFunction = Callable[..., Tensor]
@@ -141,8 +133,7 @@ def check_smooth(outputs: Tensor) -> None:
     """Raise where the graph of ``outputs`` holds an op whose derivative jumps
     (:data:`PIECEWISE_LINEAR`: ``nn.ReLU`` and ``F.relu`` alike, max pooling, clamp, abs...):
     there a finite difference is off by O(1), and a smaller step does not help."""
-    ops = sorted({name.split("Backward")[0] for name in graph_node_names([outputs])
-                  if name.startswith(PIECEWISE_LINEAR)})
+    ops = piecewise_linear_ops(outputs)
     if ops:
         raise GradientError(
             f"method='finite_difference' on a piecewise-linear model ({', '.join(ops)} in its "
