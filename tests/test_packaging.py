@@ -185,7 +185,7 @@ def test_the_core_depends_on_torch_alone_and_the_extras_build_on_each_other():
     assert names(PROJECT["dependencies"]) == {"torch"}
     assert names(extras["lightning"]) == {"lightning", "tensorboard", "scikit-learn",
                                           "matplotlib", "numpy", "threadpoolctl"}
-    assert names(extras["app"]) == {"gradreg", "hydra-core"}
+    assert names(extras["app"]) == {"gradreg", "hydra-core", "scipy"}
     assert "gradreg[lightning]" in extras["app"]
     assert "gradreg[app]" in extras["dev"] and "gradreg[app]" in extras["sweeps"]
 
@@ -209,7 +209,9 @@ def test_the_wheel_lists_every_package_and_every_config_group():
             for path in (ROOT / "gradreg").rglob("__init__.py")}
     configs = {".".join(("gradreg", "app", *path.relative_to(ROOT).parts))
                for path in (ROOT / "configs").rglob("*") if path.is_dir()}
-    assert listed == code | {"gradreg.app.configs"} | configs
+    plugins = {".".join(path.parent.relative_to(ROOT).parts)
+               for path in (ROOT / "hydra_plugins").rglob("__init__.py")}
+    assert listed == code | {"gradreg.app.configs"} | configs | plugins
     assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"gradreg.app.configs": "configs"}
     assert PROJECT["scripts"] == {"gradreg-train": "gradreg.app:main"}
 

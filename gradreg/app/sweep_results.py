@@ -4,19 +4,23 @@ A job is one run of a sweep's folder: its penalty and **effective** weight :math
 its ``.hydra/config.yaml``: 0 for ``penalty=none``, whatever ``penalty.weight`` the command line
 gave it), its seed, the other swept overrides (``.hydra/overrides.yaml``: those whose values
 differ between the jobs, ``seed``, ``penalty`` and ``penalty.weight`` left out) and its
-``metrics.json`` (None where it saved none: it failed or diverged).
+``metrics.json`` (None where it saved none: it failed, diverged or was pruned).
 
 A **setting** is the jobs of one (penalty, λ, other overrides); the **baseline** of a setting is
 the ``penalty=none`` setting with the same other overrides (one row however many weights the
-command line gave ``none``). Statistics, per metric, over seeds :math:`s = 1..n`:
+command line gave ``none``; each seed counted once). Statistics, per metric, over seeds
+:math:`s = 1..n`:
 
-* a setting's value of seed :math:`s`, :math:`x_s`: the mean of its jobs with that seed;
+* a setting's value of seed :math:`s`, :math:`x_s`: the mean of its jobs with that seed (jobs of
+  one setting and seed compute the same run);
 * its mean :math:`\bar x` and sample standard deviation
   :math:`\mathrm{SD} = \sqrt{\sum_s (x_s - \bar x)^2 / (n - 1)}` (none for one seed);
-* its difference from the baseline :math:`b`, paired by seed over the seeds both have:
-  :math:`d_s = x_s - b_s`, :math:`\bar d`, and its standard error
-  :math:`\mathrm{SE} = \mathrm{SD}(d) / \sqrt{n}`; the difference **exceeds the noise** where
-  :math:`|\bar d| > 2\,\mathrm{SE}` (and :math:`n \ge 2`).
+* its difference from another setting :math:`b` (the baseline, or the runner-up), paired by seed
+  over the seeds both have: :math:`d_s = x_s - b_s`, :math:`\bar d`, its standard error
+  :math:`\mathrm{SE} = \mathrm{SD}(d) / \sqrt{n}` and the half-width of its 95% confidence
+  interval, :math:`h = t_{0.975,\,n-1}\,\mathrm{SE}` (Student's t with :math:`n - 1` degrees of
+  freedom: 12.71 for 2 seeds, 4.30 for 3, 2.78 for 5, 2.26 for 10); the difference **exceeds
+  the noise** where the interval excludes 0, :math:`|\bar d| > h` (and :math:`n \ge 2`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from omegaconf import OmegaConf
+from scipy import stats
 
 from .hparams_columns import NO_PENALTY, effective_weight
 
@@ -57,19 +62,34 @@ class Spread:
     n: int
 
 
+#: the confidence level of a difference's interval
+CONFIDENCE = 0.95
+
+
+def t_quantile(n: int) -> float:
+    """:math:`t_{0.975,\\,n-1}`: the quantile of Student's t with ``n - 1`` degrees of freedom
+    that a 95% interval of the mean of ``n`` values spans in standard errors (``n >= 2``)."""
+    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1))
+
+
 @dataclass(frozen=True)
 class Difference:
-    """Mean of the per-seed differences from the baseline and its standard error (None for one
-    seed), over ``n`` paired seeds."""
+    """Mean of the per-seed differences, its standard error and the half-width of its 95%
+    confidence interval (both None for one seed), over ``n`` paired seeds."""
 
     mean: float
     se: float | None
     n: int
 
     @property
+    def half_width(self) -> float | None:
+        """:math:`h = t_{0.975,\\,n-1}\\,\\mathrm{SE}`; None for one seed."""
+        return None if self.se is None else t_quantile(self.n) * self.se
+
+    @property
     def exceeds_noise(self) -> bool:
-        """:math:`|\\bar d| > 2\\,\\mathrm{SE}`, with a standard error (two seeds or more)."""
-        return self.se is not None and abs(self.mean) > 2 * self.se
+        """Whether the 95% interval excludes 0, :math:`|\\bar d| > h` (two seeds or more)."""
+        return self.se is not None and abs(self.mean) > self.half_width
 
 
 @dataclass
@@ -88,6 +108,16 @@ class Setting:
     @property
     def finished(self) -> list[Job]:
         return [job for job in self.jobs if job.metrics is not None]
+
+    @property
+    def seeds(self) -> list[str]:
+        """The seeds of this setting's jobs, each once."""
+        return list(dict.fromkeys(job.seed for job in self.jobs))
+
+    @property
+    def finished_seeds(self) -> list[str]:
+        """The seeds with a finished job."""
+        return list(dict.fromkeys(job.seed for job in self.finished))
 
     def per_seed(self, metric: str) -> dict[str, float]:
         """seed -> the mean of ``metric`` over this setting's finished jobs with that seed."""
@@ -182,18 +212,45 @@ def difference(setting: Setting, all_settings: Sequence[Setting], metric: str
     baseline = baseline_of(setting, all_settings)
     if baseline is None:
         return None
-    return paired_difference(setting.per_seed(metric), baseline.per_seed(metric))
+    return compare(setting, baseline, metric)
+
+
+def compare(setting: Setting, other: Setting, metric: str) -> Difference | None:
+    """``setting`` minus ``other`` in ``metric``, paired by seed (None without a common
+    seed)."""
+    return paired_difference(setting.per_seed(metric), other.per_seed(metric))
+
+
+def logged_metrics(jobs: Iterable[Job]) -> set[str]:
+    """The names of the metrics that any finished job of ``jobs`` saved."""
+    return {name for job in jobs for name in job.metrics or {}}
 
 
 def outcome_metrics(jobs: Iterable[Job], optimized: str | None = None) -> list[str]:
     """The metrics a sweep is judged by: the ``test/`` metrics its jobs logged (the
-    ``val/`` ones where none logged a test metric), sorted, ``optimized`` first."""
-    logged = {name for job in jobs for name in job.metrics or {}}
+    ``val/`` ones where none logged a test metric), sorted, ``optimized`` first (its ``test/``
+    counterpart where it is a ``val/`` metric with one)."""
+    logged = logged_metrics(jobs)
     names = sorted(name for name in logged if name.startswith("test/")) or sorted(
         name for name in logged if name.startswith("val/"))
-    if optimized in logged:
-        names = [optimized, *(name for name in names if name != optimized)]
+    first = optimized
+    if optimized is not None and optimized.startswith("val/"):
+        tested = "test/" + optimized.removeprefix("val/")
+        first = tested if tested in names else optimized
+    if first in logged:
+        names = [first, *(name for name in names if name != first)]
     return names
+
+
+def selection_metric(metric: str, logged: set[str]) -> str | None:
+    """The validation metric that chooses a setting for the outcome ``metric``: ``val/<name>``
+    for ``test/<name>`` where the jobs logged it; ``metric`` itself where it is a validation
+    metric (a sweep without a test split); None where no validation metric matches (choosing on
+    the test split would select on the test set)."""
+    if metric.startswith("val/"):
+        return metric
+    validation = "val/" + metric.removeprefix("test/")
+    return validation if metric.startswith("test/") and validation in logged else None
 
 
 def job_results(sweep_dir: Path) -> list[tuple[dict[str, str], dict[str, float] | None]]:

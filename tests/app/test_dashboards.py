@@ -148,9 +148,9 @@ def test_the_event_files_hold_one_tag_per_quantity_for_both_kinds(logs: Path) ->
 
 def test_the_sweep_writes_its_summary(logs: Path) -> None:
     """The baseline once at λ = 0, the penalized run at its λ with its difference from it (one
-    seed: no standard error); the figure in the folder and in the summary run."""
+    seed: no interval); the figure in the folder and in the summary run."""
     summary = (logs / "summary.md").read_text()
-    section = summary.split("## test/acc_pgd (max)\n\n")[1].split("\n\n")[0]
+    section = summary.split("## test/acc_pgd (max)\n\n")[1].split("\n\n")[1]
     rows = [line.split(" | ")[:3] for line in section.splitlines()[2:]]
     assert rows == [["| none", "0", "1/1"], ["| double_backprop", "0.1", "1/1"]]
     assert (logs / "metric_vs_weight.png").is_file()
@@ -229,7 +229,7 @@ TABS = {
     "?tagFilter=penalty_share#timeseries": [*SWEEP, "grad_split/penalty_share /backbone.fc1",
                                             "Tags matching filter"],
     "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0",
-             "sweep/summary/text_summary", "Δ vs baseline ± SE"],
+             "sweep/summary/text_summary", "Δ vs baseline (95% CI)"],
 }
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",

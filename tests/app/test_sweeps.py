@@ -301,11 +301,19 @@ def test_swept_keys_come_from_the_command_line_or_the_environment(
     assert sweep_space.SWEPT_KEYS_VARIABLE not in os.environ and "PYTHONPATH" not in os.environ
 
 
-# a sweep of penalty=none,double_backprop penalty.weight=0.1,1 seed=0,1,2 (none ignores the
-# weight: its two jobs per seed measure the same), plus a 4th seed of weight 1 that failed
+# a sweep of penalty=none,double_backprop penalty.weight=0.1,1 seed=0,1,2 as an earlier grid
+# sweeper wrote it (none ignores the weight: its two jobs per seed measure the same, and count as
+# one seed), plus a 4th seed of weight 1 that failed. Validation chooses, test reports.
+VAL_PGD = {("none", 0): 0.50, ("none", 1): 0.52, ("none", 2): 0.48,
+           ("0.1", 0): 0.60, ("0.1", 1): 0.64, ("0.1", 2): 0.62,
+           ("1", 0): 0.62, ("1", 1): 0.66, ("1", 2): 0.64}
 ACC_PGD = {("none", 0): 0.50, ("none", 1): 0.52, ("none", 2): 0.48,
            ("0.1", 0): 0.60, ("0.1", 1): 0.64, ("0.1", 2): 0.62,
-           ("1", 0): 0.55, ("1", 1): 0.45, ("1", 2): 0.50}
+           ("1", 0): 0.61, ("1", 1): 0.66, ("1", 2): 0.68}
+# validation accuracy: none and λ=0.1 0.0001 apart, a tie as shown
+VAL_ACC = {("none", 0): 0.9000, ("none", 1): 0.9200, ("none", 2): 0.9400,
+           ("0.1", 0): 0.9001, ("0.1", 1): 0.9201, ("0.1", 2): 0.9401,
+           ("1", 0): 0.80, ("1", 1): 0.83, ("1", 2): 0.83}
 ACC = {("none", 0): 0.90, ("none", 1): 0.92, ("none", 2): 0.94,
        ("0.1", 0): 0.91, ("0.1", 1): 0.90, ("0.1", 2): 0.95,
        ("1", 0): 0.80, ("1", 1): 0.83, ("1", 2): 0.83}
@@ -313,7 +321,8 @@ ACC = {("none", 0): 0.90, ("none", 1): 0.92, ("none", 2): 0.94,
 
 def synthetic_sweep(folder: Path) -> None:
     """The job folders the app writes (``.hydra/config.yaml``, ``.hydra/overrides.yaml``,
-    ``metrics.json``) of the sweep above, with the numbers of :data:`ACC_PGD` and :data:`ACC`."""
+    ``metrics.json``) of the sweep above, with the numbers of :data:`VAL_PGD`, :data:`ACC_PGD`,
+    :data:`VAL_ACC` and :data:`ACC`."""
     jobs = [("none", weight, seed) for weight in ("0.1", "1") for seed in range(3)]
     jobs += [("double_backprop", weight, seed) for weight in ("0.1", "1") for seed in range(3)]
     jobs += [("double_backprop", "1", 3)]
@@ -328,8 +337,8 @@ def synthetic_sweep(folder: Path) -> None:
         key = ("none" if penalty == "none" else weight, seed)
         if key in ACC:
             (job / "metrics.json").write_text(json.dumps(
-                {"test/acc": ACC[key], "test/acc_pgd": ACC_PGD[key], "val/acc": 0.5,
-                 "train/loss": 1.0}))
+                {"test/acc": ACC[key], "test/acc_pgd": ACC_PGD[key], "val/acc": VAL_ACC[key],
+                 "val/acc_pgd": VAL_PGD[key], "train/loss": 1.0}))
 
 
 def run_summary(sweep_dir: Path, optimized: str | None = None) -> None:
@@ -339,52 +348,91 @@ def run_summary(sweep_dir: Path, optimized: str | None = None) -> None:
     SweepSummary().on_multirun_end(config)
 
 
-def test_the_summary_gives_each_weights_difference_from_the_baseline_paired_by_seed(
+def test_the_student_t_quantiles_of_the_intervals() -> None:
+    """t(0.975, n - 1) from tables: 12.706 (1 degree of freedom), 4.303 (2), 2.776 (4),
+    2.262 (9)."""
+    assert [round(sweep_results.t_quantile(n), 3) for n in (2, 3, 5, 10)] == [
+        12.706, 4.303, 2.776, 2.262]
+
+
+def test_the_summary_chooses_on_validation_and_reports_on_test_against_baseline_and_runner_up(
         tmp_path: Path) -> None:
-    """test/acc_pgd: λ=0.1 differs from the baseline by 0.10, 0.12, 0.14 on seeds 0, 1, 2: Δ =
-    +0.12, SD(Δ) = 0.02, SE = 0.02/√3 = 0.01155 < 0.12/2: bold (the best mean, 0.62 ± 0.02);
-    λ=1: 0.05, -0.07, 0.02: Δ = 0, SD = √(0.0039) = 0.06245, SE = 0.03606 (the failed 4th
-    seed pairs with nothing). test/acc: the best mean, λ=0.1's 0.92, differs by 0.01, -0.02,
-    0.01 (Δ = 0): no bold; λ=1's -0.10, -0.09, -0.11 exceed the noise, but downwards. The
-    baseline is one row of its 6 jobs, at λ = 0."""
+    """test/acc_pgd, chosen on val/acc_pgd: λ=1 (val 0.62, 0.66, 0.64: 0.640 ± 0.020) over the
+    runner-up λ=0.1 (0.620), although the baseline row's numbers repeat on test. On test, λ=1
+    (0.61, 0.66, 0.68: 0.650 ± 0.036) differs from the baseline (0.50, 0.52, 0.48) by 0.11,
+    0.14, 0.20: Δ = 0.15, SD(d) = √0.0021 = 0.045826, SE = 0.026458, h = 4.3027·SE = 0.11384:
+    the interval +0.036 to +0.264 excludes 0, bold. Against the runner-up (0.60, 0.64, 0.62):
+    d = 0.01, 0.02, 0.06, Δ = 0.03, SD = √0.0007 = 0.026458, SE = 0.015275, h = 0.065725:
+    -0.036 to +0.096, within the noise. λ=0.1 against the baseline: d = 0.10, 0.12, 0.14, SD
+    0.02, h = 4.3027·0.02/√3 = 0.049683. test/acc: none and λ=0.1 are 0.0001 apart on
+    validation (0.920 ± 0.020 both as shown): a tie, nothing chosen, nothing bold. The
+    baseline's 6 jobs are 3 seeds; λ=1's failed 4th seed is 3/4."""
     synthetic_sweep(tmp_path)
     run_summary(tmp_path)
     summary = (tmp_path / "summary.md").read_text()
-    assert summary.startswith(f"# sweep {tmp_path}\n\nPer metric, one row per setting: mean ± SD "
-                              "over its seeds (SD: the sample standard deviation, n − 1;")
-    assert "A difference exceeds the noise where |Δ| > 2·SE" in summary
+    assert summary.startswith(f"# sweep {tmp_path}\n\nPer metric, the setting is chosen on the "
+                              "validation split")
+    assert ("t(0.975, n − 1) · SD(differences) / √n over n seeds (t = 12.71 for 2 seeds, "
+            "t = 4.30 for 3 seeds, t = 3.18 for 4 seeds, t = 2.78 for 5 seeds)") in summary
+    assert "A difference exceeds the noise where that interval excludes 0." in summary
     assert "Seeds 0, 1, 2, 3; baseline: penalty=none (λ = 0).\n" in summary
     assert summary.endswith(
         "## test/acc (max)\n\n"
-        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
-        "|---|---|---|---|---|\n"
-        "| none | 0 | 6/6 | 0.920 ± 0.020 |  |\n"
-        "| double_backprop | 0.1 | 3/3 | 0.920 ± 0.026 | +0.000 ± 0.010 |\n"
-        "| double_backprop | 1 | 3/4 | 0.820 ± 0.017 | -0.1000 ± 0.0058 |\n\n"
+        "Tied on val/acc (0.920 ± 0.020): none (λ = 0), double_backprop λ = 0.1; none is "
+        "chosen.\n\n"
+        "| penalty | λ | seeds | val/acc | test/acc | Δ vs baseline (95% CI) |\n"
+        "|---|---|---|---|---|---|\n"
+        "| none | 0 | 3/3 | 0.920 ± 0.020 | 0.920 ± 0.020 |  |\n"
+        "| double_backprop | 0.1 | 3/3 | 0.920 ± 0.020 | 0.920 ± 0.026 | +0.000 ± 0.043 |\n"
+        "| double_backprop | 1 | 3/4 | 0.820 ± 0.017 | 0.820 ± 0.017 | -0.100 ± 0.025 |\n\n"
         "## test/acc_pgd (max)\n\n"
-        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
-        "|---|---|---|---|---|\n"
-        "| none | 0 | 6/6 | 0.500 ± 0.020 |  |\n"
-        "| double_backprop | 0.1 | 3/3 | **0.620 ± 0.020** | **+0.120 ± 0.012** |\n"
-        "| double_backprop | 1 | 3/4 | 0.500 ± 0.050 | +0.000 ± 0.036 |\n")
+        "Chosen on val/acc_pgd: double_backprop λ = 1. On test/acc_pgd: against no penalty "
+        "+0.15 (95% CI +0.04 to +0.26, 3 seeds), better beyond the noise; against the "
+        "runner-up on validation, double_backprop λ = 0.1, +0.030 (95% CI -0.036 to +0.096, "
+        "3 seeds), within the noise.\n\n"
+        "| penalty | λ | seeds | val/acc_pgd | test/acc_pgd | Δ vs baseline (95% CI) |\n"
+        "|---|---|---|---|---|---|\n"
+        "| none | 0 | 3/3 | 0.500 ± 0.020 | 0.500 ± 0.020 |  |\n"
+        "| double_backprop | 0.1 | 3/3 | 0.620 ± 0.020 | 0.620 ± 0.020 | +0.120 ± 0.050 |\n"
+        "| double_backprop | 1 | 3/4 | **0.640 ± 0.020** | **0.650 ± 0.036** | "
+        "**+0.15 ± 0.11** |\n")
     assert not list(tmp_path.rglob("events.out.tfevents.*"))  # no TensorBoard logs: no run
 
 
 def test_the_optimized_metric_comes_first_and_a_sweep_without_baseline_marks_nothing(
         tmp_path: Path) -> None:
-    """Without penalty=none jobs there is no difference to judge a best by."""
+    """Without penalty=none jobs there is no difference to judge a best by; the optimized
+    validation metric puts its test counterpart first."""
     synthetic_sweep(tmp_path)
     for job in tmp_path.glob("*_none_*"):
         for path in sorted(job.rglob("*"), reverse=True):
             path.unlink() if path.is_file() else path.rmdir()
         job.rmdir()
-    run_summary(tmp_path, optimized="val/acc")
+    run_summary(tmp_path, optimized="val/acc_pgd")
     summary = (tmp_path / "summary.md").read_text()
     assert "Seeds 0, 1, 2, 3; no penalty=none runs: no differences.\n" in summary
     assert [line for line in summary.splitlines() if line.startswith("## ")] == [
-        "## val/acc (max)", "## test/acc (max)", "## test/acc_pgd (max)"]
+        "## test/acc_pgd (max)", "## test/acc (max)"]
     assert "**" not in summary
-    assert "| double_backprop | 0.1 | 3/3 | 0.620 ± 0.020 |  |" in summary
+    assert "| double_backprop | 0.1 | 3/3 | 0.620 ± 0.020 | 0.620 ± 0.020 |  |" in summary
+    assert ("Chosen on val/acc_pgd: double_backprop λ = 1. On test/acc_pgd: against the "
+            "runner-up on validation, double_backprop λ = 0.1, +0.030 (95% CI -0.036 to "
+            "+0.096, 3 seeds), within the noise.") in summary
+
+
+def test_a_metric_without_a_validation_counterpart_chooses_nothing() -> None:
+    """test/input_grad_norm logged without val/input_grad_norm: choosing on it would select on
+    the test set."""
+    jobs = [sweep_results.Job(penalty, weight, str(seed), {"seed": str(seed)},
+                              {"test/input_grad_norm": value})
+            for penalty, weight, seed, value in [("none", 0.0, 0, 0.9), ("none", 0.0, 1, 0.8),
+                                                  ("r1", 1.0, 0, 0.5), ("r1", 1.0, 1, 0.4)]]
+    summary = sweep_table.summary_markdown(jobs)
+    assert ("No validation counterpart of test/input_grad_norm was logged: no setting is chosen"
+            in summary)
+    assert "**" not in summary
+    # d = -0.4, -0.4: SD 0, the interval is 0 wide and excludes 0, but nothing was chosen
+    assert "| r1 | 1 | 2/2 | 0.450 ± 0.071 | -0.4 ± 0 |" in summary
 
 
 def test_the_figure_draws_each_metric_against_the_weight_on_a_log_axis(tmp_path: Path) -> None:
@@ -427,25 +475,28 @@ def test_a_sweep_of_baselines_only_draws_no_figure(tmp_path: Path) -> None:
     assert sweep_table.better("test/wasserstein", "test/wasserstein", "maximize") == "max"
 
 
-def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: Path) -> None:
-    """``-m penalty=none,double_backprop penalty.weight=0.3 seed=0,1 callbacks=hparams``: four
-    jobs named by their zero-padded number, penalty, weight and seed; the baseline's HParams
-    row has weight 0 (not the 0.3 it ignores), one ``weight`` column for every penalty and its
-    log10; the TensorBoard runs are the four jobs and ``summary`` (figure, text and the one
-    HParams declaration), no run ``.``; summary.md pairs the seeds of the two metrics.json."""
-    result = run_script("-m", "penalty=none,double_backprop", "penalty.weight=0.3", "seed=0,1",
+def test_a_grid_sweep_runs_the_baseline_once_and_writes_its_summary_figure_and_hparams(
+        tmp_path: Path) -> None:
+    """``-m penalty=none,double_backprop penalty.weight=0.3,1 callbacks=hparams``: three jobs,
+    not four (penalty=none ignores the weight: one baseline job), named by their zero-padded
+    number, penalty and weight; the baseline's HParams row has weight 0 (not the 0.3 it
+    ignores), one ``weight`` column for every penalty and its log10; the TensorBoard runs are
+    the three jobs and ``summary`` (figure, text and the one HParams declaration), no run
+    ``.``; summary.md, of one seed, gives each Δ without an interval and says that no spread
+    is known."""
+    result = run_script("-m", "penalty=none,double_backprop", "penalty.weight=0.3,1",
                         *TRIAL, "callbacks=hparams", f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Launching 3 jobs locally" in result.stdout + result.stderr
     runs = trials(tmp_path)
     assert [folder.name for folder in runs] == [
-        "000_none_seed:0", "001_none_seed:1",
-        "002_double_backprop:0.3_seed:0", "003_double_backprop:0.3_seed:1"]
+        "000_none", "001_double_backprop:0.3", "002_double_backprop:1"]
     rows = {folder.name: hparams(folder) for folder in runs}
     assert [(row["penalty"], row["weight"], row.get("weight_log10"), row["lr_log10"])
             for row in rows.values()] == [
-        ("none", 0.0, None, -3.0), ("none", 0.0, None, -3.0),
+        ("none", 0.0, None, -3.0),
         ("double_backprop", 0.3, pytest.approx(math.log10(0.3)), -3.0),
-        ("double_backprop", 0.3, pytest.approx(math.log10(0.3)), -3.0)]
+        ("double_backprop", 1.0, 0.0, -3.0)]
     assert not any(name.startswith("penalty/weight/") for row in rows.values() for name in row)
     assert not list(tmp_path.glob("events.out.tfevents.*"))  # no run "."
     summary_run = EventAccumulator(str(tmp_path / "summary")).Reload()
@@ -454,45 +505,98 @@ def test_a_grid_sweep_writes_its_summary_figure_and_one_hparams_table(tmp_path: 
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
     differ = {info.name for info in experiment.hparam_infos if info.differs}
-    assert differ == {"penalty", "weight", "seed"}  # weight_log10: one value, blank for none
+    assert differ == {"penalty", "weight", "weight_log10"}
     assert (tmp_path / "metric_vs_weight.png").is_file()
     summary = (tmp_path / "summary.md").read_text()
+    assert "Seeds 0; baseline: penalty=none (λ = 0). One seed: no spread is known" in summary
     metrics = [value for _, value in runs.values()]
-    deltas = [metrics[2 + seed]["test/acc_pgd"] - metrics[seed]["test/acc_pgd"]
-              for seed in range(2)]
     row = next(line for line in summary.split("## test/acc_pgd")[1].splitlines()
-               if line.startswith("| double_backprop | 0.3 | 2/2 |"))
-    se = statistics.stdev(deltas) / math.sqrt(2)
-    assert row.split(" | ")[-1].strip(" |*") == sweep_table.estimate(
-        statistics.fmean(deltas), se, sign=True)
+               if line.startswith("| double_backprop | 0.3 | 1/1 |"))
+    delta = metrics[1]["test/acc_pgd"] - metrics[0]["test/acc_pgd"]
+    assert row.split(" | ")[-1].strip(" |") == f"{delta:+.4g}"
+    assert row.split(" | ")[-2] == f"{metrics[1]['test/acc_pgd']:.4g}"
+    assert "With one seed no spread is known" in summary.split("## test/acc_pgd")[1]
     assert f"sweep summary ({tmp_path / 'summary.md'}):" in result.stdout
 
 
-def test_a_gan_sweep_marks_the_lowest_energy_distance_where_it_beats_the_noise() -> None:
-    """Energy distance (smaller is better), seeds 0 and 1: baseline 0.05 and 0.07; R1 λ=1
-    0.02 and 0.03 (Δ -0.03 and -0.04: mean -0.035, SE 0.005 < 0.0175): bold; λ=10 0.04 and
-    0.09 (Δ -0.01 and +0.02: mean +0.005, SE 0.015). Modes (larger is better): λ=10 covers
-    the most, 8 and 8 against 6 and 8 (Δ +1 ± 1): not beyond the noise, so no bold."""
+def test_the_grid_sweeper_drops_the_baseline_jobs_that_repeat_another() -> None:
+    """Hydra's product of penalty=none,double_backprop, two weights and two seeds is 8 jobs;
+    none ignores penalty.* keys, so 6 remain, each baseline once per seed and in Hydra's order;
+    a batch size splits the 6."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.gradreg_sweepers.grid import GridSweeper
+
+    overrides = OverridesParser.create().parse_overrides(
+        ["penalty=none,double_backprop", "penalty.weight=0.1,1", "+penalty.every=1,2",
+         "seed=0,1", "trainer.max_epochs=1"])
+    (jobs,) = GridSweeper.split_arguments(overrides, None)
+    assert [" ".join(job[:4]) for job in jobs] == [
+        "penalty=none penalty.weight=0.1 +penalty.every=1 seed=0",
+        "penalty=none penalty.weight=0.1 +penalty.every=1 seed=1",
+        *(f"penalty=double_backprop penalty.weight={w} +penalty.every={e} seed={s}"
+          for w in ("0.1", "1") for e in (1, 2) for s in (0, 1))]
+    assert all(job[4] == "trainer.max_epochs=1" for job in jobs)
+    assert [len(batch) for batch in GridSweeper.split_arguments(overrides, 4)] == [4, 4, 2]
+
+
+def test_a_gan_sweep_bolds_nothing_that_two_seeds_cannot_tell_from_noise() -> None:
+    """Energy distance (smaller is better), seeds 0 and 1, validation equal to test: R1 λ=1 is
+    chosen (0.02, 0.03); against the baseline (0.05, 0.07) d = -0.03, -0.04: Δ = -0.035,
+    SE = 0.005, but with 2 seeds h = t(0.975, 1)·SE = 12.706·0.005 = 0.063531: the interval
+    -0.099 to +0.029 holds 0, no bold (|Δ| > 2·SE would have bolded it). The baseline (0.060)
+    is the runner-up. λ=10: d = -0.01, +0.02, Δ = 0.005 (0.00499... in floats), SE = 0.015,
+    h = 0.19. Modes (larger is better): λ=10 chosen (8 and 8), against the baseline (6 and 8)
+    Δ = +1, SE = 1, h = 12.706: within the noise; the runner-up is the baseline (its 7.0 ties
+    λ=1's and comes first in the table)."""
     values = {("none", 0.0): [(0.05, 6), (0.07, 8)], ("r1", 1.0): [(0.02, 7), (0.03, 7)],
               ("r1", 10.0): [(0.04, 8), (0.09, 8)]}
     jobs = [sweep_results.Job(penalty, weight, str(seed), {"seed": str(seed)},
-                              {"test/energy_distance": distance, "test/modes": modes})
+                              {"test/energy_distance": distance, "test/modes": modes,
+                               "val/energy_distance": distance, "val/modes": modes})
             for (penalty, weight), seeds in values.items()
             for seed, (distance, modes) in enumerate(seeds)]
     summary = sweep_table.summary_markdown(jobs)
     assert summary.endswith(
         "## test/energy_distance (min)\n\n"
-        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
-        "|---|---|---|---|---|\n"
-        "| none | 0 | 2/2 | 0.060 ± 0.014 |  |\n"
-        "| r1 | 1 | 2/2 | **0.0250 ± 0.0071** | **-0.0350 ± 0.0050** |\n"
-        "| r1 | 10 | 2/2 | 0.065 ± 0.035 | +0.005 ± 0.015 |\n\n"
+        "Chosen on val/energy_distance: r1 λ = 1. On test/energy_distance: against no penalty "
+        "-0.035 (95% CI -0.099 to +0.029, 2 seeds), within the noise; against the runner-up on "
+        "validation, none (λ = 0), -0.035 (95% CI -0.099 to +0.029, 2 seeds), within the "
+        "noise.\n\n"
+        "| penalty | λ | seeds | val/energy_distance | test/energy_distance | "
+        "Δ vs baseline (95% CI) |\n"
+        "|---|---|---|---|---|---|\n"
+        "| none | 0 | 2/2 | 0.060 ± 0.014 | 0.060 ± 0.014 |  |\n"
+        "| r1 | 1 | 2/2 | 0.0250 ± 0.0071 | 0.0250 ± 0.0071 | -0.035 ± 0.064 |\n"
+        "| r1 | 10 | 2/2 | 0.065 ± 0.035 | 0.065 ± 0.035 | +0.00 ± 0.19 |\n\n"
         "## test/modes (max)\n\n"
-        "| penalty | λ | runs | mean ± SD | Δ vs baseline ± SE |\n"
-        "|---|---|---|---|---|\n"
-        "| none | 0 | 2/2 | 7.0 ± 1.4 |  |\n"
-        "| r1 | 1 | 2/2 | 7 ± 0 | +0.0 ± 1.0 |\n"
-        "| r1 | 10 | 2/2 | 8 ± 0 | +1.0 ± 1.0 |\n")
+        "Chosen on val/modes: r1 λ = 10. On test/modes: against no penalty +1 (95% CI -12 to "
+        "+14, 2 seeds), within the noise; against the runner-up on validation, none (λ = 0), "
+        "+1 (95% CI -12 to +14, 2 seeds), within the noise.\n\n"
+        "| penalty | λ | seeds | val/modes | test/modes | Δ vs baseline (95% CI) |\n"
+        "|---|---|---|---|---|---|\n"
+        "| none | 0 | 2/2 | 7.0 ± 1.4 | 7.0 ± 1.4 |  |\n"
+        "| r1 | 1 | 2/2 | 7 ± 0 | 7 ± 0 | +0 ± 13 |\n"
+        "| r1 | 10 | 2/2 | 8 ± 0 | 8 ± 0 | +1 ± 13 |\n")
+
+
+def test_one_seed_names_the_choice_and_says_no_spread_is_known() -> None:
+    """A search: every trial one seed. The best validation value chooses (λ=0.3: 0.7); its
+    test differences are plain numbers, 0.65 - 0.5 = +0.15 and 0.65 - 0.6 = +0.05."""
+    jobs = [sweep_results.Job(penalty, weight, "0", {"seed": "0"},
+                              {"val/acc_pgd": val, "test/acc_pgd": test})
+            for penalty, weight, val, test in [("none", 0.0, 0.5, 0.5),
+                                               ("double_backprop", 0.1, 0.6, 0.6),
+                                               ("double_backprop", 0.3, 0.7, 0.65)]]
+    summary = sweep_table.summary_markdown(jobs, "val/acc_pgd", "maximize")
+    assert "Seeds 0; baseline: penalty=none (λ = 0). One seed: no spread is known" in summary
+    assert ("Chosen on val/acc_pgd: double_backprop λ = 0.3. On test/acc_pgd: against no "
+            "penalty +0.15 (1 seed: no spread known), not told from noise; against the runner-up "
+            "on validation, double_backprop λ = 0.1, +0.05 (1 seed: no spread known), not told "
+            "from noise. With one seed no spread is known: no difference can be told from the "
+            "noise (run seed=0,1,2).") in summary
+    assert "**" not in summary
+    assert "| double_backprop | 0.3 | 1/1 | 0.7 | 0.65 | +0.15 |" in summary
 
 
 def test_a_search_draws_its_trials_as_points_of_one_colour_per_penalty() -> None:
