@@ -7,7 +7,8 @@ checkpoint that cannot be resumed) trained nothing, and its folder would only ho
 :func:`discard_folder` removes it. Only a folder the app named itself is removed (a new one,
 claimed by :func:`gradreg.app.run_names.claim_folder`; not one named with ``hydra.run.dir``,
 ``hydra.sweep.dir`` or ``hydra.sweep.subdir``), and only where it holds nothing but Hydra's
-record and the log files.
+record and the log files. A ``debug=fast_dev_run``, which writes nothing, removes its folder the
+same way (:func:`gradreg.app.training.fit`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from gradreg.app import runtime
 from gradreg.app.console import say
 from gradreg.app.errors import building, exit_with
 from gradreg.app.path_checks import check_writable, resolve_checkpoint
+from gradreg.app.refused_run import discard_folder
 from gradreg.app.resume import (
     ResumedWeights,
     check_fresh_output,
@@ -83,10 +84,12 @@ def fit(cfg: DictConfig) -> dict[str, float]:
 
     Under DDP, Lightning runs this for every rank; rank 0 reports. A run stopped by ``SIGTERM``
     or Ctrl-C (``SIGINT``) ends here with status 143 or 130, the checkpoint and the command that
-    resumes from it; a checkpoint that cannot be saved, with status 2 and one line."""
+    resumes from it; a checkpoint that cannot be saved, with status 2 and one line. A
+    ``debug=fast_dev_run`` writes nothing, and the empty folder Hydra made for it is removed
+    however it ends."""
     trainer = None
+    fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
     try:
-        fast_dev_run = bool(cfg.trainer.get("fast_dev_run"))
         output_dir = None if fast_dev_run else Path(cfg.paths.output_dir)
         if output_dir is not None:
             check_writable(output_dir)
@@ -117,6 +120,9 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         exit_stopped(trainer, HydraConfig.get().overrides.task)
     except CheckpointSaveError as error:
         exit_with(error)
+    finally:
+        if fast_dev_run:
+            discard_folder()
 
 
 def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | None) -> None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from gradreg.app import run_names
 from tests.lightning.data.images import write_image_folder
 
-from .conftest import options
+from .conftest import QUIET, SCRIPT, options
 from .helpers import TINY, run_in_process, run_script
 
 CLASSIFIER_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
@@ -301,3 +303,12 @@ def test_run_folder_names_keep_whole_overrides_and_no_slashes(
     assert suffix("model.input_shape:[1,16,16]+seed:1") == "_model.input_shape:[1_16_16]+seed:1"
     assert suffix("a:1+b:2+c:3", limit=7) == "_a:1+b:2+..."
     assert suffix("lr:1e+20+weight:0.1") == "_lr:1e+20+weight:0.1"  # an exponent's sign stays
+
+
+def test_a_fast_dev_run_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``debug=fast_dev_run`` writes no file; before, the run folder Hydra made stayed, empty."""
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "debug=fast_dev_run", *QUIET,
+                                      f"paths.runs={tmp_path / 'runs'}",
+                                      "trainer.enable_progress_bar=false"])
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert not (tmp_path / "runs").exists()
