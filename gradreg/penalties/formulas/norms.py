@@ -77,17 +77,17 @@ def per_sample_norm(
     for g in (grads,) if isinstance(grads, Tensor) else grads:
         flat.append(g.reshape(g.shape[0] if g.ndim else 1, -1) if per_sample
                     else g.reshape(1, -1))  # per_sample_rows
-    if p == 2:
+    if p == 2 and squared:
         sq = None
         for f in flat:
             part = f.square().sum(1)
             sq = part if sq is None else sq + part
-        if squared:
-            return sq if per_sample else sq[0]
-        norm = safe_sqrt(sq)
+        return sq if per_sample else sq[0]
+    if squared:
+        raise ValueError("squared=True is only defined for p=2.")
+    if p == 2:
+        norm = _RowNorm.apply(*flat)
     else:
-        if squared:
-            raise ValueError("squared=True is only defined for p=2.")
         parts = [torch.linalg.vector_norm(f, ord=p, dim=1) for f in flat]
         norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
             torch.stack(parts), ord=p, dim=0)
@@ -106,9 +106,117 @@ def per_sample_rows(x: Tensor) -> Tensor:
 
 
 def safe_sqrt(sq: Tensor) -> Tensor:
-    """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite."""
-    positive = sq != 0  # sq >= 0 or NaN: a NaN stays NaN (check_finite sees it), 0 -> 0
-    return torch.where(positive, torch.where(positive, sq, 1.0).sqrt(), 0.0)
+    """sqrt with gradient 0 instead of inf at 0 (a subgradient), so penalties stay finite; its
+    derivative is differentiable again (:class:`_Sqrt`)."""
+    return _Sqrt.apply(sq)
+
+
+def _over(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator``, 0 where ``denominator`` is 0, in three kernels; for the
+    forward of a derivative (autograd does not record it)."""
+    return (numerator / denominator).masked_fill_(denominator == 0, 0)
+
+
+def _over_differentiable(numerator: Tensor, denominator: Tensor) -> tuple[Tensor, Tensor]:
+    """``(numerator / denominator, 1 / denominator)``, 0 where ``denominator`` is 0, with finite
+    derivatives everywhere (the division is by 1 where ``denominator`` is 0): for a derivative's
+    own backward, which autograd records where a higher order is taken."""
+    zero = denominator == 0
+    safe = torch.where(zero, torch.ones_like(denominator), denominator)
+    inverse = torch.where(zero, torch.zeros_like(denominator), safe.reciprocal())
+    return numerator * inverse, inverse
+
+
+class _RowNorm(torch.autograd.Function):
+    r"""``_RowNorm.apply(*rows)``: :math:`n_i = \sqrt{\sum_t \lVert r_{t,i} \rVert_2^2}` of
+    tensors :math:`r_t` of shape [B, F_t], with the gradient
+    :math:`\partial n_i / \partial r_{t,i} = r_{t,i} / n_i`, 0 where :math:`n_i = 0` (a
+    subgradient: the penalty of a model constant in its input stays finite). One kernel forward
+    and four backward for one tensor, as ``torch.linalg.vector_norm``'s own; the gradient is
+    :class:`_ScaledRows`, differentiable again."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, *rows: Tensor) -> Tensor:
+        if len(rows) == 1:
+            norm = torch.linalg.vector_norm(rows[0], dim=1)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(r, dim=1) for r in rows]), dim=0)
+        ctx.save_for_backward(norm, *rows)
+        return norm
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, ...]:
+        norm, *rows = ctx.saved_tensors
+        return _ScaledRows.apply(norm, grad, *rows)
+
+
+class _ScaledRows(torch.autograd.Function):
+    r"""``_ScaledRows.apply(n, c, *rows)``: :math:`r_{t,i}\, s_i` for every tensor of ``rows``,
+    :math:`s_i = c_i / n_i` (0 where :math:`n_i = 0`): the gradient of :class:`_RowNorm`. Its
+    backward, for upstream :math:`u_t`, with :math:`d_i = \sum_t \langle u_{t,i}, r_{t,i}
+    \rangle`: :math:`u_t s` to the rows, :math:`d_i / n_i` to :math:`c` and
+    :math:`-d_i c_i / n_i^2` to :math:`n` (all 0 where :math:`n_i = 0`), in differentiable ops."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, norm: Tensor, grad: Tensor,
+                *rows: Tensor) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(norm, grad, *rows)
+        scale = _over(grad, norm).unsqueeze(1)
+        if len(rows) == 1:  # no generator: this runs on every penalty's backward
+            return (rows[0] * scale,)
+        return tuple(r * scale for r in rows)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 *upstream: Tensor | None) -> tuple[Tensor | None, ...]:
+        norm, grad, *rows = ctx.saved_tensors
+        scale, inverse = _over_differentiable(grad, norm)
+        dot = None
+        for u, r in zip(upstream, rows, strict=True):
+            if u is not None:
+                part = (u * r).sum(1)
+                dot = part if dot is None else dot + part
+        if dot is None:
+            dot = torch.zeros_like(norm)
+        by_rows = tuple(None if u is None else u * scale.unsqueeze(1) for u in upstream)
+        return (-dot * scale * inverse, dot * inverse, *by_rows)
+
+
+class _Sqrt(torch.autograd.Function):
+    r"""``_Sqrt.apply(sq)``: :math:`\sqrt{q}` with the derivative :math:`1 / (2 \sqrt q)`, 0 at
+    :math:`q = 0` (a NaN stays NaN); one kernel forward and four backward
+    (:class:`_HalfOver`, differentiable again)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, sq: Tensor) -> Tensor:
+        root = sq.sqrt()
+        ctx.save_for_backward(root)
+        return root
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        (root,) = ctx.saved_tensors
+        return _HalfOver.apply(grad, root)
+
+
+class _HalfOver(torch.autograd.Function):
+    r"""``_HalfOver.apply(c, r)``: :math:`c / (2 r)`, 0 where :math:`r = 0`: the derivative of
+    :class:`_Sqrt`. Its backward, for upstream :math:`u`: :math:`u / (2r)` to :math:`c` and
+    :math:`-u c / (2 r^2)` to :math:`r` (0 where :math:`r = 0`), in differentiable ops."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor, root: Tensor) -> Tensor:
+        ctx.save_for_backward(grad, root)
+        return _over(grad, root).mul_(0.5)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 upstream: Tensor) -> tuple[Tensor, Tensor]:
+        grad, root = ctx.saved_tensors
+        scale, inverse = _over_differentiable(grad, root)
+        half = upstream * inverse * 0.5
+        return half, -half * scale
 
 
 def safe_pow(deviation: Tensor, power: float) -> Tensor:
@@ -133,8 +241,12 @@ def penalty_from_norms(norms: Tensor, *, target: float | Tensor, one_sided: bool
         values = norms
     else:
         deviation = norms - target
-        deviation = deviation.clamp_min(0) if one_sided else deviation.abs()
-        values = deviation if power == 1 else safe_pow(deviation, power)
+        if one_sided:
+            deviation = deviation.clamp_min(0)
+        elif power != 2:  # an even power needs no abs: |t|^2 = t^2, with the same derivative
+            deviation = deviation.abs()
+        values = (deviation if power == 1 else deviation.square() if power == 2
+                  else safe_pow(deviation, power))
     if reduction not in REDUCE:
         raise ValueError(f"unknown reduction {reduction!r}; valid: {', '.join(map(repr, REDUCE))}.")
     return REDUCE[reduction](values)

@@ -34,6 +34,8 @@ class _Recorded:
     wait: Callable[[], None]  # block until it has
     factor: float = 1.0  # what multiplied the value: weight * every * gain
     points_checked: bool = True  # whether points were given (a parameter penalty's are not)
+    points: int = 1  # how many leading entries are the points' (where there are outputs)
+    outputs: bool = True  # whether an entry for the outputs follows them
 
 
 #: What each entry of a recorded value is, in the order causes come (a NaN in the points makes
@@ -47,16 +49,19 @@ class FiniteCheck:
     :class:`~gradreg.GradientError`) for the first call with a non-finite one as soon as it can be
     read without a device sync.
 
-    The points and the outputs are each reduced on their device to one number, 0 exactly when
-    all their elements are finite and NaN otherwise (:func:`_nonfinite`: no overflow, whatever
-    their magnitude); the two and the two values travel in one 4-element tensor of the value's
-    dtype (at least float32, so a finite float64 value above float32's range stays finite; a
-    call given neither points nor outputs, a parameter penalty's, sends the two values alone):
-    on CUDA one asynchronous copy per call, read once an event says it has completed.
+    One fused reduction, ``torch._foreach_norm(..., inf)``, takes the largest magnitude of each
+    of them (finite exactly when every element is: a NaN or an Inf anywhere makes it NaN or
+    Inf, and a maximum cannot overflow, whatever the magnitude of finite elements), and one
+    ``stack`` puts them in one tensor (of their widest dtype: a finite float64 value stays
+    finite): two kernels per call, read on the host at once on the CPU, and on CUDA by one
+    asynchronous copy, read once an event says it has completed. Under CUDA graph capture
+    nothing is copied or read during the call: the flags stay on the device, the latest are
+    read by :meth:`settle` (after a replay; one sync).
     """
 
     def __init__(self) -> None:
         self._recorded: deque[_Recorded] = deque()
+        self._captured: _Recorded | None = None  # the flags of a call under graph capture
         self._calls = 0
 
     def __call__(self, value: Tensor, *, points: tuple[Tensor, ...] = (),
@@ -69,42 +74,53 @@ class FiniteCheck:
         """
         self._calls += 1
         weighted = value if weighted is None else weighted
-        checked = bool(points)
+        tensors = []
+        for t in points:  # a loop, not a comprehension: this runs on every penalty call
+            tensors.append(t.detach())
+        if outputs is not None:
+            tensors.append(outputs.detach())
+        tensors += [value.detach(), weighted.detach()]
+        flags = torch.stack(torch._foreach_norm(tensors, math.inf))
         if value.device.type != "cuda":  # read now, on the host
             self.settle(wait=False)  # the calls recorded on a device before this one
-            values = [value.item(), weighted.item()]
-            if points or outputs is not None:
-                values[:0] = [_nonfinite(t, value.device, torch.float64).item()
-                              for t in (points, () if outputs is None else (outputs,))]
-            self._raise_first(self._calls, values, factor, checked)
+            self._raise_first(self._calls, flags.tolist(), factor, bool(points), len(points),
+                              outputs is not None)
             return
-        dtype = torch.promote_types(value.dtype, torch.float32)
-        entries = [value.detach().reshape(()).to(dtype), weighted.detach().reshape(()).to(dtype)]
-        if points or outputs is not None:  # else two entries: the penalty and the weighted one
-            entries[:0] = [_nonfinite(points, value.device, dtype),
-                           _nonfinite(() if outputs is None else (outputs,), value.device, dtype)]
-        host = torch.stack(entries).to("cpu", non_blocking=True)  # pinned, asynchronous
+        if torch.cuda.is_current_stream_capturing():  # read after the replay, by settle()
+            self._captured = _Recorded(self._calls, flags, lambda: True, lambda: None, factor,
+                                       bool(points), len(points), outputs is not None)
+            return
+        host = flags.to("cpu", non_blocking=True)  # pinned, asynchronous
         event = torch.cuda.Event()
         event.record()
         self._recorded.append(_Recorded(self._calls, host, event.query, event.synchronize,
-                                        factor, checked))
+                                        factor, bool(points), len(points), outputs is not None))
         self.settle(wait=False)
 
     def settle(self, wait: bool = True) -> None:
         """Read the recorded values in call order (all of them with ``wait``, which syncs; else
-        those already copied) and raise for the first call that has a non-finite one."""
+        those already copied) and raise for the first call that has a non-finite one. With
+        ``wait``, the flags of the latest call captured in a CUDA graph too: those of its latest
+        replay (call it after replaying)."""
+        if wait and self._captured is not None:
+            self._recorded.append(self._captured)
         while self._recorded and (wait or self._recorded[0].ready()):
             recorded = self._recorded.popleft()
             recorded.wait()
             values = recorded.host_value.reshape(-1).tolist()
             if len(values) == 1:  # a bare value: the penalty
                 values = values * 2
-            self._raise_first(recorded.call, values, recorded.factor, recorded.points_checked)
+            self._raise_first(recorded.call, values, recorded.factor, recorded.points_checked,
+                              recorded.points, recorded.outputs)
 
-    def _raise_first(self, call: int, values: list[float], factor: float,
-                     points_checked: bool) -> None:
-        """Raise for the first non-finite entry of call ``call``'s ``values`` (those of
-        :data:`ENTRIES`, or the last two of them where the call had no points and no outputs)."""
+    def _raise_first(self, call: int, values: list[float], factor: float, points_checked: bool,
+                     points: int = 1, outputs: bool = True) -> None:
+        """Raise for the first non-finite entry of call ``call``'s ``values``: those of its
+        ``points`` tensors, of its outputs (where ``outputs``), the penalty and the weighted one;
+        the last two alone where the call had neither points nor outputs."""
+        if len(values) > 2:  # as the entries of ENTRIES: the points' first non-finite one
+            values = [next((v for v in values[:points] if not math.isfinite(v)), 0.0),
+                      values[points] if outputs else 0.0, *values[-2:]]
         values = [0.0] * (len(ENTRIES) - len(values)) + values
         found = next((entry for entry, v in zip(ENTRIES, values, strict=True)
                       if not math.isfinite(v)), None)
@@ -117,23 +133,7 @@ class FiniteCheck:
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with nothing pending (events cannot be copied)."""
-        return {"_recorded": deque(), "_calls": self._calls}
-
-
-def _nonfinite(tensors: tuple[Tensor, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """0 where every element of ``tensors`` is finite, else NaN (on ``device``, in ``dtype``).
-
-    The smallest and largest element of each tensor, in its own dtype, times 0: a NaN or an Inf
-    anywhere makes the minimum or the maximum NaN or +-Inf, and that times 0 is NaN. One
-    reduction per tensor (``aminmax``), no elementwise mask, and no sum, which could overflow
-    for finite values (a float32 sum of float64 values above 3.4e38 would).
-    """
-    zero = torch.zeros((), dtype=dtype, device=device)
-    for t in tensors:
-        if t.numel():
-            low, high = torch.aminmax(t.detach())
-            zero = zero + (low * 0 + high * 0).to(device=device, dtype=dtype)
-    return zero
+        return {"_recorded": deque(), "_captured": None, "_calls": self._calls}
 
 
 def _message(found: str, call: int, factor: float, points_checked: bool, values: list[float],

@@ -1,0 +1,235 @@
+"""The penalty step launches no more kernels than the same step written by hand.
+
+On a GPU a fixed cost per step is kernel launches. Each step below is counted as the aten ops it
+dispatches (``TorchDispatchMode``; views and detaches left out, as they launch nothing), on its
+second call (the first call's checks run once), beside its hand-written twin on the same model,
+the same points and the same data: WGAN-GP at interpolates of an MLP critic, R1 at the reals
+(forward shared with the loss), double backprop on a classifier's per-sample losses, and SAM's
+two passes (``penalized_backward``). The guards stay on: a norm whose gradient is 0 at 0 and the
+finite check.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradreg import NonFiniteError
+from gradreg.penalties import (
+    LossAt,
+    as_points,
+    double_backprop,
+    interpolate,
+    penalized_backward,
+    r1,
+    sam,
+    wgan_gp,
+)
+from gradreg.torch_compat import TorchDispatchMode
+
+#: Steps whose kernel count may exceed the hand-written one's by this factor at most.
+LIMIT = 1.02
+
+
+class _Ops(TorchDispatchMode):
+    """Count the aten ops dispatched, views and detaches left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket is not torch.ops.aten.detach:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counted(step: Callable[[], None]) -> Counter[str]:
+    """The ops of the second call of ``step``."""
+    step()
+    with _Ops() as ops:
+        step()
+    return ops.ops
+
+
+def critic(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32),
+                         nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Flatten(0)).to(device)
+
+
+def classifier(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4)).to(device)
+
+
+def grad_of(out: Tensor, x: Tensor) -> Tensor:
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return g
+
+
+@dataclass
+class Steps:
+    """A step of the library, its hand-written twin, the tensors they read (new data is copied
+    into them), the model and the penalty."""
+
+    library: Callable[[], None]
+    hand: Callable[[], None]
+    inputs: tuple[Tensor, ...]
+    model: nn.Module
+    penalty: nn.Module
+
+
+def wgan_gp_steps(device: str = "cpu") -> Steps:
+    model, gp = critic(device), wgan_gp(10.0)
+    real, fake = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
+    x = interpolate(real, fake)
+
+    def loss() -> Tensor:
+        return model(fake).mean() - model(real).mean()
+
+    def library() -> None:
+        (loss() + gp(model(x), x)).backward()
+
+    def hand() -> None:
+        g = grad_of(model(x), x)
+        (loss() + 10.0 * (g.norm(2, dim=1) - 1).square().mean()).backward()
+
+    return Steps(library, hand, (x, real, fake), model, gp)
+
+
+def r1_steps(device: str = "cpu") -> Steps:
+    model, penalty = critic(device), r1(10.0)
+    real = as_points(torch.randn(8, 16, device=device))
+
+    def library() -> None:
+        scores = model(real)
+        (F.softplus(-scores).mean() + penalty(scores, real)).backward()
+
+    def hand() -> None:
+        scores = model(real)
+        g = grad_of(scores, real)
+        (F.softplus(-scores).mean() + 5.0 * g.square().sum(1).mean()).backward()
+
+    return Steps(library, hand, (real,), model, penalty)
+
+
+def double_backprop_steps(device: str = "cpu") -> Steps:
+    model, penalty = classifier(device), double_backprop(0.1)
+    x, y = as_points(torch.randn(8, 16, device=device)), torch.randint(0, 4, (8,), device=device)
+
+    def library() -> None:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        (losses.mean() + penalty(losses, x)).backward()
+
+    def hand() -> None:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        g = grad_of(losses, x)
+        (losses.mean() + 0.1 * g.square().sum(1).mean()).backward()
+
+    return Steps(library, hand, (x,), model, penalty)
+
+
+def sam_steps(device: str = "cpu") -> Steps:
+    model, rho = classifier(device), 0.05
+    penalty = sam(rho)
+    params = list(model.parameters())
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+
+    def loss() -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def library() -> None:
+        model.zero_grad()
+        penalized_backward(penalty, LossAt.run(loss, x), params)
+
+    def hand() -> None:  # davda54/sam's two steps
+        model.zero_grad()
+        loss().backward()
+        g = [p.grad for p in params]
+        norm = torch.sqrt(sum(t.square().sum() for t in g))
+        shifts = [t * (rho / norm) for t in g]
+        with torch.no_grad():
+            for p, e in zip(params, shifts, strict=True):
+                p.add_(e)
+        model.zero_grad()
+        loss().backward()
+        with torch.no_grad():
+            for p, e in zip(params, shifts, strict=True):
+                p.sub_(e)
+
+    return Steps(library, hand, (x,), model, penalty)
+
+
+STEPS = {"wgan_gp": wgan_gp_steps, "r1": r1_steps, "double_backprop": double_backprop_steps,
+         "sam": sam_steps}
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_no_more_ops_than_by_hand(name: str) -> None:
+    step = STEPS[name]()
+    ours, theirs = counted(step.library), counted(step.hand)
+    extra = ours - theirs
+    assert sum(ours.values()) <= LIMIT * sum(theirs.values()), (
+        f"{name}: {sum(ours.values())} ops, by hand {sum(theirs.values())}; extra: {dict(extra)}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["wgan_gp", "r1", "double_backprop"])
+def test_the_penalty_step_makes_no_host_sync_and_is_captured_in_a_cuda_graph(name: str) -> None:
+    """The step (forward, penalty, backward) runs under ``set_sync_debug_mode("error")`` and is
+    captured in one CUDA graph; the replay on new points gives the eager step's parameter
+    gradients, and NaN points are reported by ``settle()`` after a replay."""
+    step = STEPS[name]("cuda")
+    params = list(step.model.parameters())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: the first call's checks, the allocator's pools
+            step.library()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step.library()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(side)
+    step.penalty.finite_check.settle()
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.library()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for x in step.inputs:
+            x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [p.grad.clone() for p in params]
+    step.penalty.finite_check.settle()  # finite: nothing raised
+    for p in params:
+        p.grad = None
+    step.library()
+    for a, p in zip(replayed, params, strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        step.inputs[0][0, 0] = float("nan")
+    graph.replay()
+    with pytest.raises(NonFiniteError, match="contain NaN or Inf"):
+        step.penalty.finite_check.settle()
+
+
+if __name__ == "__main__":  # the table: python -m tests.test_op_counts
+    for name, steps in STEPS.items():
+        step = steps()
+        ours, theirs = counted(step.library), counted(step.hand)
+        print(f"| {name} | {sum(ours.values())} | {sum(theirs.values())} | "
+              f"{sum(ours.values()) / sum(theirs.values()):.2f}x | {dict(ours - theirs)} | "
+              f"{dict(theirs - ours)} |")
