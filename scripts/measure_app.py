@@ -79,7 +79,7 @@ RUNS: dict[str, list[str]] = {
 #: a ``hparams_search`` recipe: an Optuna study, one job per trial)
 SWEEPS: dict[str, list[str]] = {
     "digits_weights": ["penalty=none,double_backprop", "penalty.weight=0.03,0.1,0.3,1",
-                       "seed=0,1,2"],
+                       "seed=0,1,2", "callbacks=dashboards"],
     "classifier_robustness": ["hparams_search=classifier_robustness"],
     "gan_quality": ["hparams_search=gan_quality"],
     # the launchers: the same jobs in the sweep's process and in 2 joblib workers
@@ -288,10 +288,12 @@ EXPERIMENTS: dict[str, tuple[str, Callable[[dict], str], str | None]] = {
 }
 
 
-def measured_on(record: dict) -> str:
-    """``python scripts/measure_app.py`` on <date>: <cpu>, <cores> CPU cores, torch <release>."""
+def measured_on(record: dict, entry: dict | None = None) -> str:
+    """``python scripts/measure_app.py`` on <date>: <cpu>, <cores> CPU cores, torch <release>;
+    the date of ``entry`` (a run, sweep or tier measured on its own) where given."""
     m = record["machine"]
-    return (f"`python scripts/measure_app.py` on {m['date']}: {m['cpu']}, {m['cores']} CPU "
+    date = (entry or {}).get("date", m["date"])
+    return (f"`python scripts/measure_app.py` on {date}: {m['cpu']}, {m['cores']} CPU "
             f"cores, torch {m['torch']}")
 
 
@@ -372,7 +374,7 @@ def mean_std(values: list[float], digits: int = 3) -> str:
 def sweep_footer(record: dict, name: str, what: str) -> str:
     sweep = record["sweeps"][name]
     return (f"{what}: {seconds(sweep['wall_s'])} of wall time, {seconds(sweep['cpu_s'])} of CPU "
-            f"time, one thread per job. Measured by {measured_on(record)}, load average "
+            f"time, one thread per job. Measured by {measured_on(record, sweep)}, load average "
             f"{sweep['load']:g}.")
 
 
@@ -384,7 +386,7 @@ def digits_weights_table(record: dict) -> str:
         o = job["overrides"]
         key = (o["penalty"], "-" if o["penalty"] == "none" else o["penalty.weight"])
         seen = groups.setdefault(key, {}).setdefault(o["seed"], job["metrics"])
-        if seen != job["metrics"]:  # the runs without a penalty, one per weight value
+        if seen != job["metrics"]:
             raise ValueError(f"{key}, seed {o['seed']}: two runs of one setting differ")
     rows = ["| penalty | weight | test accuracy | under FGSM | under PGD-10 | "
             "mean ‖∇ₓ loss_i‖ (test) |", "|---|---|---|---|---|---|"]
@@ -393,9 +395,10 @@ def digits_weights_table(record: dict) -> str:
         rows.append(f"| {penalty} | {weight} | {' | '.join(cells)} |")
     runs = sum(1 for job in jobs if job["overrides"]["penalty"] == "none")
     return ("\n".join(rows) + "\n\nMean ± sample standard deviation (n − 1) over seeds "
-            f"{', '.join(sorted({job['overrides']['seed'] for job in jobs}))}; the {runs} runs "
-            "without a penalty (one per weight value and seed) gave the same metrics for each "
-            "seed. " + sweep_footer(record, "digits_weights", f"The {len(jobs)} jobs"))
+            f"{', '.join(sorted({job['overrides']['seed'] for job in jobs}))}; {runs} runs "
+            "without a penalty, one per seed (penalty=none ignores the weight, so the sweep runs "
+            "it once). " + sweep_footer(record, "digits_weights",
+                                        f"The {len(jobs)} jobs, with `callbacks=dashboards`"))
 
 
 def study_table(record: dict, name: str, lr: str, optimized: str, higher_is_better: bool,
