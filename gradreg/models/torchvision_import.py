@@ -3,7 +3,9 @@
 torchvision's compiled operators are built against one torch release: a torchvision wheel next to
 another torch build (a CPU-only ``2.13.0+cpu``, or a torch upgraded alone) fails while loading
 them (``operator torchvision::nms does not exist``), a ``RuntimeError`` from deep inside its
-import. Both that and a missing torchvision become one ``ImportError`` naming the pair to install.
+import. Both that and a missing torchvision become one ``ImportError`` with the command that
+installs the torchvision built for the installed torch and keeps that torch (a CPU build stays
+one: :func:`matching_install`).
 
 Other libraries import an installed torchvision on their own: Lightning imports torchmetrics,
 which imports torchvision wherever its distribution is installed. One that cannot load would then
@@ -11,12 +13,13 @@ end every program that imports Lightning, although only the modules that use tor
 it. :func:`hide_unloadable_torchvision`, called before Lightning is imported, tries torchvision
 once and, where it cannot load, makes it look absent to the others (``import torchvision`` and
 its distribution's metadata both say not found), while :func:`import_torchvision` still names the
-failure and the pair.
+failure and the command.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Iterable
 from importlib import metadata
@@ -27,18 +30,36 @@ from typing import Any
 
 import torch
 
-#: A torch / torchvision pair built for each other (the pair CI tests the image app with).
-PAIR = "torch==2.14.1 torchvision==0.29.1"
-#: Where pip finds that pair as CPU builds (PyPI's Linux wheels of torch are CUDA builds).
-CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+#: PyTorch's wheel index: a torch build with a local version tag (``2.13.0+cpu``,
+#: ``2.13.0+cu126``) comes from its folder of that tag, where the same build of torchvision is.
+WHEEL_INDEX = "https://download.pytorch.org/whl"
+#: A torch release (``2.13.0``), with its build's local tag where it has one (``+cpu``).
+_RELEASE = re.compile(r"(?P<major>2)\.(?P<minor>\d+)\.(?P<patch>\d+)(?:\+(?P<build>[\w.]+))?")
 
 #: (torchvision's version, the error of its import) once it was found unable to load
 _unloadable: tuple[str, Exception] | None = None
 
 
+def matching_install(torch_version: str) -> str:
+    """The pip command that installs the torchvision release built for torch ``torch_version``
+    and keeps that torch: torch 2.y.z and torchvision 0.(y + 15) are built for each other (from
+    torch 2.1 on), so pinning the torch release makes pip take the torchvision of that series
+    that requires it; a build with a local tag (``+cpu``, ``+cu126``, ``+rocm6.2``) is
+    matched from PyTorch's index of that tag (PyPI's Linux torch is the CUDA build: installing
+    from PyPI would replace a CPU torch by it). For a torch that is no release (a nightly, a
+    source build), the advice to install that torch's own torchvision."""
+    release = _RELEASE.fullmatch(torch_version)
+    if release is None:
+        return f"install the torchvision built for torch {torch_version} (from the same source)"
+    torch_pin = f"torch=={release['major']}.{release['minor']}.{release['patch']}"
+    command = f"pip install {torch_pin} 'torchvision==0.{int(release['minor']) + 15}.*'"
+    return command + (f" --index-url {WHEEL_INDEX}/{release['build']}" if release["build"] else "")
+
+
 def import_torchvision(needed_by: str) -> ModuleType:
     """``import torchvision``, or an ``ImportError`` for ``needed_by`` (e.g. ``"model=resnet18"``)
-    that names the torch and torchvision releases to install."""
+    that says how to install the torchvision built for the installed torch
+    (:func:`matching_install`)."""
     if _unloadable is not None:
         raise _load_error(needed_by, *_unloadable) from _unloadable[1]
     try:
@@ -47,9 +68,9 @@ def import_torchvision(needed_by: str) -> ModuleType:
         if error.name not in (None, "torchvision"):  # installed, but a module it needs is not
             raise _load_error(needed_by, _version(), error) from error
         raise ImportError(
-            f"{needed_by} needs torchvision (the vision extra): pip install {PAIR}, then "
-            "pip install -e '.[vision]' (or the torchvision release built for your torch; "
-            f"CPU builds of the pair: add {CPU_INDEX})"
+            f"{needed_by} needs torchvision (the vision extra), the release built for torch "
+            f"{torch.__version__}: {matching_install(torch.__version__)}, then "
+            "pip install -e '.[vision]'"
         ) from error
     except Exception as error:
         raise _load_error(needed_by, _version(), error) from error
@@ -67,8 +88,8 @@ def _load_error(needed_by: str, version: str, error: Exception) -> ImportError:
     first_line = (str(error).splitlines() or [type(error).__name__])[0]
     return ImportError(
         f"{needed_by}: torchvision {version} cannot load with torch {torch.__version__} "
-        f"({first_line}); they are not built for each other. Install a matching pair, e.g. "
-        f"pip install {PAIR} (CPU builds: add {CPU_INDEX})"
+        f"({first_line}); they are not built for each other. Install the torchvision built for "
+        f"this torch: {matching_install(torch.__version__)}"
     )
 
 

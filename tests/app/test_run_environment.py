@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gradreg.app import runtime
+from gradreg.models.torchvision_import import matching_install
 
 from .conftest import QUIET, ROOT
 from .helpers import TINY, run_in_process, run_script
@@ -97,8 +98,8 @@ def test_threads_sets_every_thread_pool_of_the_run(tmp_path: Path) -> None:
     (RuntimeError("operator torchvision::nms does not exist"),
      "error: model: model=resnet18: torchvision 0.28.0 cannot load with torch "),
     (ModuleNotFoundError("No module named 'torchvision'"),
-     "error: model: model=resnet18 needs torchvision (the vision extra): pip install "
-     "torch==2.14.1 torchvision==0.29.1"),
+     "error: model: model=resnet18 needs torchvision (the vision extra), the release built for "
+     f"torch {torch.__version__}: {matching_install(torch.__version__)}, then "),
 ])
 def test_a_torchvision_that_cannot_load_is_one_line_naming_the_pair(
     failure: Exception, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -132,9 +133,28 @@ def test_a_torchvision_that_cannot_load_is_one_line_naming_the_pair(
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
     if isinstance(failure, RuntimeError):
-        assert "(operator torchvision::nms does not exist); they are not built for each " \
-               "other. Install a matching pair, e.g. pip install torch==2.14.1 " \
-               "torchvision==0.29.1" in err
+        assert ("(operator torchvision::nms does not exist); they are not built for each other. "
+                f"Install the torchvision built for this torch: "
+                f"{matching_install(torch.__version__)}") in err
+
+
+@pytest.mark.parametrize(("torch_version", "command"), [
+    ("2.13.0+cpu", "pip install torch==2.13.0 'torchvision==0.28.*' "
+                   "--index-url https://download.pytorch.org/whl/cpu"),
+    ("2.14.1", "pip install torch==2.14.1 'torchvision==0.29.*'"),
+    ("2.4.1+cu121", "pip install torch==2.4.1 'torchvision==0.19.*' "
+                    "--index-url https://download.pytorch.org/whl/cu121"),
+    ("2.6.0+rocm6.2.4", "pip install torch==2.6.0 'torchvision==0.21.*' "
+                        "--index-url https://download.pytorch.org/whl/rocm6.2.4"),
+    ("2.15.0.dev20261101+cpu", "install the torchvision built for torch "
+                               "2.15.0.dev20261101+cpu (from the same source)"),
+])
+def test_the_torchvision_advice_keeps_the_users_torch(torch_version: str, command: str) -> None:
+    """Before: torch==2.14.1 torchvision==0.29.1 for every torch, which pip takes from PyPI
+    (on Linux the CUDA build) over a CPU torch 2.13. Now the torchvision series of the installed
+    release (torch 2.y with torchvision 0.(y + 15), as torch 2.4.1 / 0.19.1 and 2.14.1 / 0.29.1),
+    the torch pinned, from PyTorch's index of its build."""
+    assert matching_install(torch_version) == command
 
 
 @pytest.mark.parametrize(("strategy", "manual", "expected"), [
@@ -197,7 +217,7 @@ def test_resnet18_stops_with_one_line_naming_the_pair(unloadable_torchvision: Pa
     assert result.stderr.splitlines()[-1].startswith(
         f"error: model: model=resnet18: torchvision 0.29.1 cannot load with torch "
         f"{torch.__version__} ({MISMATCH}); they are not built for each other. "
-        "Install a matching pair, e.g. pip install torch==2.14.1 torchvision==0.29.1")
+        f"Install the torchvision built for this torch: {matching_install(torch.__version__)}")
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
