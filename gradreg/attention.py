@@ -71,7 +71,7 @@ from torch.overrides import TorchFunctionMode
 from gradreg import blockwise_attention as blockwise
 from gradreg.autograd import GradientError
 from gradreg.blockwise_attention import add_optional
-from gradreg.torch_compat import attention_in_functional
+from gradreg.torch_compat import attention_in_functional, functorch_transform_active
 
 __all__ = ["differentiable_attention", "explain_fused_attention", "scaled_dot_product_attention"]
 
@@ -353,7 +353,21 @@ def scaled_dot_product_attention(
         repeats = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeats, dim=-3)
         value = value.repeat_interleave(repeats, dim=-3)
+    if functorch_transform_active():  # torch.func differentiates ops, not these Functions
+        return _reference_attention(query, key, value, attn_mask, is_causal, scale)
     return _Attention.apply(query, key, value, attn_mask, is_causal, scale)
+
+
+def _reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                         scale: float | None) -> Tensor:
+    r""":math:`O = P V` in differentiable ops on :math:`L \times S` tensors, a row whose keys are
+    all masked as the fused kernel has it (:func:`_scores`): for ``torch.func`` transforms (grad
+    of grad, jvp or vjp of grad), which differentiate ops as they run rather than the autograd
+    Functions of the fused path."""
+    out = _FUSED(q.detach(), k.detach(), v.detach(), is_causal=is_causal, scale=scale,
+                 attn_mask=None if mask is None else mask.detach())  # where rows are dead
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.matmul(_scores(q, k, mask, is_causal, scale, out), v)
 
 
 def explain_fused_attention(err: GradientError) -> GradientError:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -54,6 +55,7 @@ __all__ = [
     "fsdp_sharded_param",
     "fsdp_step_settings",
     "fsdp_unsharded_param",
+    "functorch_transform_active",
     "once_differentiable_function",
     "run_fsdp_post_backward",
 ]
@@ -146,6 +148,12 @@ def attention_in_functional(replacement: Callable[..., Any]) -> Iterator[None]:
 #: The autograd node of a compiled region (aot_autograd's ``CompiledFunction``),
 #: which has no double backward.
 COMPILED_NODE = "CompiledFunctionBackward"
+
+
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jvp``, ``vmap``...) is running
+    (the current level of functorch's interpreter stack)."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def dynamo_supported() -> bool:

@@ -242,7 +242,13 @@ def _two_passes(what: str, penalty: GradientPenalty, at: LossAt, params: list[Te
             f"points={penalty.config.points!r}: call that penalty as penalty(outputs, points).")
     if at.loss is None:
         at = LossAt.run(at.fn, *params)
+    if at.spent:
+        raise GradientError(
+            f"{what} was given a LossAt whose loss an earlier call differentiated and freed (a "
+            "LossAt is one step's loss): compute LossAt.run(loss_fn, x) again for this call, or "
+            "pass retain_graph=True to penalized_loss where two calls share one forward.")
     if not penalty.needs_callable:
+        at.spent = what == "penalized_backward"  # whose backward frees the graph here
         return at, None, penalty(at.loss, params)
     config = penalty.config
     at.task = TaskGradient(penalty.weight * config.every * config.gain, retain_graph, split)
@@ -251,4 +257,5 @@ def _two_passes(what: str, penalty: GradientPenalty, at: LossAt, params: list[Te
         gradient = at.task.gradient
     finally:
         at.task = None
+    at.spent = not retain_graph
     return at, gradient, value

@@ -410,3 +410,22 @@ def test_gnp_default_step_on_a_piecewise_linear_model_is_refused() -> None:
     assert all(p.grad is None for p in params)
     penalized_backward(sam(RHO), LossAt.run(loss_fn, x), params)  # SAM: defined by its shift
     assert all(p.grad is not None for p in params)
+
+
+@pytest.mark.parametrize("make", [lambda: sam(RHO), lambda: param_grad_norm(0.1)],
+                         ids=["two_passes", "double_backward"])
+def test_a_loss_at_given_twice_is_refused(make) -> None:
+    """One ``LossAt`` (one step's loss, its graph freed by the first call) given to a second
+    ``penalized_backward``: refused in one line naming the fix; the first call's ``.grad`` kept."""
+    from gradreg import GradientError
+
+    model = classifier()
+    x, y = batch()
+    params = list(model.parameters())
+    at = LossAt.run(lambda: F.cross_entropy(model(x), y), x)
+    penalized_backward(make(), at, params)
+    first = grads_of(model)
+    with pytest.raises(GradientError, match="was given a LossAt whose loss an earlier call "
+                                            r"differentiated and freed.*LossAt.run\(loss_fn, x\)"):
+        penalized_backward(make(), at, params)
+    assert largest_difference(grads_of(model), first) == 0.0

@@ -166,6 +166,8 @@ class LossAt:
                  state: GeneratorState | None = None) -> None:
         self.fn, self.loss, self.state = fn, loss, state
         self.task: TaskGradient | None = None
+        #: whether a two-pass call differentiated ``loss`` and freed its graph
+        self.spent = False
 
     @classmethod
     def run(cls, fn: Callable[[], Tensor], *on: Tensor) -> LossAt:
