@@ -53,6 +53,7 @@ import json
 import time
 from pathlib import Path
 
+import benchmarking.quiet_profiler  # noqa: F401 (before torch: sets its log levels)
 import torch
 from benchmarking.cases import grid, make_case
 from benchmarking.report import machine, markdown, plot, table
