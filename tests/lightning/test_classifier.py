@@ -320,3 +320,29 @@ def test_an_fgsm_eps_that_is_not_a_finite_number_at_least_0_is_refused(eps: obje
 @pytest.mark.parametrize("eps", [0, 0.0, 0.1, 8 / 255])
 def test_an_fgsm_eps_of_0_or_more_is_taken(eps: float) -> None:
     assert Classifier(MLP(4, 3, hidden=(5,)), fgsm_eps=eps).fgsm_eps == eps
+
+
+def test_a_batchnorm_backbone_with_two_due_penalties_equals_the_exact_step() -> None:
+    """double_backprop and GNP by finite difference on a BatchNorm backbone (train mode): the
+    forward at the shifted parameters leaves the running statistics the step's graph saved (it
+    raised "modified by an inplace operation"); the step's gradient is that of GNP by double
+    backward to O(step), and the statistics are those of one forward."""
+    x, y = data()
+
+    def step(method: dict) -> tuple[list[torch.Tensor], torch.nn.Module]:
+        torch.manual_seed(0)
+        backbone = torch.nn.Sequential(torch.nn.Linear(IN, 6), torch.nn.BatchNorm1d(6),
+                                       torch.nn.Tanh(), torch.nn.Linear(6, CLASSES)).double()
+        model = Classifier(backbone, {
+            "db": make_penalty("double_backprop", weight=0.5),
+            "gnp": make_penalty("param_grad_norm", weight=0.1, **method)})
+        loss, penalties = model.losses(x, y)
+        (loss + sum(penalties.values())).backward()
+        return [p.grad for p in backbone.parameters()], backbone[1]
+
+    estimate, norm = step({"method": "finite_difference", "step": 1e-6})
+    exact, exact_norm = step({})
+    for a, b in zip(estimate, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(norm.running_mean, exact_norm.running_mean, rtol=0, atol=0)
+    assert int(norm.num_batches_tracked) == 1
