@@ -153,7 +153,8 @@ LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": 
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
-                    "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers"}
+                    "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers",
+                    "app/sweep_search.py": "sweeps", "app/search_pruning.py": "sweeps"}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:

@@ -1,13 +1,10 @@
 """The report of a search's best trial: at the end of a search, :class:`SearchReport` prints its
 best parameters in one line and saves that line in the sweep's folder (``best_trial.txt``, next
-to the sweeper's ``optimization_results.yaml``); before it, a database storage the installed
-Optuna cannot open is refused."""
+to the search's ``optimization_results.yaml``)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +12,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .console import say
-from .errors import ConfigError
 
 
 class SearchReport(Callback):
-    """Hydra callback of a sweep. Before it: refuse a database ``hydra.sweeper.storage`` that the
-    installed Optuna cannot open. After a search whose sweeper saved
-    ``optimization_results.yaml`` in the sweep folder: print its best parameters and value in
-    one line, with the best trial's run folder, and save that line as ``best_trial.txt`` there.
-    Other sweeps: nothing."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            check_storage(config.hydra.sweeper.get("storage"))
-        except ConfigError as error:  # Hydra turns a callback's exceptions into warnings
-            say(f"error: {error}", sys.stderr)
-            sys.exit(2)
+    """Hydra callback of a sweep. After a search that saved ``optimization_results.yaml`` in the
+    sweep folder: print its best parameters and value in one line, with the best trial's run
+    folder, and save that line as ``best_trial.txt`` there. Other sweeps: nothing."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -40,28 +27,13 @@ class SearchReport(Callback):
         results = OmegaConf.load(results_file)
         if "best_params" not in results:  # several objectives: a Pareto front, no single best
             return
+        folder = results.get("best_folder")
         line = best_trial_line(results.best_params, results.best_value,
                                config.get("optimized_metric"), config.hydra.sweeper.direction,
-                               trial_folder(sweep_dir, results.best_params))
+                               Path(folder) if folder else trial_folder(sweep_dir,
+                                                                         results.best_params))
         say(line)
         (sweep_dir / "best_trial.txt").write_text(line + "\n")
-
-
-def check_storage(storage: str | None) -> None:
-    """Raise ConfigError for a database storage where Optuna 2 (the only Optuna that Hydra's
-    Optuna sweeper accepts) meets SQLAlchemy 2, which it cannot use (an AssertionError when the
-    study is created)."""
-    if storage is None:
-        return
-    optuna_major = int(metadata.version("optuna").split(".")[0])
-    sqlalchemy_major = int(metadata.version("sqlalchemy").split(".")[0])
-    if optuna_major < 3 and sqlalchemy_major >= 2:
-        raise ConfigError(
-            f"hydra.sweeper.storage: optuna {metadata.version('optuna')} cannot open a database "
-            f"with SQLAlchemy {metadata.version('sqlalchemy')}; keep hydra.sweeper.storage=null "
-            "(the study in memory: each trial's folder keeps its metrics.json, the sweep folder "
-            "the best trial)"
-        )
 
 
 def best_trial_line(params: Mapping[str, Any], value: float, metric: str | None,

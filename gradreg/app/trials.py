@@ -1,13 +1,12 @@
 """What a run of a sweep is to its sweeper: the value it returns, and whether its failure ends the
 search.
 
-A sweeper (Hydra's Optuna sweeper, ``configs/hparams_search/``) optimizes the value the task
-function returns: the metric named by ``optimized_metric`` (:func:`objective`). A trial of an
-Optuna search whose training diverges (:class:`~gradreg.NonFiniteError`: a NaN or Inf penalty,
-typically at a large weight or learning rate) fails alone: the job raises :class:`DivergedTrial`,
-the sweeper records the trial as failed (``max_failure_rate: 1.0`` in
-``configs/hydra/sweeper/penalty_search.yaml``) and the study goes on; any other error ends the
-search (:func:`fails_trial_only`). A search recipe run without ``-m`` is refused
+A search (the app's Optuna sweeper, :mod:`gradreg.app.sweep_search`, ``configs/hparams_search/``)
+optimizes the value the task function returns: the metric named by ``optimized_metric``
+(:func:`objective`). A trial of a search whose training diverges (:class:`~gradreg.NonFiniteError`:
+a NaN or Inf penalty, typically at a large weight or learning rate) fails alone: the job raises
+:class:`DivergedTrial`, the sweeper records the trial as failed and the study goes on; any other
+error ends the search (:func:`fails_trial_only`). A search recipe run without ``-m`` is refused
 (:func:`check_search_mode`).
 """
 
@@ -37,16 +36,27 @@ def objective(metrics: Mapping[str, float], name: str | None) -> float | None:
     return metrics[name]
 
 
+#: the sweeper of the searches (configs/hydra/sweeper/penalty_search.yaml)
+SEARCH_SWEEPER = "hydra_plugins.gradreg_sweepers.search.SearchSweeper"
+
+
+def in_search() -> bool:
+    """Whether this is a job of a search (a multirun of :data:`SEARCH_SWEEPER`)."""
+    if not HydraConfig.initialized():
+        return False
+    hydra = HydraConfig.get()
+    return (hydra.mode == RunMode.MULTIRUN
+            and str(hydra.sweeper.get("_target_", "")) == SEARCH_SWEEPER)
+
+
 class DivergedTrial(RuntimeError):
     """A trial of an Optuna search whose training diverged; the study records it as failed."""
 
 
 def fails_trial_only() -> bool:
-    """Whether an error of this job fails only its own trial: a job of an Optuna search (which
-    records failed trials and goes on). Single runs and grid sweeps stop at the first error."""
-    hydra = HydraConfig.get()
-    return (hydra.mode == RunMode.MULTIRUN
-            and "optuna" in str(hydra.sweeper.get("_target_", "")).lower())
+    """Whether an error of this job fails only its own trial: a job of a search (which records
+    failed trials and goes on). Single runs and grid sweeps stop at the first error."""
+    return in_search()
 
 
 def check_search_mode() -> None:

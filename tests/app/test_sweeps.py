@@ -12,6 +12,7 @@ import os
 import re
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,13 @@ from gradreg.app.sweep_results import read_jobs
 from gradreg.app.sweep_summary import SweepSummary
 
 from .conftest import CONFIGS, ROOT
-from .helpers import TINY, hparams, run_in_process, run_script
+from .helpers import TINY, hparams, run_in_process, run_script, start
 
-PLUGINS = ("hydra_plugins.hydra_optuna_sweeper", "hydra_plugins.hydra_joblib_launcher",
+PLUGINS = ("optuna", "hydra_plugins.hydra_joblib_launcher",
            "hydra_plugins.hydra_submitit_launcher")
 needs_extra = pytest.mark.skipif(
     not all(sweep_plugins.plugin_installed(name) for name in PLUGINS),
-    reason="needs the sweeps extra (Hydra's Optuna sweeper, joblib and submitit launchers): "
+    reason="needs the sweeps extra (Optuna, Hydra's joblib and submitit launchers): "
            "pip install -e '.[sweeps]'")
 
 # per trial: a few batches on one thread; PGD with 2 steps
@@ -225,8 +226,8 @@ def test_a_metric_the_run_does_not_log_is_one_line_naming_those_it_does(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["-m", "hparams_search=gan_quality"], "hparams_search=gan_quality needs Hydra's plugin "
-                                           "hydra-optuna-sweeper, of the sweeps extra"),
+    (["-m", "hparams_search=gan_quality"], "hparams_search=gan_quality needs optuna, of the "
+                                           "sweeps extra"),
     (["-m", "hydra/launcher=submitit_slurm", "seed=0,1"],
      "hydra/launcher=submitit_slurm needs Hydra's plugin hydra-submitit-launcher"),
     (["-m", "hydra/launcher=joblib", "seed=0,1"],
@@ -234,7 +235,7 @@ def test_a_metric_the_run_does_not_log_is_one_line_naming_those_it_does(
 def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
         args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: Hydra's "Could not find 'hydra/sweeper/optuna'", which names no package."""
+    """Before: Hydra's "Could not find 'hydra/launcher/joblib'", which names no package."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     monkeypatch.setattr(sweep_plugins, "plugin_installed", lambda name: False)
     with pytest.raises(SystemExit) as exit_info:
@@ -249,7 +250,7 @@ def test_a_search_recipe_without_multirun_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without -m a recipe would train once with the config's own weight and search nothing."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    pytest.importorskip("optuna")
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process("hparams_search=classifier_robustness", tmp_path=tmp_path)
@@ -262,24 +263,94 @@ def test_a_search_recipe_without_multirun_is_refused(
 
 
 @needs_extra
-def test_a_database_storage_optuna_cannot_open_is_refused_before_any_trial(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Optuna 2 with SQLAlchemy 2 fails inside create_study (a bare AssertionError)."""
-    from importlib import metadata
+@pytest.mark.parametrize(("url", "reason"), [
+    ("sqlite:////nonexistent/folder/study.db", "(sqlite3.OperationalError) unable to open "
+                                               "database file"),
+    ("postgresql://user@localhost:1/study", "Failed to import DB access module")])
+def test_a_storage_that_cannot_be_opened_is_refused_before_any_trial(
+        url: str, reason: str, tmp_path: Path) -> None:
+    """A folder that does not exist; a database whose driver is not installed: one line, status
+    2, no sweep folder."""
+    result = run_script("-m", "hparams_search=classifier_robustness",
+                        f"hydra.sweeper.storage={url}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: hydra.sweeper.storage: cannot open {url}: {reason}")
+    assert result.stderr.count("\n") == 1 and "sqlite:///path/study.db" in result.stderr
+    assert not (tmp_path / "sweep").exists()
 
-    if int(metadata.version("sqlalchemy").split(".")[0]) < 2:
-        pytest.skip("SQLAlchemy < 2: Optuna 2 opens databases")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        run_in_process("-m", "hparams_search=classifier_robustness",
-                       "hydra.sweeper.storage=sqlite:///study.db", f"hydra.sweep.dir={tmp_path}",
-                       tmp_path=tmp_path)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: hydra.sweeper.storage: optuna 2.") and err.count("\n") == 1
-    assert "keep hydra.sweeper.storage=null" in err
-    assert list(tmp_path.iterdir()) == []
+
+def study_trials(url: str, name: str) -> list:
+    """The trials of the study ``name`` in the storage ``url``, in order."""
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=url).get_trials()
+
+
+@needs_extra
+def test_a_search_prunes_trials_from_their_validation_metric(tmp_path: Path) -> None:
+    """With a pruner that prunes every value below 2 (accuracy never reaches it), each trial
+    reports val/acc_pgd after its first epoch and stops there: one line, no metrics.json, the
+    trial PRUNED in the study (a storage URL given: the database outside the sweep folder),
+    with its reported value equal to the metric of that validation; no best trial."""
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    result = run_script("-m", "hparams_search=classifier_robustness", "hydra.sweeper.n_trials=2",
+                        f"hydra.sweeper.storage={url}", "trainer.max_epochs=3",
+                        "hydra.sweeper.pruner._target_=optuna.pruners.ThresholdPruner",
+                        "~hydra.sweeper.pruner.n_startup_trials",
+                        "~hydra.sweeper.pruner.n_warmup_steps", "+hydra.sweeper.pruner.lower=2",
+                        *TRIAL[1:], "callbacks=default", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials_ = study_trials(url, "classifier_robustness")
+    assert [trial.state for trial in trials_] == [optuna.trial.TrialState.PRUNED] * 2
+    assert [list(trial.intermediate_values) for trial in trials_] == [[0], [0]]
+    for trial in trials_:
+        assert f"trial {trial.number} pruned after epoch 0: val/acc_pgd=" \
+               f"{trial.intermediate_values[0]:.4f}" in result.stdout
+    folders = sorted((tmp_path / "sweep").glob("*/.hydra"))
+    assert len(folders) == 2 and not any((f.parent / "metrics.json").exists() for f in folders)
+    assert not (tmp_path / "sweep" / "optuna.db").exists()
+    assert "best trial:" not in result.stdout
+
+
+@pytest.mark.slow
+@needs_extra
+def test_a_search_killed_mid_trial_resumes_without_repeating_its_finished_trials(
+        tmp_path: Path) -> None:
+    """``kill -9`` of the search while its second trial trains; the same command again (the same
+    sweep folder, so the same optuna.db) keeps trial 0, records trial 1 as failed, tries its
+    parameters again as trial 2 and ends with trial 3: 3 trials ended in all, trial 0 run
+    once."""
+    import optuna
+
+    args = ["-m", "hparams_search=classifier_robustness", "hydra.sweeper.n_trials=3",
+            "trainer.max_epochs=30", *TRIAL[1:], "logger=none", "callbacks=default",
+            f"hydra.sweep.dir={tmp_path}"]
+    process = start(*args)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("001_*/checkpoints/*.ckpt")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the second trial never checkpointed an epoch"
+        time.sleep(0.05)
+    process.kill()
+    process.communicate(timeout=60)
+    first = (tmp_path / next(tmp_path.glob("000_*")).name / "metrics.json").stat().st_mtime_ns
+    result = run_script(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(2 trials before, resumed)" in result.stdout
+    trials_ = study_trials(f"sqlite:///{tmp_path / 'optuna.db'}", "classifier_robustness")
+    states = optuna.trial.TrialState
+    assert [trial.state for trial in trials_] == [states.COMPLETE, states.FAIL, states.COMPLETE,
+                                                  states.COMPLETE]
+    assert trials_[2].params == trials_[1].params
+    assert trials_[2].user_attrs["retry_of"] == 1
+    folders = sorted(path.parent.name for path in tmp_path.glob("*/.hydra"))
+    assert [name[:4] for name in folders] == ["000_", "001_", "002_", "003_"]
+    assert [(tmp_path / name / "metrics.json").exists() for name in folders] == [
+        True, False, True, True]
+    assert (tmp_path / folders[0] / "metrics.json").stat().st_mtime_ns == first
+    assert folders[2].split("_", 1)[1] == folders[1].split("_", 1)[1]  # the same parameters
 
 
 def test_swept_keys_come_from_the_command_line_or_the_environment(
