@@ -285,7 +285,7 @@ def test_accumulated_backward_refuses_what_it_cannot_weight() -> None:
 
 class Noisy(nn.Module):
     """A classifier whose forward masks its hidden units with draws from ``source``: Python's
-    ``random``, NumPy's global generator, or a ``torch.Generator`` of its own."""
+    ``random``, NumPy's global generator, a ``torch.Generator`` of its own, or torch's."""
 
     def __init__(self, source: str) -> None:
         super().__init__()
@@ -305,27 +305,26 @@ class Noisy(nn.Module):
             import numpy
 
             keep = torch.from_numpy(numpy.random.rand(hidden.numel()) > 0.3)
-        else:
+        elif self.source == "generator":
             keep = torch.rand(hidden.numel(), generator=self.generator) > 0.3
+        else:
+            keep = torch.rand(hidden.numel()) > 0.3
         return self.last(hidden * keep.reshape(shape).to(hidden.dtype) / 0.7)
 
 
-def seed_all() -> None:
-    import random
+@pytest.mark.parametrize(("source", "named"), [
+    ("generator", r"a torch.Generator of its own \(rand given generator=\)"),
+    ("python", "Python's random"), ("numpy", r"numpy\.random")])
+@pytest.mark.parametrize("form", ["penalized_backward", "accumulated_backward"])
+def test_draws_no_captured_state_replays_are_refused(source: str, named: str, form: str) -> None:
+    """A forward drawing from a ``torch.Generator`` of its own, Python's ``random`` or NumPy's
+    global generator cannot draw the same numbers at the shifted parameters (GNP by finite
+    difference was 1.8e4-6.8e4 off): refused on the first call in one line naming the source and
+    the fix, ``.grad`` untouched; the same model drawing from torch's generator is taken."""
+    from gradreg import GradientError
 
-    import numpy
-
-    random.seed(0)
-    numpy.random.seed(0)
-
-
-@pytest.mark.parametrize("source", ["python", "numpy"])
-def test_python_and_numpy_draws_are_replayed(source: str) -> None:
-    """A forward drawing from Python's ``random`` or NumPy's global generator: the shifted
-    forward draws the same mask, so GNP by finite difference (step 1e-6) is the exact gradient
-    of the same masked loss (double backward, the generators seeded alike) to 1e-6; replaying
-    nothing it was 1.8e4-6.8e4 off."""
-    pytest.importorskip("numpy")
+    if source == "numpy":
+        pytest.importorskip("numpy")
     model = Noisy(source).double()
     x, y = batch(torch.float64, rows=16)
     params = list(model.parameters())
@@ -333,38 +332,35 @@ def test_python_and_numpy_draws_are_replayed(source: str) -> None:
     def loss_fn() -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    seed_all()
-    penalized_backward(param_grad_norm(0.5, method="finite_difference", step=1e-6),
-                       LossAt.run(loss_fn, x), params)
-    estimate = grads_of(model)
-    model.zero_grad()
-    seed_all()
-    loss = loss_fn()
-    (loss + param_grad_norm(0.5)(loss, params)).backward()
-    exact = grads_of(model)
-    assert largest_difference(estimate, exact) <= 1e-6 * max(t.abs().max().item() for t in exact)
+    with pytest.raises(GradientError, match=f"draws from {named}, which no captured state "
+                                            r"replays.*method='double_backward'"):
+        if form == "penalized_backward":
+            penalized_backward(sam(RHO), LossAt.run(loss_fn, x), params)
+        else:
+            accumulated_backward(sam(RHO), [loss_fn], params, on=(x,))
+    assert all(p.grad is None for p in params)
 
 
-@pytest.mark.parametrize("form", ["penalized_backward", "accumulated_backward"])
-def test_a_generator_of_the_models_own_is_refused(form: str) -> None:
-    """A forward drawing from a ``torch.Generator`` of its own cannot be replayed: refused in
-    one line naming the fix, ``.grad`` untouched."""
-    from gradreg import GradientError
-
-    model = Noisy("generator").double()
+def test_draws_of_torchs_generator_are_replayed() -> None:
+    """The same mask from torch's global generator: GNP by finite difference (step 1e-6) is the
+    exact gradient of the same masked loss (double backward, seeded alike) to 1e-6."""
+    model = Noisy("torch").double()
     x, y = batch(torch.float64, rows=16)
     params = list(model.parameters())
 
     def loss_fn() -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    with pytest.raises(GradientError, match=r"draws from a torch.Generator of its own \(rand "
-                                            r"given generator=\).*method='double_backward'"):
-        if form == "penalized_backward":
-            penalized_backward(sam(RHO), LossAt.run(loss_fn, x), params)
-        else:
-            accumulated_backward(sam(RHO), [loss_fn], params, on=(x,))
-    assert all(p.grad is None for p in params)
+    torch.manual_seed(3)
+    penalized_backward(param_grad_norm(0.5, method="finite_difference", step=1e-6),
+                       LossAt.run(loss_fn, x), params)
+    estimate = grads_of(model)
+    model.zero_grad()
+    torch.manual_seed(3)
+    loss = loss_fn()
+    (loss + param_grad_norm(0.5)(loss, params)).backward()
+    exact = grads_of(model)
+    assert largest_difference(estimate, exact) <= 1e-6 * max(t.abs().max().item() for t in exact)
 
 
 def relu_transformer_critic() -> tuple[nn.Module, torch.Tensor]:

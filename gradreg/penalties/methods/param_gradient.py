@@ -92,7 +92,7 @@ from gradreg.penalties.guards.precision import default_step, unit_roundoff
 from gradreg.penalties.guards.smoothness import piecewise_linear_ops
 from gradreg.penalties.methods.chunks import with_gradients
 from gradreg.penalties.state.buffers import KeptBuffers
-from gradreg.penalties.state.randomness import GeneratorState, OwnGenerators
+from gradreg.penalties.state.randomness import GeneratorState, UnreplayedDraws
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
@@ -319,20 +319,21 @@ def _shifted_gradient(fn: Callable[[], Tensor], state: GeneratorState, known: bo
     r"""The gradient of the loss at the shifted parameters, its forward drawing the random
     numbers of the forward at :math:`\theta`, the modules' buffers left as that forward left
     them (put back after the backward, which may read them: BatchNorm's running statistics).
-    With ``watch``, a forward that draws from a ``torch.Generator`` of its own (whose numbers
-    no captured state replays) is refused (:class:`OwnGenerators`: once per penalty, as the
-    watch takes every torch call through Python)."""
+    With ``watch``, a forward that draws from a source no captured state replays (a
+    ``torch.Generator`` of its own, Python's ``random``, NumPy's) is refused
+    (:class:`UnreplayedDraws`: once per penalty, as the watch takes every torch call through
+    Python)."""
     with buffers.kept(params):
         with state.replayed():
-            with OwnGenerators() if watch else nullcontext() as own:
+            with UnreplayedDraws() if watch else nullcontext() as unreplayed:
                 loss = fn()
-            if own is not None and own.drawn:
+            if unreplayed is not None and unreplayed.drawn:
                 raise GradientError(
                     f"{WHAT} runs the model again at the shifted parameters, and its forward "
-                    f"draws from a torch.Generator of its own ({', '.join(sorted(set(own.drawn)))}"
-                    " given generator=): no captured state replays it, so the shifted forward "
-                    "would draw other numbers and the difference would measure the change of "
-                    "draws. Draw from torch's global generator (seeded by torch.manual_seed), or "
+                    f"draws from {', '.join(sorted(set(unreplayed.drawn)))}, which no captured "
+                    "state replays: the shifted forward draws other numbers and the difference "
+                    "would measure the change of draws. Draw from torch's global generator "
+                    "(torch.rand without generator=, dropout; seeded by torch.manual_seed), or "
                     "penalize by method='double_backward' (one forward).")
             if not known and state.moved():
                 raise GradientError(

@@ -8,9 +8,8 @@ variants, ``F.dropout``, RReLU, stochastic depth, ``torch.rand*`` in ``forward``
 at every forward, so without care :math:`(f(x + h; m') - f(x; m))/h` measures the change of mask
 :math:`m \to m'`, not of :math:`x`, and is larger than the penalty by orders of magnitude.
 
-Every forward of one call (:class:`Replaying`) therefore starts from the same state of the global
-generators, torch's (the CPU's and those of the points' accelerators), Python's ``random`` and
-NumPy's ``numpy.random``: the first forward draws as
+Every forward of one call (:class:`Replaying`) therefore starts from the same state of torch's
+global generators, the CPU's and those of the points' accelerators: the first forward draws as
 usual (the generators advance once, as for a single forward), every later one runs inside
 ``torch.random.fork_rng`` from the state the first began with, so it draws the same numbers in the
 same order (the same mask, as long as it draws for the same shapes: the same batch) and leaves the
@@ -24,10 +23,11 @@ state (:meth:`SharedForward.run` does both). A callable that hands back outputs 
 elsewhere without their state is refused once a later forward turns out to draw random numbers
 (the masks could not be the same).
 
-Not replayed: generator objects of the model's own (a ``torch.Generator``, a NumPy
-``Generator``), and those of devices the points are not on (the replicas of
-``nn.DataParallel``); a parameter shift refuses a forward that draws from a ``torch.Generator``
-of its own (:class:`OwnGenerators`). A forward on another part of the batch draws other numbers for
+Not replayed: generators other than torch's global ones (a ``torch.Generator`` of the model's
+own, Python's ``random``, NumPy's), and those of devices the points are not on (the replicas of
+``nn.DataParallel``); a parameter shift refuses a forward that draws from them
+(:class:`UnreplayedDraws`, on its first call). A forward on another part of the batch draws
+other numbers for
 the same sample: the chunked penalty refuses models that draw
 (:class:`~gradreg.penalties.methods.chunks.InChunks`).
 """
@@ -46,14 +46,13 @@ from torch.overrides import TorchFunctionMode
 
 from gradreg.autograd import GradientError
 
-__all__ = ["GeneratorState", "OwnGenerators", "Replaying", "SharedForward"]
+__all__ = ["GeneratorState", "Replaying", "SharedForward", "UnreplayedDraws"]
 
 
 @dataclass(frozen=True, eq=False)
 class GeneratorState:
-    """The state of the global generators at one moment: torch's, the CPU's and that of each
-    accelerator device in ``devices`` (of type ``device_type``); Python's ``random``; NumPy's
-    ``numpy.random`` (where NumPy is imported).
+    """The state of torch's global generators at one moment: the CPU's, and that of each
+    accelerator device in ``devices`` (of type ``device_type``).
 
     Examples:
         >>> import torch
@@ -72,8 +71,6 @@ class GeneratorState:
     device_type: str
     devices: tuple[int, ...]
     accelerator: tuple[Tensor, ...]
-    python: object = None
-    numpy: object = None
 
     @classmethod
     def capture(cls, *tensors: object) -> GeneratorState:
@@ -86,30 +83,28 @@ class GeneratorState:
         device_type = devices[0].type if devices else "cuda"
         indices = tuple(d.index if d.index is not None else 0 for d in devices
                         if d.type == device_type)
-        return cls._of(device_type, indices)
-
-    @classmethod
-    def _of(cls, device_type: str, indices: tuple[int, ...]) -> GeneratorState:
         module = torch.get_device_module(device_type) if indices else None
-        numpy = sys.modules.get("numpy")
         return cls(torch.get_rng_state(), device_type, indices,
-                   tuple(module.get_rng_state(i) for i in indices) if module else (),
-                   random.getstate(), numpy.random.get_state() if numpy else None)
+                   tuple(module.get_rng_state(i) for i in indices) if module else ())
 
     def moved(self) -> bool:
         """Whether the generators have drawn since this state (a forward since drew random
         numbers)."""
-        now = GeneratorState._of(self.device_type, self.devices)
-        return (not torch.equal(now.cpu, self.cpu) or now.python != self.python
-                or _numpy_moved(self.numpy, now.numpy)
-                or any(not torch.equal(a, b)
-                       for a, b in zip(now.accelerator, self.accelerator, strict=True)))
+        now = GeneratorState.capture()
+        if not torch.equal(now.cpu, self.cpu):
+            return True
+        module = torch.get_device_module(self.device_type) if self.devices else None
+        return any(not torch.equal(module.get_rng_state(i), state)
+                   for i, state in zip(self.devices, self.accelerator, strict=True))
 
     @contextmanager
     def replayed(self) -> Iterator[None]:
         """Run the block from this state; the generators are restored after it (what
         ``torch.random.fork_rng`` does, for the CPU and :attr:`devices` only)."""
-        before = GeneratorState._of(self.device_type, self.devices)
+        module = torch.get_device_module(self.device_type) if self.devices else None
+        before = GeneratorState(torch.get_rng_state(), self.device_type, self.devices,
+                                tuple(module.get_rng_state(i) for i in self.devices)
+                                if module else ())
         self._set()
         try:
             yield
@@ -119,39 +114,52 @@ class GeneratorState:
     def _set(self) -> None:
         """Set the generators to this state."""
         torch.set_rng_state(self.cpu)
-        if self.python is not None:
-            random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
         if self.devices:
             module = torch.get_device_module(self.device_type)
             for i, state in zip(self.devices, self.accelerator, strict=True):
                 module.set_rng_state(state, i)
 
 
-def _numpy_moved(before: object, now: object) -> bool:
-    """Whether NumPy's global generator moved between two of its states (``get_state()``
-    tuples: the algorithm's name, the key array, the position, the cached Gaussian)."""
-    if before is None or now is None:
-        return before is not now
-    return any(not (a == b).all() if hasattr(a, "all") else a != b
-               for a, b in zip(before, now, strict=True))
-
-
-class OwnGenerators(TorchFunctionMode):
-    """Inside: torch calls given a ``generator=`` of their own (a ``torch.Generator`` of the
-    model's, which no captured state replays) are noted in :attr:`drawn` (their names)."""
+class UnreplayedDraws(TorchFunctionMode):
+    """Inside: the sources of random numbers that :class:`GeneratorState` does not replay and
+    the block drew from, in :attr:`drawn` (their names) once it is left: torch calls given a
+    ``generator=`` of their own (a ``torch.Generator`` of the model's), Python's ``random`` and
+    NumPy's global generator (their states compared on entry and exit). Every torch call of
+    the block goes through Python: for one forward, not every step's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.drawn: list[str] = []
 
+    def __enter__(self) -> UnreplayedDraws:
+        numpy = sys.modules.get("numpy")
+        self._python = random.getstate()
+        self._numpy = numpy.random.get_state(legacy=False) if numpy else None
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if random.getstate() != self._python:
+            self.drawn.append("Python's random")
+        if self._numpy is not None and _numpy_state_moved(self._numpy):
+            self.drawn.append("numpy.random")
+
     def __torch_function__(self, func: Callable, types: object, args: tuple = (),
                            kwargs: dict | None = None) -> object:
         kwargs = kwargs or {}
         if kwargs.get("generator") is not None:
-            self.drawn.append(getattr(func, "__name__", str(func)))
+            self.drawn.append(f"a torch.Generator of its own ({getattr(func, '__name__', func)}"
+                              " given generator=)")
         return func(*args, **kwargs)
+
+
+def _numpy_state_moved(before: dict) -> bool:
+    """Whether NumPy's global generator drew since its state ``before``
+    (``get_state(legacy=False)``: the bit generator's position and key)."""
+    now = sys.modules["numpy"].random.get_state(legacy=False)
+    return (now["state"]["pos"] != before["state"]["pos"]
+            or not (now["state"]["key"] == before["state"]["key"]).all()
+            or now["has_gauss"] != before["has_gauss"])
 
 
 @dataclass(frozen=True, eq=False)
