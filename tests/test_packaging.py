@@ -66,6 +66,17 @@ print(penalty.item(), w.grad.tolist())
     assert grad.strip() == "[10.0, 20.0, -20.0]"
 
 
+def test_the_core_without_numpy_imports_without_torchs_numpy_warning():
+    """torch without numpy (the core needs none) warns "Failed to initialize NumPy" while it
+    imports itself (torch 2.13.0+cpu: torch.export's FunctionalTensor); imported by gradreg, it
+    does not, and the core runs."""
+    result = python(f"import {', '.join(CORE)}\nimport torch\n"
+                    "x = torch.tensor([3.0], requires_grad=True)\n"
+                    "print(gradreg.gradient((x ** 2).sum(), x).item())", blocked=("numpy",))
+    assert result.returncode == 0 and result.stdout == "6.0\n", result.stderr
+    assert "Failed to initialize NumPy" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(("module", "missing", "message"), [
     ("gradreg.lightning.classifier", "lightning", "gradreg.lightning needs lightning"),
     ("gradreg.lightning.dashboards", "tensorboard", "gradreg.lightning needs tensorboard"),
