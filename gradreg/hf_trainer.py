@@ -19,7 +19,9 @@ each penalty due at the optimizer step (``penalty.due()``, called on the first m
 each step) evaluated where its ``points`` say:
 
 * ``"parameters"`` (``param_grad_norm``, ``sam``, ``asam``, ``gr``): of the gradient of
-  :math:`L` w.r.t. the parameters that require grad. The loss at shifted parameters is the same
+  :math:`L` w.r.t. the parameters that require grad (those ``penalty_parameters`` selects,
+  e.g. ``excluding(*GR_TRL_EXCLUDED)`` for gradientregularization_trl's default; the others
+  take the task's gradient alone). The loss at shifted parameters is the same
   call on the same inputs, its forward drawing the random numbers of the first (dropout's masks)
   and leaving BatchNorm's running statistics as one forward does. The first finite-difference
   penalty takes the loss's gradient for the trainer (``penalized_loss``): the step costs the
@@ -39,15 +41,24 @@ as given; -100 ignored) averaged over each sequence's counted tokens; for sequen
 classification, the loss of the model's ``problem_type`` per sequence. Another head needs
 ``per_sample_loss=fn(outputs, inputs) -> [B]``, or is refused in one line.
 
-Gradient accumulation (``gradient_accumulation_steps`` :math:`N`): the trainer's micro-batch
-losses :math:`L_k` (after its division by :math:`N` where it divides) sum to the accumulated
-batch's loss :math:`L = \sum_k L_k`, and each micro-batch's backward adds :math:`\nabla L_k`.
+Gradient accumulation (``gradient_accumulation_steps`` :math:`N`): each micro-batch's backward
+adds :math:`s \nabla L_k`, :math:`s` the trainer's factor (:math:`1/N` where it divides the
+loss by the steps, else 1) and :math:`L_k` its loss, normalized over the accumulated batch
+(the micro-batches' losses sum to its loss :math:`L`: the model's loss divides by
+``num_items_in_batch``, or ``loss_is_scaled_for_ga`` says so) or a mean over the micro-batch
+(they sum to :math:`N L`), measured once where the trainer does not say (``_normalized``:
+BERT's classification loss ignores ``num_items_in_batch``, while the trainer, seeing the model
+accept it, does not divide). So the task's accumulated gradient is :math:`\sigma \nabla L`,
+:math:`\sigma` = 1, or :math:`N` where the trainer sums micro-batch means, and every penalty
+follows it: :math:`\sigma (L + \sum_k P_k)`.
+
 A parameter penalty is that of :math:`\bar g = \nabla L`, taken in two phases
 (``Accumulation``): each micro-batch's backward carries its :math:`\nabla L_k`; the last one's
 also :math:`c\,\nabla^2 L\, v`, by the second phase over the window's micro-batches (kept with
 their random states until then). A per-sample penalty with ``reduction="mean"`` is the mean over
 the accumulated batch (micro-batches of equal size), with ``"sum"`` the sum over it. The step
-equals one batch of the accumulated size within float rounding, for models whose samples do
+equals :math:`\sigma` times that of one batch of the accumulated size within float rounding,
+for models whose samples do
 not interact (BatchNorm in training mode normalizes per micro-batch, as any accumulation does).
 
 Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
@@ -65,6 +76,7 @@ where one is missing. :class:`PenaltyMixin` itself imports nothing of it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -86,12 +98,25 @@ from gradreg.penalties import (
 from gradreg.penalties.accumulation import Accumulation, combined  # per micro-batch, as Lightning's
 from gradreg.penalties.two_pass import Carried
 
-__all__ = ["PenalizedTrainer", "PenaltyMixin", "per_sample_losses"]  # noqa: F822 (built on use)
+__all__ = [  # noqa: F822 (PenalizedTrainer: built on use)
+    "GR_TRL_EXCLUDED", "PenalizedTrainer", "PenaltyMixin", "excluding", "per_sample_losses"]
 
 #: Where a trainer evaluates penalties (module docstring).
 TRAINER_POINTS = ("inputs", "activations", "parameters")
 IGNORE_INDEX = -100
 PerSampleLoss = Callable[[Any, Mapping[str, Any]], Tensor]
+ParameterFilter = Callable[[str, nn.Parameter], bool]
+#: The name parts whose parameters gradientregularization_trl leaves out of its penalty by
+#: default (embeddings, output layers and heads).
+GR_TRL_EXCLUDED = ("embed", "embedding", "lm_head", "output", "classifier", "score")
+
+
+def excluding(*parts: str) -> ParameterFilter:
+    """A ``penalty_parameters`` selecting the parameters whose name contains none of
+    ``parts`` (``excluding("embed", "lm_head")``)."""
+    if not parts or not all(isinstance(part, str) and part for part in parts):
+        raise GradientError(f"excluding takes non-empty name parts, got {parts!r}.")
+    return lambda name, _parameter: not any(part in name for part in parts)
 
 
 def _causal_lm_losses(logits: Tensor, inputs: Mapping[str, Any]) -> Tensor:
@@ -174,22 +199,39 @@ def _embeddings_recorded(module: nn.Module) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
+def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
+    """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
+    none); the graph is kept."""
+    if not params:
+        return None
+    g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return Carried.apply(loss.detach().new_zeros(()), list(g), True, *params)
+
+
 class PenaltyMixin:
     """Adds ``penalties`` (name -> :class:`~gradreg.penalties.GradientPenalty`) to a
     ``transformers.Trainer`` subclass's training loss (module docstring).
     ``per_sample_loss``: ``fn(outputs, inputs) -> [B]`` for penalties of per-sample losses where
     the head is neither a causal language model nor a sequence classifier.
+    ``penalty_parameters``: ``fn(name, parameter) -> bool``, the trainable parameters whose
+    gradient the parameter penalties are of (and which they shift), by their names in the
+    unwrapped model; all where not given. :func:`excluding` builds one from name parts
+    (``excluding(*GR_TRL_EXCLUDED)``: gradientregularization_trl's default). The others take
+    the task's gradient alone.
     ``penalty_values``: the detached weighted penalties of the latest step."""
 
     def __init__(self, *args: Any, penalties: Mapping[str, GradientPenalty] | None = None,
-                 per_sample_loss: PerSampleLoss | None = None, **kwargs: Any) -> None:
+                 per_sample_loss: PerSampleLoss | None = None,
+                 penalty_parameters: ParameterFilter | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.penalties = dict(penalties or {})
         self.per_sample_loss = per_sample_loss
+        self.penalty_parameters = penalty_parameters
         self.penalty_values: dict[str, Tensor] = {}
         self._window: list[str] = []  # the penalties due in this optimizer step
         self._micro_batch = 0  # the micro-batches of this optimizer step so far
         self._accumulations: dict[str, Accumulation] = {}
+        self._loss_divides: bool | None = None  # measured once (_normalized)
         model = getattr(self, "model", None)
         for name, penalty in self.penalties.items():
             self._check(name, penalty, model)
@@ -211,6 +253,17 @@ class PenaltyMixin:
                 f"(method={config.method.name!r}, subsample={config.subsample}, "
                 f"chunks={config.chunks}), which a Trainer runs at the input embeddings only: "
                 "use method='double_backward', subsample=1 and chunks=1.")
+        if model is not None:
+            self._check_fused_head(name, penalty, model)
+        args = getattr(self, "args", None)
+        if not penalty.needs_callable and (getattr(args, "gradient_checkpointing", False)
+                                           or getattr(args, "activation_checkpointing", False)):
+            raise GradientError(
+                f"penalty {name!r} (method={config.method.name!r}) differentiates the trainer's "
+                "forward twice, and gradient checkpointing recomputes that forward in the "
+                "backward with another attention kernel: set gradient_checkpointing=False, or "
+                "use penalties on points='parameters' by finite difference: sam, asam, gr, or "
+                "param_grad_norm(λ, method='finite_difference').")
         if model is None:
             return
         names = {n for n, _ in model.named_modules() if n}
@@ -220,6 +273,35 @@ class PenaltyMixin:
                                 f"{type(model).__name__}: name them as model.named_modules() does.")
         if config.points != "parameters" and config.of == "loss" and self.per_sample_loss is None:
             _head(model)
+
+    def _check_fused_head(self, name: str, penalty: GradientPenalty, model: nn.Module) -> None:
+        """Refuse in one line, before training, what TRL's fused LM head (a model whose forward
+        takes ``fused_lm_head``: ``SFTTrainer``'s) cannot differentiate: the logits (it hands
+        back those of a no-grad forward), and its loss twice (its chunked log-probability
+        kernel has no double backward) unless the loss comes from the logits
+        (``compute_loss_func``, or the label smoother with ``loss_type="nll"``)."""
+        try:
+            fused = "fused_lm_head" in inspect.signature(model.forward,
+                                                         follow_wrapped=False).parameters
+        except (TypeError, ValueError):  # a forward without a signature
+            return
+        if not fused:
+            return
+        config = penalty.config
+        works = ("use penalties on points='parameters' by finite difference: sam, asam, gr, or "
+                 "param_grad_norm(λ, method='finite_difference')")
+        if config.points != "parameters":
+            raise GradientError(
+                f"penalty {name!r} (points={config.points!r}) differentiates the logits, which "
+                f"{type(self).__name__} computes without a graph (TRL's fused LM head): {works}.")
+        from_logits = self.compute_loss_func is not None or (
+            self.label_smoother is not None and getattr(self.args, "loss_type", "nll") == "nll")
+        if not penalty.needs_callable and not from_logits:
+            raise GradientError(
+                f"penalty {name!r} (method={config.method.name!r}) differentiates the loss "
+                f"twice, and {type(self).__name__} computes it with TRL's fused LM head, whose "
+                f"chunked log-probability kernel has no double backward: {works}; or pass "
+                "compute_loss_func=... (the loss from the logits).")
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Tensor | int | None = None) -> Any:
@@ -235,6 +317,7 @@ class PenaltyMixin:
         if count > 1:
             self._check_accumulation(due, count)
         share = self._share(num_items_in_batch, count)
+        per_step = count > 1 and not self._normalized(model, inputs, num_items_in_batch)
         at_points = {n: gp for n, gp in due.items() if gp.config.points != "parameters"}
         layers = sorted({layer for gp in at_points.values() for layer in gp.config.layers})
         embeddings = any(gp.config.points == "inputs" for gp in at_points.values())
@@ -253,11 +336,13 @@ class PenaltyMixin:
         values = {name: self._at_points(gp, model, inputs, outputs, embedded, activations, state)
                   for name, gp in at_points.items()}
         task = self._parameters(due, model, inputs, loss, state, values, parent,
-                                num_items_in_batch, count, share)
+                                num_items_in_batch, count, 1 if per_step else count)
         self.penalty_values = {name: value.detach() for name, value in values.items()}
-        # the trainer multiplies by s: a mean over the micro-batch is 1/N of the batch's
-        total = task + sum(value * ((1 if due[name].config.points == "parameters"
-                                     or due[name].config.reduction == "sum" else 1 / count) / share)
+        # the trainer multiplies by s; the task's micro-batch losses sum to c L (module
+        # docstring), so a per-sample penalty's mean over a micro-batch enters as c/(N s) of it
+        total = task + sum(value * (1 / share if due[name].config.points == "parameters" else
+                                    (count if per_step else 1)
+                                    / (1 if due[name].config.reduction == "sum" else count))
                            for name, value in values.items())
         return (total, outputs) if return_outputs else total
 
@@ -271,6 +356,57 @@ class PenaltyMixin:
             scaled = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
                       or self.compute_loss_func is not None)
         return 1.0 if scaled else 1.0 / count
+
+    def _normalized(self, model: nn.Module, inputs: Mapping[str, Any],
+                    num_items_in_batch: Tensor | int | None) -> bool:
+        r"""Whether the trainer's micro-batch losses :math:`L_k` are normalized over the
+        accumulated batch (they sum to its loss :math:`L`), rather than each a mean over its
+        micro-batch (they sum to :math:`N L`): ``loss_is_scaled_for_ga`` where the trainer sets
+        it; else, where ``num_items_in_batch`` is given, whether the loss divides by it (the
+        model's own loss, or ``compute_loss_func``'s: measured once, by two no-grad forwards in
+        eval mode at ``num_items_in_batch`` and twice it; BERT's sequence-classification loss,
+        for one, ignores it while the trainer takes it as normalized); a micro-batch's mean
+        where it is not given."""
+        declared = getattr(self, "loss_is_scaled_for_ga", None)
+        if declared is not None:
+            return bool(declared)
+        if num_items_in_batch is None:
+            return False
+        if self._loss_divides is None:
+            self._loss_divides = self._divides(model, inputs, num_items_in_batch)
+        return self._loss_divides
+
+    def _divides(self, model: nn.Module, inputs: Mapping[str, Any],
+                 num_items_in_batch: Tensor | int) -> bool:
+        """Whether the trainer's loss of ``inputs`` halves when ``num_items_in_batch`` doubles
+        (``_normalized``); a :class:`~gradreg.GradientError` where it does neither."""
+        if self.compute_loss_func is None and self.label_smoother is not None:
+            return True  # transformers' LabelSmoother divides by num_items_in_batch
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.compute_loss_func is None:
+                    def loss(n: Tensor | int) -> Tensor:
+                        return model(**inputs, num_items_in_batch=n)["loss"]
+                else:
+                    outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+
+                    def loss(n: Tensor | int) -> Tensor:
+                        return self.compute_loss_func(outputs, inputs.get("labels"),
+                                                      num_items_in_batch=n)
+                once, twice = (float(loss(n)) for n in (num_items_in_batch, 2 * num_items_in_batch))
+        finally:
+            model.train(training)
+        if once == twice:
+            return False
+        if abs(once - 2 * twice) <= 1e-3 * abs(once):
+            return True
+        raise GradientError(
+            f"the trainer's loss neither divides by num_items_in_batch nor ignores it ({once:.6g} "
+            f"at {int(num_items_in_batch)}, {twice:.6g} at twice it), so the scale of its "
+            "accumulated micro-batches is unknown: set trainer.loss_is_scaled_for_ga (True: "
+            "normalized over the accumulated batch; False: a mean over the micro-batch).")
 
     def _check_accumulation(self, due: Mapping[str, GradientPenalty], count: int) -> None:
         parameter = sorted(name for name, gp in due.items() if gp.config.points == "parameters")
@@ -333,7 +469,7 @@ class PenaltyMixin:
     def _parameters(self, due: Mapping[str, GradientPenalty], model: nn.Module,
                     inputs: dict[str, Any], loss: Tensor, state: GeneratorState,
                     values: dict[str, Tensor], parent: Callable[..., Tensor],
-                    num_items_in_batch: Tensor | int | None, count: int, share: float) -> Tensor:
+                    num_items_in_batch: Tensor | int | None, count: int, factor: int) -> Tensor:
         r"""The task term, and into ``values`` the weighted parameter penalties (module
         docstring): by ``penalized_loss`` in one micro-batch (the task term carrying
         :math:`\nabla L + c\,Hv` by finite difference), in two phases under accumulation."""
@@ -351,34 +487,52 @@ class PenaltyMixin:
         def loss_at_parameters() -> Tensor:
             return parent(model, dict(inputs), num_items_in_batch=num_items_in_batch)
 
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = self._penalized_parameters(model)
         retain = len(due) > 1  # other penalties differentiate the same forward
+        # the unselected parameters' task gradient, where the penalty carries the task's
+        # gradient for the selected ones (taken before its passes free the graph)
+        others = _carried_gradient(loss, [p for p in model.parameters() if p.requires_grad
+                                          and all(p is not q for q in params)]) \
+            if count > 1 or any(gp.needs_callable for gp in parameter.values()) else None
         if count > 1:
             ((name, gp),) = parameter.items()
-            return self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
-                                     count, share, retain)
-        task = loss
-        for name, gp in parameter.items():
-            at = LossAt(loss_at_parameters, loss, state)
-            if task is loss and gp.needs_callable:  # the first finite difference: two passes
-                task, values[name] = penalized_loss(gp, at, params, retain_graph=retain)
-            else:
-                values[name] = gp(at if gp.needs_callable else loss, params)
-        return task
+            task = self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
+                                     count, factor, retain)
+        else:
+            task = loss
+            for name, gp in parameter.items():
+                at = LossAt(loss_at_parameters, loss, state)
+                if task is loss and gp.needs_callable:  # the first finite difference: two passes
+                    task, values[name] = penalized_loss(gp, at, params, retain_graph=retain)
+                else:
+                    values[name] = gp(at if gp.needs_callable else loss, params)
+        return task if others is None or task is loss else task + others
+
+    def _penalized_parameters(self, model: nn.Module) -> list[Tensor]:
+        """The trainable parameters ``penalty_parameters`` selects (all where not given)."""
+        chosen = self.penalty_parameters
+        named = self.accelerator.unwrap_model(model).named_parameters()
+        params = [p for n, p in named if p.requires_grad and (chosen is None or chosen(n, p))]
+        if not params:
+            raise GradientError(
+                "penalty_parameters selects none of the model's trainable parameters: select "
+                "some by their names in model.named_parameters().")
+        return params
 
     def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor,
                      fn: Callable[[], Tensor], state: GeneratorState, params: list[Tensor],
-                     values: dict[str, Tensor], count: int, share: float,
+                     values: dict[str, Tensor], count: int, factor: int,
                      retain: bool) -> Tensor:
-        r"""Micro-batch :math:`k` of :math:`N`: the task term carries :math:`\nabla L_k / s`
-        (the trainer multiplies by :math:`s`), and on the last micro-batch also
-        :math:`c\,\nabla^2 L\, v / s`, and the penalty :math:`c\,P(\nabla L)` in ``values``;
-        the ``Accumulation`` is given :math:`N L_k` (its mean over the micro-batches is
-        :math:`L`)."""
+        r"""Micro-batch :math:`k` of :math:`N`: the ``Accumulation`` is given ``factor``
+        :math:`\cdot L_k` (:math:`N L_k` for losses normalized over the accumulated batch,
+        :math:`L_k` for micro-batch means: its mean over the micro-batches is :math:`L`); the
+        task term carries :math:`\nabla L_k` (the trainer multiplies by :math:`s`), and on the
+        last micro-batch also :math:`(N/\text{factor})\,\lambda \nabla^2 L\, v`, which
+        the trainer's :math:`s` makes the task's scale :math:`\sigma` times it (module
+        docstring); the penalty :math:`\lambda P(\nabla L)` goes into ``values``."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
             accumulation = self._accumulations[name] = Accumulation(gp, params)
-        factor = count * share
 
         def scaled() -> Tensor:  # differentiated twice by double backward
             with nullcontext() if gp.needs_callable else differentiable_attention():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gradreg import GradientError
 from gradreg.penalties import double_backprop, param_grad_norm, sam
 
 transformers = pytest.importorskip("transformers")
@@ -118,3 +119,93 @@ def test_a_lazy_penalty_counts_optimizer_steps(tmp_path) -> None:
     trainer.train()
     assert trainer.penalties["db"].steps_taken == 2
     assert trainer.penalty_values == {}
+
+
+class Sentences(torch.utils.data.Dataset):
+    """8 sequences of 6 tokens (two padded) with a class label each."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 40, (8, 6), generator=torch.Generator().manual_seed(2))
+        self.mask = torch.ones(8, 6, dtype=torch.long)
+        self.mask[2, 4:] = 0
+        self.mask[5, 3:] = 0
+        self.labels = torch.tensor([0, 1, 2, 1, 2, 0, 0, 1])
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i],
+                "labels": self.labels[i]}
+
+
+def tiny_bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        num_labels=3)
+    return transformers.BertForSequenceClassification(config).double()
+
+
+def first_step(tmp_path, model, data, penalties, steps: int, **options) -> list[torch.Tensor]:
+    """The gradient of the first optimizer step: ``steps`` micro-batches of 8 / steps."""
+    record = Record()
+    trainer = PenalizedTrainer(
+        model=model, train_dataset=data, callbacks=[record], penalties=penalties,
+        args=arguments(tmp_path, max_steps=1, gradient_accumulation_steps=steps,
+                       per_device_train_batch_size=8 // steps), **options)
+    trainer.train()
+    return record.grads[0]
+
+
+@pytest.mark.parametrize("penalty", [
+    lambda: {}, lambda: {"db": double_backprop(0.1)}, lambda: {"sam": sam(0.05)},
+    lambda: {"gnp": param_grad_norm(WEIGHT)}], ids=["none", "double_backprop", "sam", "gnp"])
+def test_bert_accumulated_follows_the_trainers_scale(tmp_path, penalty) -> None:
+    """BERT's classification loss is a micro-batch mean that ignores ``num_items_in_batch``,
+    and the trainer, seeing the model accept it, does not divide by the steps: its 2 x 4 step
+    is twice one batch of 8's (``none``). Each penalty follows that scale, the gradient of
+    2 (L + P) (float64): ``double_backprop(0.1)`` was 0.05 against the doubled task."""
+    accumulated = first_step(tmp_path, tiny_bert(), Sentences(), penalty(), 2)
+    whole = first_step(tmp_path, tiny_bert(), Sentences(), penalty(), 1)
+    for got, want in zip(accumulated, whole, strict=True):
+        torch.testing.assert_close(got, 2 * want, rtol=1e-10, atol=1e-13)
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+@pytest.mark.parametrize(("model", "options", "tolerance"), [
+    (tiny_gpt2, {"compute_loss_func": float64_loss}, 1e-10),
+    (tiny_llama, {}, 1e-6)], ids=["gpt2_float64_loss_func", "llama_own_loss"])
+@pytest.mark.parametrize("penalty", [lambda: {"db": double_backprop(0.1)},
+                                     lambda: {"sam": sam(0.05)}], ids=["double_backprop", "sam"])
+def test_a_loss_normalized_by_the_token_count_accumulates_to_one_batch(
+        tmp_path, model, options, tolerance: float, penalty) -> None:
+    """GPT-2 with a float64 ``compute_loss_func`` and Llama's own loss divide by
+    ``num_items_in_batch`` (found by the trainer, not declared): 2 x 4 equals one batch of 8,
+    to 1e-10 in float64 throughout, to 1e-6 where the model's loss computes in float32."""
+    data = Tokens(8, ignored=3)
+    accumulated = first_step(tmp_path, model(), data, penalty(), 2, **options)
+    whole = first_step(tmp_path, model(), data, penalty(), 1, **options)
+    largest = max(t.abs().max() for t in whole)
+    for got, want in zip(accumulated, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * largest)
+
+
+def test_a_loss_neither_normalized_nor_a_mean_is_refused(tmp_path) -> None:
+    """A ``compute_loss_func`` dividing by the square root of ``num_items_in_batch``: the
+    scale of the accumulated micro-batches is unknown, refused in one line."""
+    def odd(outputs, labels, num_items_in_batch=None):
+        return float64_loss(outputs, labels, num_items_in_batch) * num_items_in_batch ** 0.5
+
+    with pytest.raises(GradientError, match="neither divides by num_items_in_batch nor "
+                                            "ignores it.*loss_is_scaled_for_ga"):
+        first_step(tmp_path, tiny_gpt2(), Tokens(8), {"db": double_backprop(0.1)}, 2,
+                   compute_loss_func=odd)

@@ -196,3 +196,64 @@ def test_parameter_penalties_on_several_processes_are_refused(tmp_path, monkeypa
     with pytest.raises(GradientError, match=r"penalties \['sam'\] penalize the parameter "
                                             r"gradient, and this trainer runs on 2 processes"):
         trainer.train()
+
+
+def gr_trl_twin(model: nn.Module, params: list[torch.Tensor], strength: float, eps: float,
+                excluded: tuple[str, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """gradientregularization_trl's step written out (their clipping to norm 10 checked
+    inactive): g1 = ∇L(θ), the included parameters (names without ``excluded`` parts) shifted
+    by ε g1, g2 = ∇L there; an included parameter gets g1 + (λ/ε)(g2 - g1), an excluded one
+    keeps g2 (their ``.grad`` after the shifted backward). Returns theirs and g1."""
+    load(model, params)
+    weights = dict(model.named_parameters())
+    ids = Tokens().ids
+
+    def gradient() -> list[torch.Tensor]:
+        return list(torch.autograd.grad(own_loss(model, ids), list(weights.values())))
+
+    g1 = gradient()
+    included = [not any(part in name for part in excluded) for name in weights]
+    with torch.no_grad():
+        for p, t, inside in zip(weights.values(), g1, included, strict=True):
+            if inside:
+                p.add_(t, alpha=eps)
+    g2 = gradient()
+    for g in (g1, g2):
+        assert torch.sqrt(sum(t.square().sum() for t in g)) < 10  # their clipping inactive
+    theirs = [a + (strength / eps) * (b - a) if inside else b
+              for a, b, inside in zip(g1, g2, included, strict=True)]
+    return theirs, g1
+
+
+def test_penalty_parameters_match_gradientregularization_trls_default(tmp_path) -> None:
+    """``penalty_parameters=excluding(*GR_TRL_EXCLUDED)``: Llama's embeddings and output layer
+    are neither penalized nor shifted. Each step's gradient equals gradientregularization_trl's
+    on the penalized parameters (float64, 1e-9); the excluded ones take the task's gradient at
+    θ, where theirs take it at the shifted point, ∇L(θ + ε g) = ∇L(θ) + ε H g + O(ε²)."""
+    from gradreg.hf_trainer import GR_TRL_EXCLUDED, excluding
+
+    strength, eps = 1e-4, STEP
+    model, record = tiny_llama(), Record()
+    trainer = PenalizedTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
+                               callbacks=[record], penalties={"gr": gr(strength, step=eps)},
+                               penalty_parameters=excluding(*GR_TRL_EXCLUDED))
+    trainer.train()
+    names = [name for name, _ in model.named_parameters()]
+    outside = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert {n for n in names if any(part in n for part in GR_TRL_EXCLUDED)} == outside
+    reference = tiny_llama()
+    for params, grads in zip(record.params, record.grads, strict=True):
+        theirs, task = gr_trl_twin(reference, params, strength, eps, GR_TRL_EXCLUDED)
+        for name, got, want, plain in zip(names, grads, theirs, task, strict=True):
+            torch.testing.assert_close(got, plain if name in outside else want,
+                                       rtol=1e-9, atol=1e-12)
+            if name in outside:  # theirs: the gradient at the shifted point
+                assert 0 < (want - plain).abs().max() < 1e-2 * plain.abs().max()
+
+
+def test_penalty_parameters_selecting_none_are_refused(tmp_path) -> None:
+    trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path),
+                               train_dataset=Tokens(), penalties={"sam": sam(0.05)},
+                               penalty_parameters=lambda name, p: False)
+    with pytest.raises(GradientError, match="penalty_parameters selects none"):
+        trainer.train()

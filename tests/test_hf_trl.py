@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradreg import GradientError
-from gradreg.penalties import double_backprop, sam
+from gradreg.penalties import double_backprop, gr, param_grad_norm, sam
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -18,7 +19,7 @@ trl = pytest.importorskip("trl")
 tokenizers = pytest.importorskip("tokenizers")
 
 from gradreg.hf_trainer import PenaltyMixin  # noqa: E402
-from tests.test_hf_trainer import Record, hand_written, next_token_loss  # noqa: E402
+from tests.test_hf_trainer import Record, hand_written, load, next_token_loss  # noqa: E402
 
 
 class SAMSFTTrainer(PenaltyMixin, trl.SFTTrainer):
@@ -46,9 +47,12 @@ def tiny_gpt2() -> torch.nn.Module:
 IDS = torch.randint(0, 30, (4, 8), generator=torch.Generator().manual_seed(1))
 
 
-def trainer(tmp_path, penalties, steps: int = 1, **options) -> SAMSFTTrainer:
-    """SFT of the 4 sequences ``IDS`` in batches of 4, or ``steps`` micro-batches of 4/steps."""
+def trainer(tmp_path, penalties, steps: int = 1, checkpointing: bool = True,
+            **options) -> SAMSFTTrainer:
+    """SFT of the 4 sequences ``IDS`` in batches of 4, or ``steps`` micro-batches of 4/steps
+    (``checkpointing``: SFTConfig's default, gradient checkpointing)."""
     args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2,
+                         gradient_checkpointing=checkpointing,
                          per_device_train_batch_size=4 // steps,
                          gradient_accumulation_steps=steps,
                          learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
@@ -84,10 +88,57 @@ def test_sam_in_sft_is_the_hand_written_recipe(tmp_path, steps: int) -> None:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
 
 
-@pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")  # SFT's, for logits
-def test_penalties_at_the_embeddings_are_refused_in_one_line(tmp_path) -> None:
+def test_penalties_at_the_embeddings_are_refused_before_training(tmp_path) -> None:
     """SFTTrainer computes its loss by a fused head and hands back logits of a no-grad
-    forward: nothing to differentiate at the embeddings."""
-    sft = trainer(tmp_path, {"db": double_backprop(0.1)})
-    with pytest.raises(GradientError, match="returned logits without a graph"):
-        sft.train()
+    forward: nothing to differentiate at the embeddings; refused when the trainer is built,
+    naming the penalties that work."""
+    with pytest.raises(GradientError, match="differentiates the logits.*fused LM head.*sam, "
+                                            "asam, gr, or param_grad_norm"):
+        trainer(tmp_path, {"db": double_backprop(0.1)})
+
+
+def test_an_exact_parameter_penalty_is_refused_before_training(tmp_path) -> None:
+    """``param_grad_norm``'s default method differentiates SFT's loss twice, through trl's
+    chunked log-probability kernel, which has no double backward (``mm(): functions with
+    out=...``): refused in one line when the trainer is built, naming what works."""
+    with pytest.raises(GradientError, match="no double backward: use penalties on "
+                                            "points='parameters' by finite difference.*"
+                                            "compute_loss_func"):
+        trainer(tmp_path, {"gnp": param_grad_norm(0.05)})
+
+
+def test_gr_by_double_backward_names_its_exact_form() -> None:
+    with pytest.raises(ValueError, match=r"param_grad_norm\(0.01, power=2, gain=0.5\)"):
+        gr(0.01, method="double_backward")
+
+
+def float64_sft_loss(outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """SFT's loss from the logits, in float64: the next-token cross-entropy summed, divided by
+    ``num_items_in_batch``."""
+    logits, labels = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
+
+
+def test_an_exact_parameter_penalty_with_the_loss_from_the_logits(tmp_path) -> None:
+    """With ``compute_loss_func`` SFT computes its loss from the logits, which the exact
+    ``param_grad_norm`` differentiates twice: each step's gradient is that of
+    ``L + λ‖∇L‖`` by double backward (float64). Not under gradient checkpointing (SFT's
+    default), whose recomputed forward runs another attention kernel: refused in one line."""
+    record = Record()
+    with pytest.raises(GradientError, match="gradient checkpointing recomputes that forward.*"
+                                            "gradient_checkpointing=False"):
+        trainer(tmp_path, {"gnp": param_grad_norm(0.05)}, compute_loss_func=float64_sft_loss)
+    sft = trainer(tmp_path, {"gnp": param_grad_norm(0.05)}, checkpointing=False, callbacks=[record],
+                  compute_loss_func=float64_sft_loss)
+    sft.train()
+    reference = tiny_gpt2()
+    for params, grads in zip(record.params, record.grads, strict=True):
+        load(reference, params)
+        weights = list(reference.parameters())
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = sft_loss(reference, IDS)
+            g = torch.autograd.grad(loss, weights, create_graph=True)
+            norm = torch.sqrt(sum(t.square().sum() for t in g))
+            expected = torch.autograd.grad(loss + 0.05 * norm, weights)
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

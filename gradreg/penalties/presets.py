@@ -69,6 +69,11 @@ def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
         raise ValueError(
             f"unknown option(s) {unknown} for penalty {name!r}; valid: {', '.join(_OPTIONS)}."
         )
+    if name == "gr" and overrides.get("method", "finite_difference") != "finite_difference":
+        weight = overrides.get("weight", PRESETS["gr"].get("weight", 1e-3))
+        raise ValueError(
+            f"gr is GR by finite difference; method={overrides['method']!r} is another penalty: "
+            f"its exact form is param_grad_norm({weight}, power=2, gain=0.5) (double backward).")
     return GradientPenalty(**{**PRESETS[name], **overrides})
 
 
