@@ -1,8 +1,9 @@
 r"""A parameter-gradient penalty of an accumulated batch: two phases over the micro-batches.
 
-With a batch split into :math:`N` micro-batches of equal size and :math:`L_k` the mean loss of
-micro-batch :math:`k`, the big batch's mean loss is :math:`L = \frac1N \sum_k L_k` and its
-gradient :math:`\bar g = \frac1N \sum_k g_k`. Penalizing :math:`P(\bar g)` (``param_grad_norm``:
+With a batch split into :math:`N` micro-batches of :math:`n_k` samples and :math:`L_k` the mean
+loss of micro-batch :math:`k`, the big batch's mean loss is :math:`L = \sum_k w_k L_k` and its
+gradient :math:`\bar g = \sum_k w_k g_k`, :math:`w_k = n_k / \sum_j n_j` (:math:`\frac1N` for
+micro-batches of equal size). Penalizing :math:`P(\bar g)` (``param_grad_norm``:
 :math:`\lVert \bar g\rVert`) is not a sum over micro-batches, :math:`P(\bar g) \ne \frac1N \sum_k
 P(g_k)`: penalizing each micro-batch's own gradient (what one backward per micro-batch of
 ``loss + penalty`` does) is another objective. Its gradient is
@@ -30,7 +31,7 @@ The plain-loop form::
 
     optimizer.zero_grad()
     accumulated_backward(gnp, [partial(loss_fn, xb, yb) for xb, yb in micro_batches],
-                         params, on=(x,))
+                         params, rows=[len(yb) for _, yb in micro_batches], on=(x,))
     optimizer.step()
 
 A training loop that hands over one micro-batch per backward (Lightning's automatic optimization
