@@ -6,6 +6,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 (Lightning is imported after the torchvision check)
 import json
+import shlex
 import signal
 from pathlib import Path
 
@@ -19,10 +20,11 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from gradreg.app import runtime
+from gradreg.app import runtime, trackers
 from gradreg.app.console import say
 from gradreg.app.errors import building, exit_with
 from gradreg.app.path_checks import check_writable, resolve_checkpoint
@@ -53,6 +55,7 @@ def build(cfg: DictConfig, resuming: bool = False
         model = instantiate(cfg.model, penalties=penalties, _convert_="all")
     with building("logger"):
         loggers = [instantiate(node) for node in cfg.logger.values()]
+        trackers.log_config(loggers, cfg)  # MLflow, W&B, CSV: the run's config
     with building("callbacks"):
         # a callback set to null in a config (or `callbacks.<name>=null`) is left out
         callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
@@ -126,16 +129,20 @@ def fit(cfg: DictConfig) -> dict[str, float]:
 
 
 def report(trainer: L.Trainer, metrics: dict[str, float], output_dir: Path | None) -> None:
-    """Say the final metrics and where the logs and the checkpoint are; save metrics.json in
-    ``output_dir`` (None: nothing is written, as in ``debug=fast_dev_run``)."""
+    """Say the final metrics, where the logs and the checkpoint are and the command that opens
+    the TensorBoard logs; save metrics.json in ``output_dir`` (None: nothing is written, as in
+    ``debug=fast_dev_run``)."""
     width = max(map(len, metrics), default=0)
     say("\n".join(["\nfinal metrics:", *(f"  {name:<{width}}  {value:.4f}"
                                           for name, value in sorted(metrics.items()))]))
     if output_dir is None:
         return
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    log_dir = getattr(trainer.logger, "log_dir", None)  # None without a logger
+    log_dir = next((Path(logger.log_dir) for logger in trainer.loggers
+                    if isinstance(logger, TensorBoardLogger)), None)  # None: logger=none
     checkpoint = trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path
-    say(f"tensorboard logs: {Path(log_dir) if log_dir else '(none)'}\n"
+    say(f"tensorboard logs: {log_dir or '(none)'}\n"
         f"checkpoint:       {checkpoint or '(none)'}\n"
         f"metrics:          {output_dir / 'metrics.json'}")
+    if log_dir:
+        say(f"open the logs:    tensorboard --logdir {shlex.quote(str(log_dir))}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,13 +28,15 @@ IMAGE_METRICS = {f"{stage}/{name}" for stage in ("val", "test")
 
 
 def test_default_run_trains_and_reports_metrics_logs_and_checkpoint(tmp_path: Path) -> None:
-    """The no-argument run, cut to 3 training batches: it prints the final metrics and the paths
-    of its TensorBoard logs, checkpoint and metrics.json, and they exist."""
+    """The no-argument run, cut to 3 training batches: it prints the final metrics, the paths
+    of its TensorBoard logs, checkpoint and metrics.json, and they exist, and the command that
+    opens the logs (before: the folder only)."""
     result = run_script("trainer.max_epochs=1", "+trainer.limit_train_batches=3",
                         "+trainer.limit_val_batches=1", "+trainer.limit_test_batches=1",
                         "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(":", 1) for line in result.stdout.splitlines()[-3:])
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines()[-4:])
+    assert shlex.split(lines["open the logs"]) == ["tensorboard", "--logdir", str(tmp_path)]
     assert Path(lines["tensorboard logs"].strip()) == tmp_path
     assert any(tmp_path.glob("events.out.tfevents.*"))
     assert Path(lines["checkpoint"].strip()) == tmp_path / "checkpoints" / "epoch0-step3.ckpt"
