@@ -73,7 +73,8 @@ from gradreg.autograd import GradientError
 from gradreg.blockwise_attention import add_optional
 from gradreg.torch_compat import attention_in_functional, functorch_transform_active
 
-__all__ = ["differentiable_attention", "explain_fused_attention", "scaled_dot_product_attention"]
+__all__ = ["BACKENDS", "differentiable_attention", "explain_fused_attention",
+           "scaled_dot_product_attention"]
 
 #: The fused entry point that :func:`differentiable_attention` replaces (bound at import, so a
 #: replacement of the module attribute never reaches it).
@@ -191,50 +192,64 @@ def _learned(mask: Tensor | None) -> bool:
     return mask is not None and mask.dtype != torch.bool
 
 
+def _default_scale(q: Tensor, scale: float | None) -> float:
+    """The kernels' default, 1 / sqrt(E), computed as they compute it."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
 class _Attention(torch.autograd.Function):
-    """Fused forward; backward (:class:`_AttentionGrad`) and forward-mode derivative
-    (:class:`_AttentionJvp`) blockwise (:mod:`gradreg.blockwise_attention`)."""
+    """The forward of ``kernels`` (:mod:`gradreg.blockwise_attention`: the fused kernel; the
+    Triton kernels of :mod:`gradreg.triton_attention`: theirs, which returns the log-sum-exp
+    too, as a second output that is not differentiable); backward (:class:`_AttentionGrad`) and
+    forward-mode derivative (:class:`_AttentionJvp`) by ``kernels``."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                scale: float | None) -> Tensor:
-        return _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+                scale: float | None, kernels: Any) -> Tensor | tuple[Tensor, Tensor]:
+        if kernels is blockwise:
+            return _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+        return kernels.forward(blockwise.Attention(q, k, v, mask, is_causal,
+                                                   _default_scale(q, scale)))
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        q, k, v, mask, is_causal, scale = inputs
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor | tuple[Tensor, Tensor]) -> None:
+        q, k, v, mask, is_causal, scale, kernels = inputs
+        ctx.lse = None
+        if isinstance(output, tuple):
+            output, ctx.lse = output
+            ctx.mark_non_differentiable(ctx.lse)
         ctx.save_for_backward(q, k, v, mask, output)
         ctx.save_for_forward(q, k, v, mask, output)
-        ctx.is_causal = is_causal
-        # the kernels' default, 1 / sqrt(E), computed as they compute it
-        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        ctx.lse = None
+        ctx.is_causal, ctx.kernels = is_causal, kernels
+        ctx.scale = _default_scale(q, scale)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         q, k, v, mask, out = ctx.saved_tensors
         lse = _log_sum_exp(ctx, q, k, v, mask, out)
         mask_grad = _learned(mask) and ctx.needs_input_grad[3]
         if torch.is_grad_enabled():  # create_graph: a Function whose backward is blockwise
             grads = _AttentionGrad.apply(q, k, v, mask, grad_out, out, lse, ctx.is_causal,
-                                         ctx.scale, mask_grad)
+                                         ctx.scale, mask_grad, ctx.kernels)
         else:
             problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
-            grads = blockwise.vjp(problem, lse, out, grad_out, mask_grad)
-        return (*grads[:3], grads[3] if mask_grad else None, None, None)
+            grads = ctx.kernels.vjp(problem, lse, out, grad_out, mask_grad)
+        return (*grads[:3], grads[3] if mask_grad else None, None, None, None)
 
     @staticmethod
     def jvp(ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
-            dmask: Tensor | None, *_: Any) -> Tensor:
+            dmask: Tensor | None, *_: Any) -> Tensor | tuple[Tensor, None]:
         q, k, v, mask, out = ctx.saved_tensors
         lse = _log_sum_exp(ctx, q, k, v, mask, out)
-        return _AttentionJvp.apply(q, k, v, mask, out, lse, ctx.is_causal, ctx.scale, dq, dk, dv,
-                                   dmask if _learned(mask) else None)
+        dout = _AttentionJvp.apply(q, k, v, mask, out, lse, ctx.is_causal, ctx.scale,
+                                   ctx.kernels, dq, dk, dv, dmask if _learned(mask) else None)
+        return dout if ctx.kernels is blockwise else (dout, None)
 
 
 def _log_sum_exp(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor
                  ) -> Tensor:
-    """The forward's log-sum-exp per query, computed once per forward (blockwise)."""
+    """The forward's log-sum-exp per query: the Triton forward's, else computed once per forward
+    (blockwise)."""
     if ctx.lse is None:
         with torch.no_grad():
             problem = blockwise.Attention(q.detach(), k.detach(), v.detach(), None if mask is None
@@ -247,20 +262,22 @@ class _AttentionGrad(torch.autograd.Function):
     r""":math:`(\bar Q, \bar K, \bar V[, \bar M])` of :math:`(Q, K, V, M, \bar O)`
     (:func:`blockwise_attention.vjp`); its backward is :func:`blockwise_attention.second_order`
     (the double backward; in differentiable ops on :math:`L \times S` tensors where that
-    backward is itself differentiated)."""
+    backward is itself differentiated), both by ``kernels`` (the blockwise path's functions or
+    the Triton kernels')."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Tensor, out: Tensor,
-                lse: Tensor, is_causal: bool, scale: float, mask_grad: bool) -> tuple[Tensor, ...]:
-        grads = blockwise.vjp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out, g,
-                              mask_grad)
+                lse: Tensor, is_causal: bool, scale: float, mask_grad: bool,
+                kernels: Any) -> tuple[Tensor, ...]:
+        grads = kernels.vjp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out, g,
+                            mask_grad)
         return grads if mask_grad else grads[:3]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        q, k, v, mask, g, out, lse, is_causal, scale, _ = inputs
+        q, k, v, mask, g, out, lse, is_causal, scale, _, kernels = inputs
         ctx.save_for_backward(q, k, v, mask, g, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.kernels = is_causal, scale, kernels
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -271,70 +288,112 @@ class _AttentionGrad(torch.autograd.Function):
             grads = _differentiate(
                 lambda *x: _reference_vjp(*x, out, ctx.is_causal, ctx.scale),
                 (q, k, v, mask, g), cotangents)
-            return (*grads, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None)
         mask_grad = _learned(mask) and ctx.needs_input_grad[3]
         problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
-        (fq, fk, fv, fm), fg, _ = blockwise.second_order(problem, lse, out, g, cotangents,
-                                                         mask_grad, with_vjp=False)
-        return fq, fk, fv, fm, fg, None, None, None, None, None
+        (fq, fk, fv, fm), fg, _ = ctx.kernels.second_order(problem, lse, out, g, cotangents,
+                                                           mask_grad, with_vjp=False)
+        return fq, fk, fv, fm, fg, None, None, None, None, None, None
+
 
 
 class _AttentionJvp(torch.autograd.Function):
     r""":math:`\dot O` of :math:`(Q, K, V, M)` and tangents :math:`(\dot Q, \dot K, \dot V,
     \dot M)` (:func:`blockwise_attention.jvp`); its backward is
     :func:`blockwise_attention.second_order` with :func:`blockwise_attention.vjp` for the
-    tangents, its own JVP (the exact Hessian penalty's JVP of a JVP) :func:`_jvp_of_jvp`."""
+    tangents, its own JVP (the exact Hessian penalty's JVP of a JVP) :func:`_jvp_of_jvp`; all
+    but the last by ``kernels``."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
-                is_causal: bool, scale: float, *tangents: Tensor | None) -> Tensor:
-        return blockwise.jvp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out,
-                             *tangents)
+                is_causal: bool, scale: float, kernels: Any, *tangents: Tensor | None) -> Tensor:
+        return kernels.jvp(blockwise.Attention(q, k, v, mask, is_causal, scale), lse, out,
+                           *tangents)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        q, k, v, mask, out, lse, is_causal, scale, *tangents = inputs
+        q, k, v, mask, out, lse, is_causal, scale, kernels, *tangents = inputs
         ctx.save_for_backward(q, k, v, mask, out, lse, *tangents)
         ctx.save_for_forward(q, k, v, mask, out, *tangents)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.is_causal, ctx.scale, ctx.kernels = is_causal, scale, kernels
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, y: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, mask, out, lse, *tangents = ctx.saved_tensors
         if y is None:
-            return (None,) * 12
+            return (None,) * 13
         if torch.is_grad_enabled():
             grads = _differentiate(
                 lambda q, k, v, mask, *t: (_reference_jvp(q, k, v, mask, out, t, ctx.is_causal,
                                                           ctx.scale),),
                 (q, k, v, mask, *tangents), (y,))
-            return (*grads[:4], None, None, None, None, *grads[4:])
+            return (*grads[:4], None, None, None, None, None, *grads[4:])
         need = ctx.needs_input_grad
         problem = blockwise.Attention(q, k, v, mask, ctx.is_causal, ctx.scale)
-        mask_grad = _learned(mask) and (need[3] or need[11])
-        (fq, fk, fv, fm), _, first = blockwise.second_order(
-            problem, lse, out, y, tuple(tangents), mask_grad, with_vjp=any(need[8:]))
+        mask_grad = _learned(mask) and (need[3] or need[12])
+        (fq, fk, fv, fm), _, first = ctx.kernels.second_order(
+            problem, lse, out, y, tuple(tangents), mask_grad, with_vjp=any(need[9:]))
         first = first or (None,) * 4
-        return (fq, fk, fv, fm if need[3] else None, None, None, None, None,
-                *(f if n else None for f, n in zip(first, need[8:], strict=True)))
+        return (fq, fk, fv, fm if need[3] else None, None, None, None, None, None,
+                *(f if n else None for f, n in zip(first, need[9:], strict=True)))
 
     @staticmethod
     def jvp(ctx: Any, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None,
             dmask: Tensor | None, _out: Any, _lse: Any, _causal: Any, _scale: Any,
-            *of_tangents: Tensor | None) -> Tensor:
+            _kernels: Any, *of_tangents: Tensor | None) -> Tensor:
         q, k, v, mask, out, *tangents = ctx.saved_tensors
         return _jvp_of_jvp(q, k, v, mask, out, tuple(tangents), (dq, dk, dv, dmask),
                            tuple(of_tangents), ctx.is_causal, ctx.scale)
 
 
+#: The backends of :func:`differentiable_attention`: ``"auto"`` is ``"triton"`` on CUDA tensors
+#: where Triton is installed, else ``"blockwise"``.
+BACKENDS = ("auto", "blockwise", "triton")
+
+
+def _kernels(backend: str, query: Tensor) -> Any:
+    """The module whose functions compute the derivatives (and, for Triton, the forward):
+    ``"auto"`` takes the Triton kernels on CUDA tensors where a Triton they run on is installed."""
+    if backend == "triton":
+        return _triton_kernels()
+    if backend == "auto" and query.device.type == "cuda":
+        try:
+            return _triton_kernels()
+        except GradientError:
+            return blockwise
+    return blockwise
+
+
+def _triton_kernels() -> Any:
+    """:mod:`gradreg.triton_attention`; a clear error where Triton is not installed (or too
+    old)."""
+    try:
+        from gradreg import triton_attention
+    except ImportError as err:
+        raise GradientError(
+            f"backend='triton' needs Triton ({err}): pip install 'gradreg[triton]', or use "
+            "backend='blockwise'.") from err
+    return triton_attention
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: "
+                         f"{', '.join(map(repr, BACKENDS))}.")
+
+
 def scaled_dot_product_attention(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-    enable_gqa: bool = False,
+    enable_gqa: bool = False, *, backend: str | None = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` (same arguments, same output) whose gradient can be
-    differentiated again (module docstring); a drop-in replacement."""
+    differentiated again (module docstring); a drop-in replacement. ``backend``: one of
+    :data:`BACKENDS`, that of the enclosing :func:`differentiable_attention` where None
+    (``"auto"`` outside one)."""
+    backend = getattr(_active, "backend", "auto") if backend is None else backend
+    _check_backend(backend)
     tensors = (query, key, value) + (() if attn_mask is None else (attn_mask,))
     if any(t.is_nested for t in tensors):
         raise GradientError(
@@ -355,7 +414,9 @@ def scaled_dot_product_attention(
         value = value.repeat_interleave(repeats, dim=-3)
     if functorch_transform_active():  # torch.func differentiates ops, not these Functions
         return _reference_attention(query, key, value, attn_mask, is_causal, scale)
-    return _Attention.apply(query, key, value, attn_mask, is_causal, scale)
+    kernels = _kernels(backend, query)
+    out = _Attention.apply(query, key, value, attn_mask, is_causal, scale, kernels)
+    return out if kernels is blockwise else out[0]
 
 
 def _reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -404,7 +465,7 @@ _active = threading.local()
 
 
 @contextmanager
-def differentiable_attention() -> Iterator[None]:
+def differentiable_attention(backend: str | None = None) -> Iterator[None]:
     """Within this context, ``F.scaled_dot_product_attention`` (also as called by
     ``nn.MultiheadAttention`` and the transformer layers) is :func:`scaled_dot_product_attention`:
     the fused kernel forward, a backward that can be differentiated again. Wrap the forward
@@ -414,7 +475,25 @@ def differentiable_attention() -> Iterator[None]:
             scores = critic(x)          # x = as_points(real)
         loss = adversarial(scores) + r1(scores, x)
 
-    Nested uses are one context. The backward may run after the context is left."""
+    ``backend`` (:data:`BACKENDS`): ``"blockwise"``, the fused kernel's forward and the
+    derivatives of :mod:`gradreg.blockwise_attention`; ``"triton"``, the forward and the
+    derivatives as Triton kernels (:mod:`gradreg.triton_attention`; ``pip install
+    'gradreg[triton]'``), on CUDA tensors; ``"auto"`` (the default, None): ``"triton"`` on CUDA
+    tensors where Triton is installed, else ``"blockwise"``. Nested uses are one context (an
+    inner one given a backend uses it until it is left). The backward may run after the context
+    is left, with the backend of the forward."""
+    if backend is not None:
+        _check_backend(backend)
+        if backend == "triton":
+            _triton_kernels()  # refused here where Triton is not installed
+        outer = getattr(_active, "backend", "auto")
+        _active.backend = backend
+        try:
+            with differentiable_attention():
+                yield
+        finally:
+            _active.backend = outer
+        return
     if getattr(_active, "depth", 0):
         _active.depth += 1
         try:

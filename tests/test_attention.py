@@ -3,6 +3,8 @@ through transformer models equal to the same models with MATH attention everywhe
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch import nn
 from torch.autograd import gradcheck, gradgradcheck
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import gradreg
 from gradreg import GradientError, differentiable_attention
 from gradreg import blockwise_attention as blockwise
 from gradreg.attention import scaled_dot_product_attention
@@ -136,6 +139,22 @@ def test_a_dead_rows_gradient_is_that_of_the_kernels_output_there() -> None:
     for got, want in zip(ours, expected, strict=True):
         assert bool(got.isfinite().all()) is not nan
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_the_triton_backend_without_triton_is_refused_naming_the_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Triton, backend="triton" is refused at the context's entry with the extra to
+    install; "auto" keeps the blockwise path."""
+    monkeypatch.setitem(sys.modules, "gradreg.triton_attention", None)
+    monkeypatch.delattr(gradreg, "triton_attention", raising=False)
+    with (pytest.raises(GradientError, match=r"backend='triton' needs Triton.*"
+                                             r"pip install 'gradreg\[triton\]'"),
+          differentiable_attention(backend="triton")):
+        pass
+    q, k, v = qkv()
+    with differentiable_attention(backend="auto"):
+        out = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, FUSED(q, k, v), rtol=0, atol=0)
 
 
 def test_nested_tensors_are_refused() -> None:
@@ -374,14 +393,18 @@ def math_derivatives(attention, inputs: tuple[torch.Tensor, ...], seed: int = 4
                      ) -> list[torch.Tensor]:
     """The value, the gradient of <out, G>, the double backward of that gradient for random
     cotangents (w.r.t. the inputs and G), the JVP for random tangents and the JVP's gradient,
-    of ``attention``, all concatenated."""
+    of ``attention``, all concatenated (the random tensors in the inputs' dtype and device)."""
     g = torch.Generator().manual_seed(seed)
+
+    def like(x: torch.Tensor) -> torch.Tensor:  # drawn in float64 on the CPU, as x
+        return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)
+
     out = attention(*inputs)
-    weight = torch.randn(out.shape, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = like(out).requires_grad_()
     grads = torch.autograd.grad(out, inputs, weight, create_graph=True)
-    cotangents = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs]
+    cotangents = [like(x) for x in inputs]
     second = torch.autograd.grad(grads, (*inputs, weight), cotangents, allow_unused=True)
-    tangents = tuple(torch.randn(x.shape, generator=g, dtype=torch.float64) for x in inputs)
+    tangents = tuple(like(x) for x in inputs)
     dout = torch.func.jvp(attention, inputs, tangents)[1]
     of_jvp = torch.autograd.grad(dout, inputs, weight.detach())
     return [out, *grads, *second, dout, *of_jvp]

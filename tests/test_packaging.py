@@ -165,7 +165,8 @@ LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": 
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
                     "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers",
-                    "app/sweep_search.py": "sweeps", "app/search_pruning.py": "sweeps"}
+                    "app/sweep_search.py": "sweeps", "app/search_pruning.py": "sweeps",
+                    "triton_attention.py": "triton"}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:
