@@ -65,9 +65,19 @@ Refused in one line: points of a GAN (``real``, ``fake``...), a head without a k
 loss, logits without a graph (a trainer whose loss is computed without them: TRL's
 ``SFTTrainer`` by a fused head), penalties at activations that run their own forward, and
 under accumulation more than one parameter penalty or ``reduction="max"`` (a maximum over
-micro-batches is not one over the batch), and parameter penalties on more than one process
-(``args.world_size > 1``: each process would penalize its own share's gradient). Evaluation
-(no grad, or the model in eval mode) computes the loss alone.
+micro-batches is not one over the batch). Evaluation (no grad, or the model in eval mode)
+computes the loss alone.
+
+On several processes (DDP: ``torchrun``, or ``accelerate launch``; ``args.world_size`` :math:`W
+> 1`) a parameter penalty is that of the whole batch's gradient: the first phase ends with one
+all-reduce of each rank's accumulated gradient (``Accumulation(over_ranks=True)``), so the
+penalty's value and direction :math:`v` are the batch's, the same on every rank; each rank's
+second phase (its forwards run on the unwrapped model, past DDP's reducer) gives the Hessian
+of its own share along :math:`v`, and DDP's mean of the ranks' gradients in the trainer's
+backward completes :math:`\bar H v`. The ranks' shares are weighted as the trainer weights
+them (by ``num_items_in_batch``, counted over all ranks, or equally). One parameter penalty
+there. Refused in one line when the trainer is built: every penalty under DeepSpeed ZeRO, the
+parameter penalties under FSDP and ``nn.DataParallel`` (not yet; DDP takes them all).
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -255,6 +265,7 @@ class PenaltyMixin:
                 "use method='double_backward', subsample=1 and chunks=1.")
         if model is not None:
             self._check_fused_head(name, penalty, model)
+        self._check_engine(name, penalty)
         args = getattr(self, "args", None)
         if not penalty.needs_callable and (getattr(args, "gradient_checkpointing", False)
                                            or getattr(args, "activation_checkpointing", False)):
@@ -273,6 +284,25 @@ class PenaltyMixin:
                                 f"{type(model).__name__}: name them as model.named_modules() does.")
         if config.points != "parameters" and config.of == "loss" and self.per_sample_loss is None:
             _head(model)
+
+    def _check_engine(self, name: str, penalty: GradientPenalty) -> None:
+        """Refuse in one line, before training, a penalty the trainer's engine cannot take:
+        under DeepSpeed ZeRO none (its partitioned gradients take no second backward), under
+        FSDP the parameter penalties (its sharded parameters: not yet), with several GPUs in
+        one process (``nn.DataParallel``) the parameter penalties; DDP takes all."""
+        parameters = penalty.config.points == "parameters"
+        engine = ("DeepSpeed ZeRO" if getattr(self, "is_deepspeed_enabled", False)
+                  else "FSDP" if parameters and getattr(self, "is_fsdp_enabled", False)
+                  else "nn.DataParallel" if parameters and getattr(getattr(self, "args", None),
+                                                                    "n_gpu", 1) > 1
+                  else None)
+        if engine is not None:
+            raise GradientError(
+                f"penalty {name!r} (points={penalty.config.points!r}) is not taken under "
+                f"{engine} yet: train with DDP (one process per device, e.g. torchrun), which "
+                "takes every penalty of the whole batch"
+                + ("" if parameters else ", or FSDP for penalties at the embeddings or "
+                   "activations") + ".")
 
     def _check_fused_head(self, name: str, penalty: GradientPenalty, model: nn.Module) -> None:
         """Refuse in one line, before training, what TRL's fused LM head (a model whose forward
@@ -476,16 +506,16 @@ class PenaltyMixin:
         parameter = {n: gp for n, gp in due.items() if gp.config.points == "parameters"}
         if not parameter:
             return loss
-        if self.args.world_size > 1:
+        ranks = self.args.world_size > 1
+        if ranks and len(parameter) > 1:
             raise GradientError(
-                f"penalties {sorted(parameter)} penalize the parameter gradient, and this "
-                f"trainer runs on {self.args.world_size} processes, each with its share of the "
-                "batch: each would penalize its own share's gradient, not the batch's. Train on "
-                "one process, or use gradreg.lightning.classifier.Classifier, whose DDP takes the "
-                "whole batch's gradient.")
+                f"penalties {sorted(parameter)} on {self.args.world_size} processes: the penalty "
+                "of the whole batch's gradient is taken for one parameter penalty; use one.")
+        # the second phase's forwards bypass DDP's reducer, which the trainer's backward feeds
+        again = self.accelerator.unwrap_model(model) if ranks else model
 
         def loss_at_parameters() -> Tensor:
-            return parent(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            return parent(again, dict(inputs), num_items_in_batch=num_items_in_batch)
 
         params = self._penalized_parameters(model)
         retain = len(due) > 1  # other penalties differentiate the same forward
@@ -493,11 +523,12 @@ class PenaltyMixin:
         # gradient for the selected ones (taken before its passes free the graph)
         others = _carried_gradient(loss, [p for p in model.parameters() if p.requires_grad
                                           and all(p is not q for q in params)]) \
-            if count > 1 or any(gp.needs_callable for gp in parameter.values()) else None
-        if count > 1:
+            if count > 1 or ranks or any(gp.needs_callable for gp in parameter.values()) \
+            else None
+        if count > 1 or ranks:
             ((name, gp),) = parameter.items()
             task = self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
-                                     count, factor, retain)
+                                     count, factor, retain, ranks)
         else:
             task = loss
             for name, gp in parameter.items():
@@ -522,7 +553,7 @@ class PenaltyMixin:
     def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor,
                      fn: Callable[[], Tensor], state: GeneratorState, params: list[Tensor],
                      values: dict[str, Tensor], count: int, factor: int,
-                     retain: bool) -> Tensor:
+                     retain: bool, ranks: bool) -> Tensor:
         r"""Micro-batch :math:`k` of :math:`N`: the ``Accumulation`` is given ``factor``
         :math:`\cdot L_k` (:math:`N L_k` for losses normalized over the accumulated batch,
         :math:`L_k` for micro-batch means: its mean over the micro-batches is :math:`L`); the
@@ -532,7 +563,8 @@ class PenaltyMixin:
         docstring); the penalty :math:`\lambda P(\nabla L)` goes into ``values``."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(gp, params)
+            accumulation = self._accumulations[name] = Accumulation(gp, params,
+                                                                    over_ranks=ranks)
 
         def scaled() -> Tensor:  # differentiated twice by double backward
             with nullcontext() if gp.needs_callable else differentiable_attention():

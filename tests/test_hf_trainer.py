@@ -188,14 +188,29 @@ def test_accumulation_refuses_what_it_cannot_split_in_one_line(tmp_path, penalti
         trainer.train()
 
 
-def test_parameter_penalties_on_several_processes_are_refused(tmp_path, monkeypatch) -> None:
-    """Each process would penalize its own share's gradient, not the batch's."""
+def test_two_parameter_penalties_on_several_processes_are_refused(tmp_path,
+                                                                  monkeypatch) -> None:
+    """The whole batch's gradient is taken for one parameter penalty."""
     trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path),
-                               train_dataset=Tokens(), penalties={"sam": sam(0.05)})
+                               train_dataset=Tokens(),
+                               penalties={"sam": sam(0.05), "gnp": param_grad_norm(0.01)})
     monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
-    with pytest.raises(GradientError, match=r"penalties \['sam'\] penalize the parameter "
-                                            r"gradient, and this trainer runs on 2 processes"):
+    with pytest.raises(GradientError, match=r"penalties \['gnp', 'sam'\] on 2 processes"):
         trainer.train()
+
+
+@pytest.mark.parametrize(("engine", "penalty", "match"), [
+    ("is_deepspeed_enabled", double_backprop(0.1), "not taken under DeepSpeed ZeRO yet: train "
+                                                   "with DDP.*or FSDP for penalties at the"),
+    ("is_deepspeed_enabled", sam(0.05), "not taken under DeepSpeed ZeRO yet: train with DDP"),
+    ("is_fsdp_enabled", sam(0.05), "not taken under FSDP yet: train with DDP")],
+    ids=["deepspeed_inputs", "deepspeed_parameters", "fsdp_parameters"])
+def test_what_an_engine_cannot_take_is_refused_before_training(tmp_path, engine: str, penalty,
+                                                               match: str) -> None:
+    trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path))
+    setattr(trainer, engine, True)
+    with pytest.raises(GradientError, match=match):
+        trainer._check("p", penalty, trainer.model)
 
 
 def gr_trl_twin(model: nn.Module, params: list[torch.Tensor], strength: float, eps: float,

@@ -1,0 +1,74 @@
+"""Parameter penalties in Hugging Face's Trainer on 2 processes (DDP, gloo): each step's
+gradient, after DDP's mean, equals one process's that takes the whole batch of 8, for sam,
+asam, gr and the exact param_grad_norm, with each rank's 4 rows in one micro-batch or in two
+(float64 throughout: a tiny GPT-2 and a float64 ``compute_loss_func``). Slow: two processes
+that each import transformers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.distributed import run_processes
+from tests.penalties.ranks_hf import CASES, train
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_hf", str(out)],
+                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT, timeout=600)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_step_as_one_process_with_the_whole_batch(tmp_path, ranks: list[dict],
+                                                            case: str) -> None:
+    name, steps = CASES[case]
+    (first, world), (second, _) = ranks[0][case], ranks[1][case]
+    whole, one = train(name, steps, 8 // steps, str(tmp_path))
+    assert (world, one) == (2, 1)
+    for got, other, want in zip(first, second, whole, strict=True):  # each of the 2 steps
+        largest = max(t.abs().max() for t in want)
+        for a, b, w in zip(got, other, want, strict=True):
+            assert torch.equal(a, b)  # the replicas stay the same
+            torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10 * largest)
+
+
+def test_each_ranks_own_penalty_would_be_another_step(tmp_path, ranks: list[dict]) -> None:
+    """The penalty of one rank's 4 rows alone (what each rank would penalize without the
+    whole batch's gradient) moves the step by more than 1e-4 of its largest entry."""
+    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.penalties import param_grad_norm
+    from tests.test_hf_accumulation import float64_loss
+    from tests.test_hf_trainer import Record, Tokens, arguments, tiny_gpt2
+
+    def first_step(data) -> list[torch.Tensor]:
+        record = Record()
+        PenalizedTrainer(model=tiny_gpt2(), train_dataset=data, callbacks=[record],
+                         compute_loss_func=float64_loss,
+                         penalties={"gnp": param_grad_norm(0.05)},
+                         args=arguments(str(tmp_path), max_steps=1,
+                                        per_device_train_batch_size=4)).train()
+        return record.grads[0]
+
+    whole = ranks[0]["gnp_1"][0][0]
+    data = Tokens(8, ignored=3)
+    halves = []
+    for rows in (slice(0, 4), slice(4, 8)):
+        part = Tokens(4)
+        part.ids, part.labels = data.ids[rows], data.labels[rows]
+        halves.append(first_step(part))
+    mean = [(a + b) / 2 for a, b in zip(*halves, strict=True)]
+    largest = max(t.abs().max() for t in whole)
+    assert max((a - b).abs().max() for a, b in zip(mean, whole, strict=True)) > 1e-4 * largest
