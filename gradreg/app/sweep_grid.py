@@ -17,6 +17,8 @@ from .hparams_columns import NO_PENALTY
 
 #: the config node that ``penalty=none`` ignores
 IGNORED_BY_NONE = "penalty."
+#: Hydra's warning on configs/hydra/sweeper/basic.yaml (a regex of its message)
+SCHEMA_WARNING = r"\s*'hydra/sweeper/basic' is validated against ConfigStore schema"
 
 
 def distinct_jobs(jobs: Sequence[Sequence[str]]) -> list[list[str]]:

@@ -41,6 +41,7 @@ stops at once, and the line names the run's last checkpoint.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import hydra
 from omegaconf import DictConfig
@@ -49,6 +50,7 @@ from gradreg import GradientError, NonFiniteError
 from gradreg.app import (
     hydra_compat,
     run_names,  # noqa: F401 (its resolvers name the run folders)
+    sweep_grid,
     sweep_plugins,
     sweep_space,
     trials,
@@ -94,6 +96,7 @@ def report_hydra_error(error: BaseException) -> None:
 def run() -> None:
     """The app on ``sys.argv``: the overrides and the sweep plugins checked first (one line and
     status 2 for a mistake), then Hydra's own command line (``--help``, ``-m``, ...)."""
+    warnings.filterwarnings("ignore", sweep_grid.SCHEMA_WARNING, UserWarning)
     try:
         sweep_plugins.check_plugins(sys.argv)
         check_overrides(sweep_space.command_line_overrides(sys.argv))
