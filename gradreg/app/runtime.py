@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 from threadpoolctl import threadpool_limits
 
@@ -73,6 +74,25 @@ def configure(threads: int | None) -> None:
     for message in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     route_lightning(_NoTips())
+
+
+class EndProgressLines(L.Callback):
+    """Ends the lines of Lightning's tqdm progress bars when a run stops (Ctrl-C, SIGTERM, an
+    error while training): tqdm redraws a bar with a carriage return and no newline, and
+    Lightning closes it only where its loop ends, so the app's ``error:`` line would start where
+    the bar ends. Closing a bar that is closed, or that never opened, does nothing."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        bars = trainer.progress_bar_callback
+        if not isinstance(bars, TQDMProgressBar):  # Rich's ends its own lines on an exception
+            return
+        for stage in ("predict", "test", "val", "train"):  # the inner bars first
+            try:
+                bar = getattr(bars, f"{stage}_progress_bar")
+            except TypeError:  # "has not been set yet": the stage never drew one
+                continue
+            bar.close()
 
 
 def progress_bar(configured: bool | None) -> bool:

@@ -62,6 +62,7 @@ def build(cfg: DictConfig, resuming: bool = False
     if resuming:
         explicit = weight_overrides(HydraConfig.get().overrides.task, cfg.penalty.name)
         callbacks.append(ResumedWeights({k: p.weight for k, p in penalties.items()}, explicit))
+    callbacks.append(runtime.EndProgressLines())  # a stop's error line starts a line of its own
     if not cfg.trainer.get("fast_dev_run"):  # SIGTERM (preemption) saves where training stands
         callbacks.append(PreemptionCheckpoint(Path(cfg.paths.output_dir, "checkpoints",
                                                    "last.ckpt")))

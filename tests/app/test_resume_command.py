@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,29 @@ def test_ctrl_c_saves_the_run_and_says_how_to_resume_with_status_130(tmp_path: P
     assert line == (f"error: stopped by SIGINT (Ctrl-C) at epoch {epoch} step {step}: saved "
                     f"{saved}; resume with: {command}")
     assert not (first / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_the_error_line_of_a_stop_starts_after_the_progress_bar(tmp_path: Path) -> None:
+    """tqdm's bar, redrawn with carriage returns, ends mid-line when Ctrl-C stops the run; the
+    error line (stderr, on the same terminal) started right after it: "...it/s]error: stopped"
+    (Rich's bar ends its own line)."""
+    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *LONG, "trainer.enable_progress_bar=true",
+         "+callbacks.bar={_target_:lightning.pytorch.callbacks.TQDMProgressBar}",
+         f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not any(tmp_path.glob("checkpoints/epoch0-*.ckpt")):  # the first epoch is done
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the first epoch's checkpoint never appeared"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 130, output[-3000:]
+    before, _ = output.split("error: stopped by SIGINT", 1)
+    assert "Epoch 1:" in before and before.endswith("\n"), repr(before[-300:])
 
 
 def test_sigterm_stops_a_sweep_with_status_143(tmp_path: Path) -> None:
