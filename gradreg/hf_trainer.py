@@ -76,8 +76,13 @@ second phase (its forwards run on the unwrapped model, past DDP's reducer) gives
 of its own share along :math:`v`, and DDP's mean of the ranks' gradients in the trainer's
 backward completes :math:`\bar H v`. The ranks' shares are weighted as the trainer weights
 them (by ``num_items_in_batch``, counted over all ranks, or equally). One parameter penalty
-there. Refused in one line when the trainer is built: every penalty under DeepSpeed ZeRO, the
-parameter penalties under FSDP and ``nn.DataParallel`` (not yet; DDP takes them all).
+there. Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the
+model's parameters gathered (:class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter,
+the mean over the ranks, runs once after the last one's backward: during the step each rank
+holds the full parameters and gradients (DDP's memory, not FSDP's share of it); the optimizer
+state and, between steps, the parameters stay sharded. Refused in one line when the trainer
+is built: every penalty under DeepSpeed ZeRO, the parameter penalties under FSDP1, FSDP2 on a
+torch before 2.6 and ``nn.DataParallel`` (DDP and FSDP2 take them all).
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -95,6 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradreg import sharding
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
@@ -209,6 +215,11 @@ def _embeddings_recorded(module: nn.Module) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
+def _fsdp_version(trainer: Any) -> int:
+    """The FSDP version of the trainer's ``fsdp_config`` (transformers' default: 2)."""
+    return int((getattr(trainer.args, "fsdp_config", None) or {}).get("version", 2))
+
+
 def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
     """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
     none); the graph is kept."""
@@ -242,6 +253,7 @@ class PenaltyMixin:
         self._micro_batch = 0  # the micro-batches of this optimizer step so far
         self._accumulations: dict[str, Accumulation] = {}
         self._loss_divides: bool | None = None  # measured once (_normalized)
+        self._held: sharding.HeldStep | None = None  # an FSDP2 model's step (training_step)
         model = getattr(self, "model", None)
         for name, penalty in self.penalties.items():
             self._check(name, penalty, model)
@@ -287,22 +299,25 @@ class PenaltyMixin:
 
     def _check_engine(self, name: str, penalty: GradientPenalty) -> None:
         """Refuse in one line, before training, a penalty the trainer's engine cannot take:
-        under DeepSpeed ZeRO none (its partitioned gradients take no second backward), under
-        FSDP the parameter penalties (its sharded parameters: not yet), with several GPUs in
-        one process (``nn.DataParallel``) the parameter penalties; DDP takes all."""
+        under DeepSpeed ZeRO none (its partitioned gradients take no second backward), the
+        parameter penalties under FSDP1 and with several GPUs in one process
+        (``nn.DataParallel``); DDP and FSDP2 take all."""
         parameters = penalty.config.points == "parameters"
         engine = ("DeepSpeed ZeRO" if getattr(self, "is_deepspeed_enabled", False)
-                  else "FSDP" if parameters and getattr(self, "is_fsdp_enabled", False)
+                  else "FSDP1" if parameters and getattr(self, "is_fsdp_enabled", False)
+                  and _fsdp_version(self) != 2
+                  else "FSDP2 on this torch" if parameters and getattr(self, "is_fsdp_enabled",
+                                                                        False)
+                  and not sharding.supports_exact_step()
                   else "nn.DataParallel" if parameters and getattr(getattr(self, "args", None),
                                                                     "n_gpu", 1) > 1
                   else None)
         if engine is not None:
             raise GradientError(
                 f"penalty {name!r} (points={penalty.config.points!r}) is not taken under "
-                f"{engine} yet: train with DDP (one process per device, e.g. torchrun), which "
-                "takes every penalty of the whole batch"
-                + ("" if parameters else ", or FSDP for penalties at the embeddings or "
-                   "activations") + ".")
+                f"{engine} yet: train with DDP (one process per device, e.g. torchrun) or "
+                "FSDP2 (fsdp_config={'version': 2}), which take every penalty of the whole "
+                "batch.")
 
     def _check_fused_head(self, name: str, penalty: GradientPenalty, model: nn.Module) -> None:
         """Refuse in one line, before training, what TRL's fused LM head (a model whose forward
@@ -332,6 +347,32 @@ class PenaltyMixin:
                 f"twice, and {type(self).__name__} computes it with TRL's fused LM head, whose "
                 f"chunked log-probability kernel has no double backward: {works}; or pass "
                 "compute_loss_func=... (the loss from the logits).")
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Tensor | int | None = None) -> Tensor:
+        """The trainer's step; with parameter penalties on an FSDP2 model, the step's
+        micro-batches run holding its parameters gathered (``sharding.HeldStep``), and FSDP's
+        reduction of the gradients runs once, after the last one's backward (module
+        docstring)."""
+        parent = super().training_step  # type: ignore[misc]
+        if not (self._held is not None or (
+                any(gp.config.points == "parameters" for gp in self.penalties.values())
+                and sharding.is_sharded(model))):
+            return parent(model, inputs, num_items_in_batch)
+        if self._held is None:
+            self._held = sharding.HeldStep(model)
+        try:
+            loss = parent(model, inputs, num_items_in_batch)
+            if self._micro_batch == 0:  # the optimizer step's last micro-batch
+                self._held.reduce()
+        except BaseException:
+            self._held.release()
+            self._held = None
+            raise
+        if self._micro_batch == 0:
+            self._held.release()
+            self._held = None
+        return loss
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Tensor | int | None = None) -> Any:
@@ -517,12 +558,17 @@ class PenaltyMixin:
         def loss_at_parameters() -> Tensor:
             return parent(again, dict(inputs), num_items_in_batch=num_items_in_batch)
 
-        params = self._penalized_parameters(model)
+        chosen = self._penalized_parameters(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # under FSDP2 the unsharded parameters the held step computes with
+        unsharded = dict(zip(map(id, trainable), sharding.held_unsharded(
+            tuple(trainable), "a parameter penalty"), strict=True))
+        params = [unsharded[id(p)] for p in chosen]
         retain = len(due) > 1  # other penalties differentiate the same forward
         # the unselected parameters' task gradient, where the penalty carries the task's
         # gradient for the selected ones (taken before its passes free the graph)
-        others = _carried_gradient(loss, [p for p in model.parameters() if p.requires_grad
-                                          and all(p is not q for q in params)]) \
+        others = _carried_gradient(loss, [unsharded[id(p)] for p in trainable
+                                          if all(p is not q for q in chosen)]) \
             if count > 1 or ranks or any(gp.needs_callable for gp in parameter.values()) \
             else None
         if count > 1 or ranks:

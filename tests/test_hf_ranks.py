@@ -1,8 +1,9 @@
-"""Parameter penalties in Hugging Face's Trainer on 2 processes (DDP, gloo): each step's
-gradient, after DDP's mean, equals one process's that takes the whole batch of 8, for sam,
-asam, gr and the exact param_grad_norm, with each rank's 4 rows in one micro-batch or in two
-(float64 throughout: a tiny GPT-2 and a float64 ``compute_loss_func``). Slow: two processes
-that each import transformers."""
+"""Parameter penalties in Hugging Face's Trainer on 2 processes (gloo) under DDP and FSDP2
+(accelerate's FSDP2 wrapping, set on CPUs as on GPUs: ``ranks_hf._on_cpus``): each step's
+gradient, after the engine's mean over the ranks, equals one process's that takes the whole
+batch of 8, for sam, asam, gr and the exact param_grad_norm, with each rank's 4 rows in one
+micro-batch or in two (float64 throughout: a tiny GPT-2 and a float64 ``compute_loss_func``).
+Slow: two processes that each import transformers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from tests.distributed import run_processes
-from tests.penalties.ranks_hf import CASES, train
+from tests.penalties.ranks_hf import CASES, ENGINES, train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -25,17 +26,19 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ranks")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_hf", str(out)],
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_hf", str(out),
+                   ",".join(ENGINES), ",".join(CASES)],
                   [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT, timeout=600)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_two_ranks_step_as_one_process_with_the_whole_batch(tmp_path, ranks: list[dict],
-                                                            case: str) -> None:
+                                                            engine: str, case: str) -> None:
     name, steps = CASES[case]
-    (first, world), (second, _) = ranks[0][case], ranks[1][case]
+    (first, world), (second, _) = ranks[0][f"{engine}_{case}"], ranks[1][f"{engine}_{case}"]
     whole, one = train(name, steps, 8 // steps, str(tmp_path))
     assert (world, one) == (2, 1)
     for got, other, want in zip(first, second, whole, strict=True):  # each of the 2 steps
@@ -62,7 +65,7 @@ def test_each_ranks_own_penalty_would_be_another_step(tmp_path, ranks: list[dict
                                         per_device_train_batch_size=4)).train()
         return record.grads[0]
 
-    whole = ranks[0]["gnp_1"][0][0]
+    whole = ranks[0]["ddp_gnp_1"][0][0]
     data = Tokens(8, ignored=3)
     halves = []
     for rows in (slice(0, 4), slice(4, 8)):

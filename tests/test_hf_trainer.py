@@ -201,14 +201,15 @@ def test_two_parameter_penalties_on_several_processes_are_refused(tmp_path,
 
 @pytest.mark.parametrize(("engine", "penalty", "match"), [
     ("is_deepspeed_enabled", double_backprop(0.1), "not taken under DeepSpeed ZeRO yet: train "
-                                                   "with DDP.*or FSDP for penalties at the"),
+                                                   "with DDP .* or FSDP2"),
     ("is_deepspeed_enabled", sam(0.05), "not taken under DeepSpeed ZeRO yet: train with DDP"),
-    ("is_fsdp_enabled", sam(0.05), "not taken under FSDP yet: train with DDP")],
-    ids=["deepspeed_inputs", "deepspeed_parameters", "fsdp_parameters"])
+    ("is_fsdp_enabled", sam(0.05), "not taken under FSDP1 yet: train with DDP")],
+    ids=["deepspeed_inputs", "deepspeed_parameters", "fsdp1_parameters"])
 def test_what_an_engine_cannot_take_is_refused_before_training(tmp_path, engine: str, penalty,
                                                                match: str) -> None:
     trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path))
     setattr(trainer, engine, True)
+    trainer.args.fsdp_config = {"version": 1}
     with pytest.raises(GradientError, match=match):
         trainer._check("p", penalty, trainer.model)
 
