@@ -64,10 +64,12 @@ from gradreg.lightning.penalized import (
     settle_finite_checks,
 )
 from gradreg.lightning.precision import loss_scale
+from gradreg.lightning.sharded import ShardedPenaltyStrategy
 from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
 from gradreg.penalties.accumulation import Accumulation, combined
 from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import Carried, penalized_loss
+from gradreg.sharding import held_unsharded
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -81,7 +83,7 @@ def over_ranks(trainer: Trainer | None) -> bool:
     """Whether each rank trains on its share of the step's batch under DDP (more than one
     rank), whose parameter penalties are then of the whole batch's gradient."""
     return (trainer is not None and trainer.world_size > 1
-            and isinstance(trainer.strategy, DDPStrategy))
+            and isinstance(trainer.strategy, (DDPStrategy, ShardedPenaltyStrategy)))
 
 
 class Classifier(PenalizedModule):
@@ -219,8 +221,9 @@ class Classifier(PenalizedModule):
         micro-batches (kept with their random states until then)."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(
-                gp, self._trainable(), over_ranks=over_ranks(trainer))
+            accumulation = self._accumulations[name] = Accumulation(  # FSDP2: held gathered
+                gp, held_unsharded(tuple(self._trainable()), "a parameter penalty"),
+                over_ranks=over_ranks(trainer))
         g = accumulation.add(partial(self._mean_loss, x, y), state, loss,
                              retain_graph=retain_graph)
         value = None

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from gradreg.lightning.sharded import ShardedPenaltyStrategy
 
-RUNS = ("classifier_double_backprop", "gan_wgan_gp_r1", "penalty_only")
+RUNS = ("classifier_double_backprop", "gan_wgan_gp_r1", "penalty_only", "classifier_sam",
+        "classifier_param_grad_norm")
 
 
 def train_sharded(scenario: str) -> dict[str, Tensor]:

@@ -149,7 +149,8 @@ def test_sharded_lightning_strategy_ends_with_the_parameters_of_one_process(
     """The critic and generator (GAN) or backbone (classifier) sharded over 2 ranks, each with
     half of every batch, end where one process with the whole batch ends; measured in float32
     3.0e-8 (classifier, GAN) and 1.5e-8 (a critic trained on R1 alone, whose output bias gets no
-    gradient), as DDP."""
+    gradient), as DDP; the classifier's ``sam`` and exact ``param_grad_norm`` are the whole
+    batch's (each rank's own penalty ends about 1e-3 away)."""
     sharded_run = torch.load(lightning_runs / f"{scenario}.pt", weights_only=False)
     assert not isinstance(sharded_run, str), sharded_run
     one_process = train(scenario)
