@@ -157,7 +157,7 @@ def names(requirements: list[str]) -> set[str]:
 #: import name -> distribution name (PIL: Pillow, which torchvision installs; omegaconf and yaml
 #: come with hydra-core)
 DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision", "hydra": "hydra-core",
-                "omegaconf": "hydra-core", "yaml": "hydra-core"}
+                "omegaconf": "hydra-core", "yaml": "hydra-core", "mlflow": "mlflow-skinny"}
 #: the extras of each package of gradreg ("": the top-level modules)
 LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": ("lightning",),
           "app": ("app", "lightning")}
@@ -166,7 +166,7 @@ LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": 
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
                     "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers",
                     "app/sweep_search.py": "sweeps", "app/search_pruning.py": "sweeps",
-                    "triton_attention.py": "triton"}
+                    "app/trackers.py": "trackers", "triton_attention.py": "triton"}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:

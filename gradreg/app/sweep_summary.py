@@ -13,7 +13,9 @@ and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holdin
 (Images tab, tag ``sweep/metric_vs_weight``), ``summary.md`` (Text tab, ``sweep/summary``) and
 the HParams declaration of the sweep folder
 (:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
-jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it.
+jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it; where they
+logged to MLflow or W&B (``logger=mlflow``, ``logger=wandb``), a run ``summary`` of the sweep
+there with both (:func:`gradreg.app.trackers.log_sweep_summary`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SUMMARY = "summary.md"
 #: the TensorBoard run of the sweep folder that holds the summary and the HParams declaration
 SUMMARY_RUN = "summary"
 FIGURE_TAG, TEXT_TAG = "sweep/metric_vs_weight", "sweep/summary"
+#: the loggers whose sweeps get a run ``summary`` of their own (gradreg/app/trackers.py)
+TRACKERS = "gradreg.app.trackers."
 
 
 class SweepSummary(Callback):
@@ -58,6 +62,12 @@ class SweepSummary(Callback):
             say(f"metric vs λ: {sweep_dir / FIGURE}")
         if any(sweep_dir.glob("*/**/events.out.tfevents.*")):
             log_summary(sweep_dir, body, figure, optimized)
+        if any(str(node.get("_target_", "")).startswith(TRACKERS)
+               for node in (config.get("logger") or {}).values() if node is not None):
+            from .trackers import log_sweep_summary  # Lightning, MLflow, W&B: only here
+
+            log_sweep_summary(config, sweep_dir, sweep_dir / SUMMARY,
+                              sweep_dir / FIGURE if figure is not None else None)
 
 
 def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None) -> None:

@@ -231,7 +231,10 @@ def test_a_metric_the_run_does_not_log_is_one_line_naming_those_it_does(
     (["-m", "hydra/launcher=submitit_slurm", "seed=0,1"],
      "hydra/launcher=submitit_slurm needs Hydra's plugin hydra-submitit-launcher"),
     (["-m", "hydra/launcher=joblib", "seed=0,1"],
-     "hydra/launcher=joblib needs Hydra's plugin hydra-joblib-launcher")])
+     "hydra/launcher=joblib needs Hydra's plugin hydra-joblib-launcher"),
+    (["logger=[tensorboard,mlflow]"], "logger=mlflow needs mlflow, of the trackers extra: "
+                                      "pip install -e '.[trackers]'"),
+    (["logger=wandb"], "logger=wandb needs wandb, of the trackers extra")])
 def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
         args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,7 +246,7 @@ def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
-    assert "pip install -e '.[sweeps]'" in err
+    assert "pip install -e '.[sweeps]'" in err or "pip install -e '.[trackers]'" in err
 
 
 def test_a_search_recipe_without_multirun_is_refused(

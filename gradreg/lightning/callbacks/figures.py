@@ -3,7 +3,9 @@ r"""Figures over training: input-gradient saliency maps and a 2D critic's landsc
 The first two draw every ``log_every_n_steps`` optimizer steps (or ``every_n_steps``) after the
 training batch, and once more at the end of training if the last batch was not drawn (so a run
 shorter than the interval has its figure too), with the networks in eval mode, and log matplotlib
-figures with ``add_figure``; the Images tab's slider then plays them over training. Each figure
+figures with ``add_figure`` (and to MLflow, W&B and CSV loggers as images,
+:mod:`gradreg.lightning.dashboards.artifacts`); the Images tab's slider then plays them over
+training. Each figure
 says its step and the penalties' weights, and keeps its colour scale over training, so frames and
 runs with and without a penalty compare.
 """
@@ -22,13 +24,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from gradreg import gradient
-from gradreg.lightning.callbacks._logging import (
-    check_every,
-    logging_due,
-    logging_step,
-    tensorboard,
-    warn_without_tensorboard,
-)
+from gradreg.lightning.callbacks._logging import check_every, logging_due, logging_step
 from gradreg.lightning.callbacks._penalties import penalty_weights
 from gradreg.lightning.callbacks._probe import (
     LossFn,
@@ -39,6 +35,7 @@ from gradreg.lightning.callbacks._probe import (
     real_samples,
     split_batch,
 )
+from gradreg.lightning.dashboards.artifacts import keeps_figures, log_figure
 from gradreg.lightning.dashboards.figures import (
     critic_landscape_figure,
     figure_title,
@@ -59,7 +56,12 @@ class _FigureLogger(pl.Callback):
         self._drawn_step: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        warn_without_tensorboard(trainer, type(self).__name__, "figures")
+        if not keeps_figures(trainer):
+            rank_zero_warn(
+                f"{type(self).__name__} writes figures, but the Trainer has no logger that keeps "
+                "them (TensorBoard, MLflow, W&B, CSV), so they are not logged. Pass "
+                "logger=TensorBoardLogger(save_dir) to the Trainer."
+            )
 
     def on_train_batch_end(
         self,
@@ -78,13 +80,12 @@ class _FigureLogger(pl.Callback):
             self._log(trainer, pl_module)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        writer = tensorboard(trainer)
-        if writer is None or self._last is None:
+        if not keeps_figures(trainer) or self._last is None:
             return
         batch, step = self._last
         figures = self.draw(pl_module, batch, figure_title(step, penalty_weights(pl_module)))
         for tag, figure in figures.items():
-            writer.add_figure(tag, figure, step, close=True)
+            log_figure(trainer, tag, figure, step)
         if figures:
             self._drawn_step = step
 
@@ -193,7 +194,7 @@ class SaliencyMaps(_FigureLogger):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if self.batch is None and tensorboard(trainer) is not None:
+        if self.batch is None and keeps_figures(trainer):
             rank_zero_warn(
                 "SaliencyMaps saw no validation batch, so it drew nothing: give the module or "
                 "datamodule a val_dataloader (and limit_val_batches > 0)."
