@@ -44,8 +44,9 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) < MIN_TRITON:
 
 __all__ = ["BLOCK", "MIN_TRITON", "forward", "jvp", "second_order", "vjp"]
 
-#: Queries and keys per block: a block of scores is BLOCK x BLOCK per head.
-BLOCK = 64
+#: Queries and keys per block (a block of scores is BLOCK x BLOCK per head); None: chosen per
+#: call by :func:`block_size`.
+BLOCK: int | None = None
 
 _NONE, _BOOL, _ADDITIVE = 0, 1, 2
 
@@ -102,7 +103,7 @@ def _tangent(q, k, u_ptr, w_ptr, m_ptr, rows, cols, es, L, S, E, scale, stride_m
 def _forward_kernel(Q, K, V, MASK, OUT, LSE, L, S, E, EV, H, scale,
                     smb, smh, sml, sms, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BEV: tl.constexpr):
-    n = tl.program_id(1)
+    n = tl.program_id(1).to(tl.int64)  # offsets of N x L x S elements pass 2**31
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     es, evs = tl.arange(0, BE), tl.arange(0, BEV)
     mask = MASK + (n // H) * smb + (n % H) * smh
@@ -140,7 +141,7 @@ def _row_sums_kernel(Q, K, V, MASK, LSE, G, D, U, W, TM, Z,
                      WANT_C: tl.constexpr, WANT_PSV: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BEV: tl.constexpr):
     """Per query block: r, rowsum(S^ . S-bar) (WANT_C), (P . S^) V (WANT_PSV), P z (HAS_Z)."""
-    n = tl.program_id(1)
+    n = tl.program_id(1).to(tl.int64)  # offsets of N x L x S elements pass 2**31
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     es, evs = tl.arange(0, BE), tl.arange(0, BEV)
     offset = (n // H) * smb + (n % H) * smh
@@ -221,7 +222,7 @@ def _query_side_kernel(Q, K, V, MASK, LSE, G, D, R, C, U, W, TM, Z,
                        BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BEV: tl.constexpr):
     """Per query block: S-bar K (FIRST); C K + S-bar w and B V (SECOND); the tiles of S-bar
     and C (MASK_GRAD)."""
-    n = tl.program_id(1)
+    n = tl.program_id(1).to(tl.int64)  # offsets of N x L x S elements pass 2**31
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     es, evs = tl.arange(0, BE), tl.arange(0, BEV)
     offset = (n // H) * smb + (n % H) * smh
@@ -277,7 +278,7 @@ def _key_side_kernel(Q, K, V, MASK, LSE, G, D, R, C, U, W, TM, Z,
                      HAS_M: tl.constexpr, HAS_Z: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BEV: tl.constexpr):
     """Per key block: S-bar^T Q and P^T G (FIRST); C^T Q + S-bar^T u and B^T G (SECOND)."""
-    n = tl.program_id(1)
+    n = tl.program_id(1).to(tl.int64)  # offsets of N x L x S elements pass 2**31
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     es, evs = tl.arange(0, BE), tl.arange(0, BEV)
     offset = (n // H) * smb + (n % H) * smh
@@ -323,6 +324,20 @@ def _key_side_kernel(Q, K, V, MASK, LSE, G, D, R, C, U, W, TM, Z,
         _put(FV + n * S * EV, fv, cols, evs, S, EV, EV)
 
 
+def block_size(width: int, itemsize: int, device: torch.device) -> int:
+    """Queries (and keys) per block for head dimensions padded to ``width`` and elements of
+    ``itemsize`` bytes: 64 x 64 float32 blocks of 64-wide heads on a GPU with 200 KB of shared
+    memory per block or more (the double backward's key-side kernel then takes 160 KB at one
+    pipeline stage, compiled for sm_90), half as many elements below; 16 to 64."""
+    budget = 64 * 64 * 4
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        if getattr(props, "shared_memory_per_block_optin", 0) < 200 * 1024:
+            budget //= 2
+    fit = budget // (width * itemsize)
+    return max(16, min(64, 1 << (fit.bit_length() - 1) if fit else 16))
+
+
 class _Launch:
     """One attention call as the kernels take it: [N, L, E] contiguous tensors (N the leading
     dimensions flattened), the mask as [B, H, L, S] strides (0 where broadcast), block sizes."""
@@ -338,11 +353,13 @@ class _Launch:
         self.mask_kind = (_NONE if a.mask is None else
                           _BOOL if a.mask.dtype == torch.bool else _ADDITIVE)
         self.mask, self.mask_strides = self.layout(a.mask)
-        self.meta = {"CAUSAL": a.causal, "MASK_KIND": self.mask_kind, "BM": BLOCK, "BN": BLOCK,
-                     "BE": max(16, triton.next_power_of_2(self.E)),
-                     "BEV": max(16, triton.next_power_of_2(self.EV))}
-        self.rows_grid = (triton.cdiv(self.L, BLOCK), self.n)
-        self.cols_grid = (triton.cdiv(self.S, BLOCK), self.n)
+        be, bev = (max(16, triton.next_power_of_2(x)) for x in (self.E, self.EV))
+        block = block_size(max(be, bev), q.element_size(), q.device) if BLOCK is None else BLOCK
+        # one pipeline stage: the blocks of the double backward's kernels fill shared memory
+        self.meta = {"CAUSAL": a.causal, "MASK_KIND": self.mask_kind, "BM": block, "BN": block,
+                     "BE": be, "BEV": bev, "num_stages": 1, "num_warps": 4}
+        self.rows_grid = (triton.cdiv(self.L, block), self.n)
+        self.cols_grid = (triton.cdiv(self.S, block), self.n)
 
     def flat(self, t: Tensor | None) -> Tensor | None:
         """``t`` [..., X, Y] as a contiguous [N, X, Y] (None stays None)."""
