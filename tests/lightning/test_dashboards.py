@@ -245,12 +245,17 @@ def test_an_interrupted_run_is_not_a_success(tmp_path: Path) -> None:
 
 def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_runs(
         tmp_path: Path) -> None:
-    """Three runs, weights 0.5, 0.5 and 2 at one lr: the folder's declaration marks weight (and
-    the penalty's weight under its tag), not lr; the metrics are the runs' with ``first``
-    leading; the runs' own declarations are gone, so TensorBoard reads one."""
+    """Three runs, weights 0.5, 0.5 and 2 at one lr, the last with a column of its own: the
+    folder's declaration has weight (and the penalty's weight under its tag), which differ, not
+    lr, equal in every run (it would take a visible slot from the metrics), nor the last run's
+    own column (blank in the others, it would leave them out of the parallel coordinates); the
+    metrics are the runs' with ``first`` leading; the runs' own declarations are gone, so
+    TensorBoard reads one."""
     for index, weight in enumerate([WEIGHT, WEIGHT, 2.0]):
         module = PlainClassifier(weight=weight, lr=0.1)
-        run = trainer(tmp_path / f"run{index}", [HParamsLogger(["val/acc", "val/loss"])],
+        own = {"only_here": 1.0} if index == 2 else None
+        run = trainer(tmp_path / f"run{index}",
+                      [HParamsLogger(["val/acc", "val/loss"], hparams=own)],
                       limit_val_batches=1)
         run.fit(module, loader(), loader())
     metrics = declare_folder(tmp_path, first="val/loss")
@@ -261,7 +266,7 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         folder.PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
     assert [(info.name, info.differs) for info in experiment.hparam_infos] == [
-        ("penalty/weight/gp", True), ("weight", True), ("lr", False)]
+        ("penalty/weight/gp", True), ("weight", True)]
     assert [info.name.tag for info in experiment.metric_infos] == ["val/loss", "val/acc"]
     # written again (a later sweep into the folder): still one declaration
     declare_folder(tmp_path)
@@ -274,7 +279,7 @@ def test_a_folder_declaration_marks_the_columns_that_differ_and_replaces_the_run
     content = ea.EventAccumulator(str(declaration.parent)).Reload().PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
-    assert [info.name for info in experiment.hparam_infos] == ["penalty/weight/gp", "weight", "lr"]
+    assert [info.name for info in experiment.hparam_infos] == ["penalty/weight/gp", "weight"]
 
 
 def test_the_penalty_weight_columns_can_be_left_to_one_weight_column(tmp_path: Path) -> None:

@@ -16,11 +16,13 @@ value is the latest scalar under the metric's own tag. So:
   leading), so a classifier run declares classifier metrics and a GAN run GAN metrics;
 * :func:`declare_folder` writes the declaration of a whole log folder, in an event file of a run
   of its own (the app's sweeps: ``summary/``), from what its runs hold: every run's
-  hyperparameters, the ones whose values differ between runs marked (TensorBoard shows them
-  first, the others a click away), and the union of the runs' metrics with ``first`` (the
-  metric a search optimizes) leading. The runs write their declarations in event files of
-  their own (``*_hparams_run``), which it removes: the folder's is then the only one, whatever
-  order TensorBoard reads the runs in. The app writes it at the end of every sweep.
+  hyperparameters that have a value in every run and differ between runs (a column blank
+  for some run would leave that run out of the parallel coordinates, and a constant one would
+  take a visible slot from the metrics; all complete ones where none differs), and the union of
+  the runs' metrics with ``first`` (the metric a search optimizes) leading. The runs write
+  their declarations in event files of their own (``*_hparams_run``), which it removes: the
+  folder's is then the only one, whatever order TensorBoard reads the runs in. The app writes
+  it at the end of every sweep.
 
 The metrics are the module's own tags (``val/acc``, ``test/acc_fgsm``), so nothing is logged
 twice; a metric a run never logs is blank in its row.
@@ -249,7 +251,15 @@ def declare_folder(folder: str | Path, first: str | None = None, run: str | None
         return []
     if first is not None:
         metrics = [first, *(tag for tag in metrics if tag != first)]
-    columns = {name: (kinds[name], len(set(seen)) > 1) for name, seen in values.items()}
+    sessions = max(len(seen) for seen in values.values())
+    # a column blank for some run (weight_log10 of penalty=none, a GAN's n_critic beside a
+    # classifier) would leave that run out of the parallel coordinates; a column equal in every
+    # run would take a visible slot from the metrics: declare the others (all, where none
+    # differs)
+    complete = {name: seen for name, seen in values.items() if len(seen) == sessions}
+    differing = {name for name, seen in complete.items() if len(set(seen)) > 1}
+    columns = {name: (kinds[name], name in differing) for name in complete
+               if name in differing or not differing}
     for old in folder.rglob(f"events.out.tfevents.*{FOLDER_DECLARATION}"):
         old.unlink()
     writer = FileWriter(str(folder / run if run else folder), filename_suffix=FOLDER_DECLARATION)
