@@ -57,6 +57,7 @@ repeats the key and value heads before the kernel. Nested (ragged) tensors are r
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -356,6 +357,12 @@ def _kernels(backend: str, query: Tensor) -> Any:
     """The module whose functions compute the derivatives (and, for Triton, the forward):
     ``"auto"`` takes the Triton kernels on CUDA tensors where a Triton they run on is installed."""
     if backend == "triton":
+        if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise GradientError(
+                f"backend='triton' runs its kernels on CUDA tensors, got {query.device.type} "
+                "ones: move the model to a GPU, or use backend='blockwise' (on the CPU, Triton's "
+                "interpreter runs them where TRITON_INTERPRET=1 is set before gradreg imports "
+                "them).")
         return _triton_kernels()
     if backend == "auto" and query.device.type == "cuda":
         try:

@@ -22,8 +22,8 @@ if not torch.cuda.is_available():  # before the kernels are defined: they run in
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", minversion="3.9")  # the release checked: one CI venv has it
 
+from gradreg import GradientError, differentiable_attention, triton_attention
 from gradreg import blockwise_attention as blockwise
-from gradreg import differentiable_attention, triton_attention
 from gradreg.attention import (
     _kernels,
     scaled_dot_product_attention,
@@ -148,7 +148,7 @@ def test_r1_through_a_transformer_with_the_triton_backend_equals_the_math_backen
         torch.testing.assert_close(got, want)
 
 
-def test_the_backend_is_chosen_by_device_and_by_name() -> None:
+def test_the_backend_is_chosen_by_device_and_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """``"auto"``: Triton on CUDA tensors, the blockwise path on others; an unknown name is
     refused naming the valid ones."""
     assert _kernels("auto", torch.zeros(1)) is blockwise
@@ -160,6 +160,10 @@ def test_the_backend_is_chosen_by_device_and_by_name() -> None:
     q = torch.randn(1, 1, 3, 4)
     with pytest.raises(ValueError, match="unknown attention backend"):
         scaled_dot_product_attention(q, q, q, backend="cuda")
+    if DEVICE == "cpu":  # the kernels run on the CPU only interpreted
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(GradientError, match="backend='triton' runs its kernels on CUDA"):
+            scaled_dot_product_attention(q, q, q, backend="triton")
 
 
 @pytest.mark.cuda
