@@ -172,6 +172,12 @@ STEPS = {"wgan_gp": wgan_gp_steps, "r1": r1_steps, "double_backprop": double_bac
          "sam": sam_steps}
 
 
+#: The releases counted: the ops a step dispatches are torch's decompositions, which an older
+#: release writes otherwise (torch's own norm backward in the hand-written twin among them).
+COUNTED = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+@pytest.mark.skipif(not COUNTED, reason="the op counts are those of torch >= 2.13")
 @pytest.mark.parametrize("name", STEPS)
 def test_no_more_ops_than_by_hand(name: str) -> None:
     step = STEPS[name]()
