@@ -77,11 +77,12 @@ of its own share along :math:`v`, and DDP's mean of the ranks' gradients in the 
 backward completes :math:`\bar H v`. The ranks' shares are weighted as the trainer weights
 them (by ``num_items_in_batch``, counted over all ranks, or equally). One parameter penalty
 there. Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the
-model's parameters gathered (:class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter,
-the mean over the ranks, runs once after the last one's backward: during the step each rank
-holds the full parameters and gradients (DDP's memory, not FSDP's share of it); the optimizer
-state and, between steps, the parameters stay sharded. Refused in one line when the trainer
-is built: every penalty under DeepSpeed ZeRO, the parameter penalties under FSDP1, FSDP2 on a
+model's parameters gathered, for every penalty (a double backward needs them too;
+:class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter, the mean over the ranks, runs
+once after the last one's backward: during the step each rank holds the full parameters and
+gradients (DDP's memory, not FSDP's share of it); the optimizer state and, between steps, the
+parameters stay sharded. Refused in one line when the trainer is built: every penalty under
+DeepSpeed ZeRO, the parameter penalties under FSDP1, FSDP2 on a
 torch before 2.6 and ``nn.DataParallel`` (DDP and FSDP2 take them all).
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
@@ -174,11 +175,12 @@ def _head(model: nn.Module) -> str:
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     )
 
+    for cls in type(model).__mro__:  # FSDP2 makes a subclass: FSDPGPT2LMHeadModel
+        if cls.__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+            return "causal_lm"
+        if cls.__name__ in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values():
+            return "classification"
     name = type(model).__name__
-    if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        return "causal_lm"
-    if name in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values():
-        return "classification"
     raise GradientError(
         f"penalties of per-sample losses need each sample's loss, which gradreg computes for "
         f"causal language models and sequence classifiers, not {name}: pass "
@@ -350,14 +352,11 @@ class PenaltyMixin:
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Tensor | int | None = None) -> Tensor:
-        """The trainer's step; with parameter penalties on an FSDP2 model, the step's
-        micro-batches run holding its parameters gathered (``sharding.HeldStep``), and FSDP's
-        reduction of the gradients runs once, after the last one's backward (module
-        docstring)."""
+        """The trainer's step; with penalties on an FSDP2 model, the step's micro-batches run
+        holding its parameters gathered (``sharding.HeldStep``), and FSDP's reduction of the
+        gradients runs once, after the last one's backward (module docstring)."""
         parent = super().training_step  # type: ignore[misc]
-        if not (self._held is not None or (
-                any(gp.config.points == "parameters" for gp in self.penalties.values())
-                and sharding.is_sharded(model))):
+        if self._held is None and not (self.penalties and sharding.is_sharded(model)):
             return parent(model, inputs, num_items_in_batch)
         if self._held is None:
             self._held = sharding.HeldStep(model)

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from gradreg.penalties import asam, gr, param_grad_norm, sam
+from gradreg.penalties import asam, double_backprop, gr, param_grad_norm, sam
 
 #: case -> (penalty, gradient_accumulation_steps)
-CASES = {f"{name}_{steps}": (name, steps) for name in ("sam", "asam", "gr", "gnp")
+CASES = {f"{name}_{steps}": (name, steps) for name in ("sam", "asam", "gr", "gnp", "db")
          for steps in (1, 2)}
 PENALTIES = {"sam": lambda: sam(0.05), "asam": lambda: asam(0.5),
-             "gr": lambda: gr(1e-4, step=1e-3), "gnp": lambda: param_grad_norm(0.05)}
+             "gr": lambda: gr(1e-4, step=1e-3), "gnp": lambda: param_grad_norm(0.05),
+             "db": lambda: double_backprop(0.1)}
 
 
 def _on_cpus(base: type) -> type:
