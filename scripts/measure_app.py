@@ -418,7 +418,7 @@ def study_table(record: dict, name: str, lr: str, optimized: str, higher_is_bett
                     + " | ".join(cell(m) for cell in columns.values()) + " |")
     failed = sum(1 for _, job in jobs if not job["metrics"])
     return ("\n".join(rows) + f"\n\nThe four best trials by `{optimized}` and the worst"
-            + (f" ({failed} trials diverged)" if failed else "") + ". "
+            + (f" ({failed} trials stopped early: pruned or diverged)" if failed else "") + ". "
             + sweep_footer(record, name, f"The {len(jobs)} trials"))
 
 
