@@ -6,7 +6,8 @@ epoch) and asks the study's pruner (``hydra.sweeper.pruner``, Optuna's ``MedianP
 default) whether to go on; where not, it says so in one line and raises ``optuna.TrialPruned``,
 which ends the job and the sweeper records the trial as pruned. The job finds its trial from its
 Hydra config: the study's storage and name, and its job number (the trial's number). Outside a
-search, or with no such metric logged yet, it does nothing.
+search, with no such metric logged yet, or under DDP (each rank would decide on its own), it
+does nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class TrialPruning(L.Callback):
         self._searched = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.metric is None:
+        # several processes (DDP) would each report and decide: no pruning there
+        if trainer.sanity_checking or self.metric is None or trainer.world_size > 1:
             return
         if not self._searched:
             self._trial, self._searched = job_trial(), True
