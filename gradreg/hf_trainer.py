@@ -542,7 +542,8 @@ class PenaltyMixin:
                     num_items_in_batch: Tensor | int | None, count: int, factor: int) -> Tensor:
         r"""The task term, and into ``values`` the weighted parameter penalties (module
         docstring): by ``penalized_loss`` in one micro-batch (the task term carrying
-        :math:`\nabla L + c\,Hv` by finite difference), in two phases under accumulation."""
+        :math:`\nabla L + c\,Hv` by finite difference), in two phases under accumulation or
+        over ranks."""
         parameter = {n: gp for n, gp in due.items() if gp.config.points == "parameters"}
         if not parameter:
             return loss
@@ -566,8 +567,9 @@ class PenaltyMixin:
         retain = len(due) > 1  # other penalties differentiate the same forward
         # the unselected parameters' task gradient, where the penalty carries the task's
         # gradient for the selected ones (taken before its passes free the graph)
+        penalized = set(map(id, chosen))
         others = _carried_gradient(loss, [unsharded[id(p)] for p in trainable
-                                          if all(p is not q for q in chosen)]) \
+                                          if id(p) not in penalized]) \
             if count > 1 or ranks or any(gp.needs_callable for gp in parameter.values()) \
             else None
         if count > 1 or ranks:

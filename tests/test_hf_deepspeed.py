@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from gradreg import GradientError
 from gradreg.penalties import double_backprop, sam
@@ -18,9 +19,8 @@ pytest.importorskip("accelerate")
 
 @pytest.fixture(autouse=True)
 def _forget_deepspeed():
-    """accelerate's state, transformers' DeepSpeed config and the environment are
-    process-wide: the trainers of
-    later tests must not inherit DeepSpeed (nor the environment variables the trainer set)."""
+    """accelerate's state, transformers' DeepSpeed config, the environment and the process group
+    DeepSpeed started are process-wide: later tests must inherit none of them."""
     environment = dict(os.environ)
     yield
     os.environ.clear()
@@ -30,6 +30,8 @@ def _forget_deepspeed():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     unset_hf_deepspeed_config()
+    if torch.distributed.is_initialized():  # DeepSpeed's, of this one process
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [2, 3])
