@@ -120,16 +120,19 @@ def search_space(params: Mapping[str, str] | None, arguments: Sequence[str]) -> 
 
 def resume(study: optuna.Study) -> tuple[int, int]:
     """Prepare a study that may have run before: each trial left running (its search was killed)
-    is recorded as failed and its parameters queued to be tried again. Returns (the trials that
-    ended before: complete, pruned or failed; the trials queued again)."""
+    is recorded as failed and its parameters queued to be tried again (user attribute
+    ``retry_of``: its number). Returns (the trials that ended: complete, pruned or failed, less
+    those tried again; the trials queued now)."""
     ended = {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
              optuna.trial.TrialState.FAIL}
-    trials = study.get_trials(deepcopy=False)
-    interrupted = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    interrupted = [t for t in study.get_trials(deepcopy=False)
+                   if t.state == optuna.trial.TrialState.RUNNING]
     for trial in interrupted:
         study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
         study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-    return sum(t.state in ended for t in trials), len(interrupted)
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials} - {None}
+    return sum(t.state in ended and t.number not in retried for t in trials), len(interrupted)
 
 
 #: a batch of jobs: each job's overrides and the number of its first job -> their returns
@@ -171,7 +174,8 @@ def overrides(params: Mapping[str, Any]) -> list[str]:
 def tell(study: optuna.Study, trial: optuna.Trial, result: JobReturn) -> None:
     """Record a trial's end: its value; pruned; failed where its training diverged or it
     returned no finite value. Any other error is raised (it ends the search)."""
-    folder = OmegaConf.select(result.hydra_cfg or {}, "hydra.runtime.output_dir")
+    folder = (OmegaConf.select(result.hydra_cfg, "hydra.runtime.output_dir")
+              if result.hydra_cfg is not None else None)
     if folder is not None:
         trial.set_user_attr(FOLDER, str(folder))
     if result.status == JobStatus.COMPLETED:

@@ -690,3 +690,62 @@ def test_a_search_draws_its_trials_as_points_of_one_colour_per_penalty() -> None
     assert sorted(zip(points.get_xdata(), points.get_ydata(), strict=True)) == [
         (0.01, 0.5), (0.1, 0.6), (1.0, 0.7)]
     assert [text.get_text() for text in figure.legends[0].get_texts()] == ["double_backprop"]
+
+
+def test_the_search_space_reads_hydras_sweep_syntax_and_the_command_line_wins() -> None:
+    """The recipe's λ on a log scale is replaced by the command line's; a choice and a range are
+    categories of their values; an integer interval; a plain value goes to every trial."""
+    optuna = pytest.importorskip("optuna")
+    from gradreg.app.errors import ConfigError
+    from gradreg.app.sweep_search import search_space
+
+    space = search_space(
+        {"penalty.weight": "tag(log, interval(0.001, 10.0))",
+         "model.optimizer.lr": "choice(0.001,0.01)"},
+        ["penalty.weight=tag(log, interval(0.01, 3))", "seed=range(0,3)",
+         "data.batch_size=tag(int, interval(16, 64))", "trainer.max_epochs=2"])
+    distributions = optuna.distributions
+    assert space.distributions == {
+        "penalty.weight": distributions.FloatDistribution(0.01, 3.0, log=True),
+        "model.optimizer.lr": distributions.CategoricalDistribution([0.001, 0.01]),
+        "seed": distributions.CategoricalDistribution([0, 1, 2]),
+        "data.batch_size": distributions.IntDistribution(16, 64)}
+    assert space.fixed == ["trainer.max_epochs=2"]
+    with pytest.raises(ConfigError, match="the search has no space to search"):
+        search_space({}, ["trainer.max_epochs=2"])
+
+
+def test_resuming_a_study_retries_the_trial_left_running_and_keeps_the_ended_ones() -> None:
+    """Trial 0 complete, 1 pruned, 2 left running (its search killed): resume records 2 as
+    failed, queues its parameters again, and counts 2 trials ended (not the one tried again,
+    however often the search is resumed); run_trials then runs the queued one (trial 3, the
+    parameters of 2) and one new, to 4 counted trials."""
+    optuna = pytest.importorskip("optuna")
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from gradreg.app.sweep_search import Space, resume, run_trials
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    space = Space({"penalty.weight": optuna.distributions.FloatDistribution(0.01, 1.0)}, [])
+    first, second, third = (study.ask(space.distributions) for _ in range(3))
+    study.tell(first, 0.5)
+    study.tell(second, state=optuna.trial.TrialState.PRUNED)
+    assert resume(study) == (2, 1)
+    states = optuna.trial.TrialState
+    assert [t.state for t in study.trials] == [states.COMPLETE, states.PRUNED, states.FAIL,
+                                               states.WAITING]
+    launched = []
+
+    def launch(jobs: list[list[str]], first_number: int) -> list[JobReturn]:
+        launched.append((jobs, first_number))
+        result = JobReturn()
+        result.status, result.return_value = JobStatus.COMPLETED, 0.25
+        return [result for _ in jobs]
+
+    run_trials(study, space, n_trials=4, n_jobs=1, launch=launch)
+    assert [number for _, number in launched] == [3, 4]
+    assert launched[0][0] == [[f"penalty.weight={third.params['penalty.weight']!r}"]]
+    assert [t.state for t in study.trials] == [states.COMPLETE, states.PRUNED, states.FAIL,
+                                               states.COMPLETE, states.COMPLETE]
+    assert study.trials[3].params == third.params and study.trials[3].values == [0.25]
+    assert resume(study) == (4, 0)  # resumed again: nothing to do
