@@ -82,8 +82,9 @@ from gradreg import torch_compat as compat
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
 
-__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "held_unsharded", "is_sharded",
-           "penalty_step", "sharded_modules", "supports_exact_step"]
+__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "gathered_parameters",
+           "held_unsharded", "is_sharded", "penalty_step", "sharded_modules",
+           "supports_exact_step"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
@@ -248,6 +249,25 @@ def held_unsharded(params: tuple[Tensor, ...], needed_by: str) -> tuple[Tensor, 
                 f"{'not held' if fsdp_param is None else 'not gathered: run the forward first'}).")
         unsharded.append(param if full is None else full)
     return tuple(unsharded)
+
+
+def gathered_parameters(module: nn.Module) -> tuple[Tensor, ...]:
+    """The trainable parameters of ``module`` as the held step computes with them: inside
+    :func:`penalty_step`, every FSDP2 module of the tree is unsharded (FSDP's public
+    ``unshard``, an all-gather; held gathered until the step ends) and its sharded parameters
+    replaced by the unsharded ones (:func:`held_unsharded`); on a module that is not sharded,
+    its parameters. For the penalties that take the parameters before any forward, over the
+    ranks: ``accumulated_backward(..., gathered_parameters(model), rows=[...],
+    over_ranks=True)`` inside ``penalty_step(model)`` (docs/scale.md)."""
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    modules = sharded_modules(module)
+    if modules and not all(g in _HELD for m in modules for g in compat.fsdp_param_groups(m)):
+        raise GradientError(
+            "gathered_parameters of a fully_shard module works inside "
+            "gradreg.sharding.penalty_step(module), which holds them gathered: call it there.")
+    for sharded in modules:
+        sharded.unshard()
+    return held_unsharded(params, "gathered_parameters")
 
 
 def check_penalty_graph(outputs: Tensor) -> bool:

@@ -106,3 +106,20 @@ def test_the_gnp_form_on_a_module_sharded_over_one_rank_is_the_unsharded_ones() 
                    for p, q in zip(model.parameters(), parameters, strict=True))
     for got, want in zip(grads, expected, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not sharding.supports_exact_step(), reason="FSDP2 is public from torch 2.6")
+def test_gathered_parameters_are_the_unsharded_ones_inside_the_step() -> None:
+    """Inside the step, before any forward: the full parameters, equal to the unsharded
+    module's; outside it, refused in one line; an unsharded module's own parameters."""
+    plain = critic()
+    assert sharding.gathered_parameters(plain) == tuple(plain.parameters())
+    with one_rank() as mesh:
+        model = shard(critic(), mesh)
+        with pytest.raises(GradientError, match="inside gradreg.sharding.penalty_step"):
+            sharding.gathered_parameters(model)
+        with sharding.penalty_step(model):
+            gathered = sharding.gathered_parameters(model)
+            for got, want in zip(gathered, plain.parameters(), strict=True):
+                assert type(got) is nn.Parameter and torch.equal(got, want)
+            model(torch.zeros(1, 4)).sum().backward()  # the step reduces a gradient

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradreg import GradientError
+from gradreg import GradientError, sharding
 from gradreg.penalties import param_grad_norm
 from gradreg.penalties.accumulation import Accumulation
 from tests.distributed import run_processes
@@ -80,3 +80,27 @@ def test_over_ranks_without_a_process_group_is_refused() -> None:
                                             "ranks .* none is initialized"):
         Accumulation(param_grad_norm(0.5, method="finite_difference"),
                      list(model.parameters()), over_ranks=True)
+
+
+@pytest.fixture(scope="module")
+def sharded_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("fsdp_ranks")
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_fsdp", str(out)],
+                  [{"RANK": str(rank), "WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT,
+                  timeout=120)
+    return torch.load(out / "fsdp.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sharding.supports_exact_step(), reason="FSDP2 is public from torch 2.6")
+@pytest.mark.parametrize("method", METHODS)
+def test_an_fsdp2_module_over_two_ranks_takes_the_penalty_of_the_whole_batch(
+        sharded_ranks: dict, method: str) -> None:
+    """Plain PyTorch: the MLP sharded by ``fully_shard`` over 2 ranks, each with half of the
+    batch in two micro-batches, ``accumulated_backward(..., over_ranks=True)`` on
+    ``gathered_parameters`` inside ``penalty_step``: the full gradient after FSDP's
+    reduce-scatter is one process's with the whole batch in four (measured 3.6e-12 relative
+    by finite difference, 1.4e-16 by double backward)."""
+    model, x, y = problem()
+    whole = step(model, x, y, method, micro_batches=4)["grad"]
+    assert ((sharded_ranks[method] - whole).norm() / whole.norm()).item() < 1e-10
