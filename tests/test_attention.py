@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import gradcheck, gradgradcheck
+from torch.autograd import forward_ad, gradcheck, gradgradcheck
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradreg
@@ -389,11 +389,14 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blockwise, "KEY_BLOCK", 4)
 
 
-def math_derivatives(attention, inputs: tuple[torch.Tensor, ...], seed: int = 4
-                     ) -> list[torch.Tensor]:
+def math_derivatives(attention, inputs: tuple[torch.Tensor, ...], seed: int = 4, *,
+                     dual: bool = False) -> list[torch.Tensor]:
     """The value, the gradient of <out, G>, the double backward of that gradient for random
     cotangents (w.r.t. the inputs and G), the JVP for random tangents and the JVP's gradient,
-    of ``attention``, all concatenated (the random tensors in the inputs' dtype and device)."""
+    of ``attention``, all concatenated (the random tensors in the inputs' dtype and device). The
+    JVP by ``torch.func.jvp``, or where ``dual`` by forward-mode AD on dual tensors, which runs
+    gradreg's autograd Functions' own ``jvp`` (under ``torch.func`` attention runs in
+    differentiable ops; MATH's own backward of a dual-tensor JVP fails on an in-place op)."""
     g = torch.Generator().manual_seed(seed)
 
     def like(x: torch.Tensor) -> torch.Tensor:  # drawn in float64 on the CPU, as x
@@ -405,7 +408,13 @@ def math_derivatives(attention, inputs: tuple[torch.Tensor, ...], seed: int = 4
     cotangents = [like(x) for x in inputs]
     second = torch.autograd.grad(grads, (*inputs, weight), cotangents, allow_unused=True)
     tangents = tuple(like(x) for x in inputs)
-    dout = torch.func.jvp(attention, inputs, tangents)[1]
+    if dual:
+        with forward_ad.dual_level():
+            dout = forward_ad.unpack_dual(attention(*(
+                forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents, strict=True)))
+            ).tangent
+    else:
+        dout = torch.func.jvp(attention, inputs, tangents)[1]
     of_jvp = torch.autograd.grad(dout, inputs, weight.detach())
     return [out, *grads, *second, dout, *of_jvp]
 
@@ -423,7 +432,7 @@ def test_blockwise_derivatives_equal_the_math_backends(kind: str, lq: int,
         extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
         return scaled_dot_product_attention(*xs[:3], **options, **extra)
 
-    got = math_derivatives(ours, inputs)
+    got = math_derivatives(ours, inputs, dual=True)
     with sdpa_kernel(SDPBackend.MATH):
         expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
             {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)

@@ -70,7 +70,7 @@ def test_triton_derivatives_equal_the_math_backends(kind: str) -> None:
     the output cotangent), the JVP and its gradient, as the blockwise path's test."""
     options, inputs = attention_case(kind, 7, 6)
     options, inputs = options_on_device(options), on_device(inputs, torch.float64)
-    got = math_derivatives(triton(options), inputs)
+    got = math_derivatives(triton(options), inputs, dual=True)
     with sdpa_kernel(SDPBackend.MATH):
         expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
             {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
@@ -89,7 +89,7 @@ def test_triton_float32_equals_the_math_backend(kind: str) -> None:
     options, inputs = options_on_device(options), on_device(inputs, torch.float32)
     if "attn_mask" in options and options["attn_mask"].is_floating_point():
         options["attn_mask"] = options["attn_mask"].float()
-    got = math_derivatives(triton(options), inputs)
+    got = math_derivatives(triton(options), inputs, dual=True)
     with sdpa_kernel(SDPBackend.MATH):
         expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
             {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
@@ -115,25 +115,24 @@ def test_a_dead_row_is_zero_with_zero_gradient() -> None:
                                blockwise.vjp(problem, lse, out, weights, False)[:3])
 
 
-def test_third_order_through_the_triton_kernels_equals_the_math_backend() -> None:
-    """The JVP of the JVP (the exact Hessian penalty's) and its gradient: the Triton kernels'
-    first and second order beneath the third, equal to MATH's."""
+def test_third_order_on_the_triton_kernels_equals_the_math_backend() -> None:
+    """The double backward differentiated again (in differentiable ops, on the Triton kernels'
+    first and second order): equal to MATH's third derivatives."""
     q, k, v = on_device(qkv(lq=5, lk=6), torch.float64)
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(2, 3, 5, 3, generator=g, dtype=torch.float64).to(DEVICE)
     first, second = ([torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEVICE)
                       for x in (q, k, v)] for _ in range(2))
 
-    def jvp_of_jvp(attention) -> list[torch.Tensor]:
-        def jvp(*xs: torch.Tensor) -> torch.Tensor:
-            return torch.func.jvp(lambda *ys: attention(*ys, is_causal=True), xs, tuple(first))[1]
+    def third(attention) -> list[torch.Tensor]:
+        out = attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), weight, create_graph=True)
+        hessian = torch.autograd.grad(grads, (q, k, v), first, create_graph=True)
+        return list(torch.autograd.grad(hessian, (q, k, v), second))
 
-        value = torch.func.jvp(jvp, (q, k, v), tuple(second))[1]
-        return [value, *torch.autograd.grad(value, (q, k, v), weight)]
-
-    got = jvp_of_jvp(lambda *xs, **o: scaled_dot_product_attention(*xs, **o, backend="triton"))
+    got = third(lambda *xs, **o: scaled_dot_product_attention(*xs, **o, backend="triton"))
     with sdpa_kernel(SDPBackend.MATH):
-        expected = jvp_of_jvp(FUSED)
+        expected = third(FUSED)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -172,3 +171,32 @@ def test_auto_runs_the_triton_kernels_on_cuda() -> None:
     assert _kernels("auto", q) is triton_attention
     out = scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_bfloat16_is_computed_in_float32_as_accurately_as_the_math_backend() -> None:
+    """bfloat16 inputs run the kernels in float32 and come back in bfloat16: the gradient and the
+    double backward are as close to float64 as MATH's bfloat16 ones (as the blockwise path's)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, weight, *cotangents = (torch.randn(1, 2, 12, 8, generator=g, dtype=torch.float64)
+                                    .to(DEVICE) for _ in range(7))
+
+    def derivatives(attention, dtype: torch.dtype) -> list[torch.Tensor]:
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = attention(*xs, is_causal=True)
+        grads = torch.autograd.grad(out, xs, weight.to(dtype), create_graph=True)
+        second = torch.autograd.grad(grads, xs, [c.to(dtype) for c in cotangents])
+        assert all(t.dtype == dtype for t in (out, *grads, *second))
+        return [t.detach().double() for t in (*grads, *second)]
+
+    def errors(got: list[torch.Tensor]) -> list[float]:
+        return [float((a - r).norm() / r.norm()) for a, r in zip(got, exact, strict=True)]
+
+    def ours(*xs: torch.Tensor, **options: bool) -> torch.Tensor:
+        return scaled_dot_product_attention(*xs, **options, backend="triton")
+
+    exact = derivatives(ours, torch.float64)
+    got = errors(derivatives(ours, torch.bfloat16))
+    with sdpa_kernel(SDPBackend.MATH):
+        math = errors(derivatives(FUSED, torch.bfloat16))
+    for a, b in zip(got, math, strict=True):
+        assert a < 1.5 * b, (got, math)
