@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gradreg.blockwise_attention import Attention, _in_float32, _zeros_like_mask
+from gradreg.blockwise_attention import Attention, _in_float32
 
 #: The oldest Triton the kernels are written for (float64 ``tl.dot``, ``input_precision``).
 MIN_TRITON = (3, 2)
@@ -509,6 +509,4 @@ def second_order(a: Attention, lse: Tensor, out: Tensor, g: Tensor,
                                              second=(u, w, z, m, r, c), mask_grad=mask_grad)
     if pz is not None:
         fg = fg + run.unflat(pz)
-    if fm is None and mask_grad:
-        fm = _zeros_like_mask(a, True)
     return (fq, fk, fv, fm), fg, first if with_vjp else None
