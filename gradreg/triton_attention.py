@@ -18,8 +18,10 @@ recomputed from.
   the query blocks): the gradients of the backward (:math:`\bar Q`; :math:`\bar K, \bar V`) and
   of the double backward (:math:`\partial_Q F, \partial_G F`; :math:`\partial_K F,
   \partial_V F`), each accumulated by the one program that owns its rows (no atomics). The
-  gradient of a learned additive mask, an :math:`L \times S` tensor per head, is written tile by
-  tile into one and summed over broadcast dimensions (memory quadratic, as the mask's own).
+  gradient of a learned additive mask is written tile by tile into an :math:`L \times S` tensor
+  per batch and head, then summed over the mask's broadcast dimensions: memory quadratic in the
+  sequence, and more than the mask's own where it is broadcast (the blockwise path sums each
+  block into the mask's shape).
 
 Computed in the inputs' dtype where it is float32 (IEEE products, no TF32) or float64, in float32
 for float16 and bfloat16 (as the blockwise path). The kernels run on CUDA tensors, and on CPU
