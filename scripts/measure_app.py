@@ -10,7 +10,8 @@ and the load average, and then
 rewrites the blocks of :data:`PAGES` between ``<!-- measured:<table> -->``
 and ``<!-- /measured:<table> -->`` from that file (:data:`TABLES`). ``--render`` rewrites the
 blocks from the recorded file without running anything; ``--only NAME ...`` re-runs some runs
-or tiers.
+or tiers; ``--count-tests`` records the tiers' test counts by a collection, without running
+them.
 
 The documentation's numbers are what this script wrote: ``tests/test_measured_docs.py`` holds
 each block equal to its rendering of the recorded file, and the recorded overrides equal to
@@ -54,11 +55,14 @@ RUNS: dict[str, list[str]] = {
     "gan_8gaussians_wgan_gp": ["experiment=gan_8gaussians_wgan_gp"],
     "gan_8gaussians_wgan_gp/weight=10": ["experiment=gan_8gaussians_wgan_gp",
                                          "penalty.weight=10"],
+    "gan_8gaussians_wgan_gp/seed=1": ["experiment=gan_8gaussians_wgan_gp", "seed=1"],
+    "gan_8gaussians_wgan_gp/seed=2": ["experiment=gan_8gaussians_wgan_gp", "seed=2"],
     "gan_25gaussians_r1": ["experiment=gan_25gaussians_r1"],
     "gan_swissroll_wgan_lp": ["experiment=gan_swissroll_wgan_lp"],
     "gan_digits_r1": ["experiment=gan_digits_r1"],
     "gan_digits_r1/none": ["experiment=gan_digits_r1", "penalty=none"],
     "gan_digits_r1/seed=1": ["experiment=gan_digits_r1", "seed=1"],
+    "gan_digits_r1/seed=2": ["experiment=gan_digits_r1", "seed=2"],
     "gan_digits_approx_r1": ["experiment=gan_digits_approx_r1"],
     "gan_digits_approx_r1/seed=1": ["experiment=gan_digits_approx_r1", "seed=1"],
     "gan_digits_wgan_gp": ["experiment=gan_digits_wgan_gp"],
@@ -191,6 +195,19 @@ def measure_tests(name: str) -> dict[str, object]:
             "skipped": counts.get("skipped", 0)}
 
 
+def collect_tests(name: str) -> dict[str, object]:
+    """The number of tests of the tier ``name`` that pytest collects now (``--collect-only``,
+    nothing run; the test of the recorded numbers left out), and the date."""
+    output = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", f"--ignore={ROOT / 'tests' / MEASURED_TEST}",
+                             *TESTS[name]], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    count = re.search(r"^(\d+)(?:/\d+)? tests? collected", output, re.MULTILINE)
+    if count is None:
+        raise RuntimeError(f"pytest collected no test of the {name} tier:\n{output[-3000:]}")
+    return {"count": int(count[1]), "date": datetime.date.today().isoformat()}
+
+
 def run_all(names: Iterable[str], jobs: int, record: dict) -> None:
     """Measure the runs ``names``, ``jobs`` at a time, each saved in ``record`` (and the
     recorded file) as it ends; raise at the end where some failed."""
@@ -297,9 +314,18 @@ def measured_on(record: dict, entry: dict | None = None) -> str:
             f"cores, torch {m['torch']}")
 
 
+def dates_of(entries: Iterable[dict]) -> dict[str, str]:
+    """The date of runs or sweeps measured on one day, or the first and the last, as an entry
+    for :func:`measured_on`."""
+    dates = sorted({entry["date"] for entry in entries})
+    return {"date": dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"}
+
+
 def footer(record: dict, names: Iterable[str]) -> str:
-    loads = [record["runs"][name]["load"] for name in names]
-    return (f"Measured by {measured_on(record)}, Python {record['machine']['python']}, one "
+    runs = [record["runs"][name] for name in names]
+    loads = [run["load"] for run in runs]
+    return (f"Measured by {measured_on(record, dates_of(runs))}, Python "
+            f"{record['machine']['python']}, one "
             f"thread per run, load average {min(loads):g}-{max(loads):g} during the runs (CPU "
             "time is the comparable figure where the load is above 1). Seed 0 unless a row says "
             "otherwise; metrics on the test split.")
@@ -336,6 +362,33 @@ def digits_gan_seeds_table(record: dict) -> str:
     return "\n".join(rows) + "\n\n" + footer(record, names)
 
 
+#: experiment -> its metrics read over seeds (label, metric, format)
+SEEDED: dict[str, list[tuple[str, str, str]]] = {
+    "gan_8gaussians_wgan_gp": [("high-quality share", "test/high_quality", ".3f"),
+                               ("energy distance", "test/energy_distance", ".4f")],
+    "gan_digits_r1": [("class-histogram KL", "test/kl", ".3f"),
+                      ("feature ED", "test/feature_energy_distance", ".3f")],
+}
+
+
+def gan_seeds_table(record: dict) -> str:
+    """Each of :data:`SEEDED`'s experiments over seeds 0, 1, 2: per metric the mean ± sample
+    standard deviation, then the seeds' values."""
+    runs = record["runs"]
+    rows = ["| experiment | metric | mean ± SD over seeds 0, 1, 2 | seed 0 | seed 1 | seed 2 |",
+            "|---|---|---|---:|---:|---:|"]
+    names = []
+    for experiment, metrics in SEEDED.items():
+        seeds = [experiment, f"{experiment}/seed=1", f"{experiment}/seed=2"]
+        names += seeds
+        for label, key, spec in metrics:
+            values = [runs[name]["metrics"][key] for name in seeds]
+            digits = int(spec[1:-1])
+            rows.append(f"| `{experiment}` | {label} | {mean_std(values, digits)} | "
+                        + " | ".join(f"{value:{spec}}" for value in values) + " |")
+    return "\n".join(rows) + "\n\n" + footer(record, names)
+
+
 def default_run(record: dict) -> str:
     run = record["runs"]["default"]
     threads = record["runs"]["moons_jacobian/threads=2"]
@@ -350,17 +403,25 @@ def default_run(record: dict) -> str:
             + footer(record, ["default", "moons_jacobian", "moons_jacobian/threads=2"]))
 
 
+def about(count: int) -> str:
+    """``count`` to two significant digits, with a thousands separator: ``about 1,500``."""
+    return f"about {round(count, 1 - len(str(count)) + 1):,}"
+
+
 def test_tiers(record: dict) -> str:
     fast, slow = record["tests"]["fast"], record["tests"]["slow"]
-    return (f"`python -m pytest -m \"not slow\"` runs the fast tier: {fast['passed']} tests "
-            f"({fast['skipped']} skipped) in {seconds(fast['wall_s'])} of wall time and "
-            f"{seconds(fast['cpu_s'])} of CPU time (timed without tests/{MEASURED_TEST}, "
-            "which checks these numbers). `python -m pytest -m slow` runs the "
-            f"{slow['passed']} tests marked `slow` ({slow['skipped']} skipped) in "
-            f"{seconds(slow['wall_s'])} of wall time and {seconds(slow['cpu_s'])} of CPU time "
-            "(the app, DDP and FSDP processes it starts included). "
-            f"Measured by {measured_on(record)}, load average {fast['load']:g} and "
-            f"{slow['load']:g}.")
+    timed_then = ("" if fast["date"] == fast["collected"]["date"] else
+                  f" ({fast['passed'] + fast['skipped']:,} and "
+                  f"{slow['passed'] + slow['skipped']:,} tests then)")
+    return ("`python -m pytest -m \"not slow\"` runs the fast tier, "
+            f"{about(fast['collected']['count'])} tests, and `python -m pytest -m slow` the slow "
+            f"tier, {about(slow['collected']['count'])} (counts collected on "
+            f"{fast['collected']['date']}; tests/{MEASURED_TEST} compares them with a collection "
+            f"of the checkout). Timed by {measured_on(record, fast)}{timed_then}, the fast tier "
+            f"took {seconds(fast['cpu_s'])} of CPU time ({seconds(fast['wall_s'])} of wall time, "
+            f"load average {fast['load']:g}) and the slow tier {seconds(slow['cpu_s'])} "
+            f"({seconds(slow['wall_s'])} of wall time, load {slow['load']:g}; the app, DDP and "
+            "FSDP processes it starts included).")
 
 
 def mean_std(values: list[float], digits: int = 3) -> str:
@@ -441,8 +502,8 @@ def gan_quality_table(record: dict) -> str:
 
 def launchers(record: dict) -> str:
     sweeps = record["sweeps"]
-    load = max(sweeps[name]["load"] for name in ("weights", "weights/joblib", "gan_quality_2",
-                                                 "gan_quality_2/joblib"))
+    names = ("weights", "weights/joblib", "gan_quality_2", "gan_quality_2/joblib")
+    load = max(sweeps[name]["load"] for name in names)
     joblib_gain = sweeps["weights"]["wall_s"] / sweeps["weights/joblib"]["wall_s"]
     return (f"Measured: two `gan_quality` trials (`hydra.sweeper.n_trials=2 "
             f"hydra.sweeper.n_jobs=2`) took {seconds(sweeps['gan_quality_2']['wall_s'])} one "
@@ -452,7 +513,8 @@ def launchers(record: dict) -> str:
             "10-epoch jobs of `penalty.weight=0.03,0.1,0.3,1` took "
             f"{seconds(sweeps['weights']['wall_s'])} in the sweep's process and "
             f"{seconds(sweeps['weights/joblib']['wall_s'])} with joblib, whose worker processes "
-            f"first import torch and Lightning. By {measured_on(record)}, load average up to "
+            "first import torch and Lightning. By "
+            f"{measured_on(record, dates_of(sweeps[name] for name in names))}, load average up to "
             f"{load:g} (the wall time of 2 workers on 2 cores depends on what else runs).")
 
 
@@ -466,6 +528,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
     "launchers": launchers,
     "experiments": experiments_table,
     "digits_gan_seeds": digits_gan_seeds_table,
+    "gan_seeds": gan_seeds_table,
 }
 
 #: a measured block: its opening line, its text (empty or whole lines), its closing marker
@@ -490,11 +553,18 @@ def main() -> None:
                         help="measure these runs or tiers only (the others keep their recorded "
                              "numbers)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+    parser.add_argument("--count-tests", action="store_true",
+                        help="record the tiers' test counts by a collection (nothing run; "
+                             "their times stay as recorded)")
     parser.add_argument("--render", action="store_true",
                         help="rewrite the documentation from the recorded numbers only")
     args = parser.parse_args()
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    if not args.render:
+    if args.count_tests:
+        for name in TESTS:
+            record["tests"][name]["collected"] = collect_tests(name)
+        save(record)
+    elif not args.render:
         chosen = args.only or [*RUNS, *SWEEPS, *TESTS]
         run_all([name for name in chosen if name in RUNS], args.jobs, record)
         for name in (name for name in chosen if name in SWEEPS):
@@ -504,7 +574,8 @@ def main() -> None:
             save(record)
             print(f"sweep {name}: {record['sweeps'][name]['wall_s']} s wall", flush=True)
         for name in (name for name in chosen if name in TESTS):
-            record.setdefault("tests", {})[name] = measure_tests(name)
+            record.setdefault("tests", {})[name] = {**measure_tests(name),
+                                                    "collected": collect_tests(name)}
             save(record)
             print(f"tests {name}: {record['tests'][name]}", flush=True)
     for page in PAGES:

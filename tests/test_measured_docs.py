@@ -2,7 +2,9 @@
 measured block of its pages (docs/install.md: the test tiers; docs/app.md: the runs and sweeps;
 docs/benchmarks.md: the digits GAN's seeds) is the rendering of docs/measured/app.json, and the
 recorded runs, sweeps and test tiers are those of the script, with the same arguments, on one
-torch release. The README, a front page, quotes no measured number."""
+torch release. What can be checked without running them is checked against the checkout as it
+is: the tiers' test counts against what pytest collects now. The README, a front page, quotes
+no measured number."""
 
 from __future__ import annotations
 
@@ -37,6 +39,26 @@ def test_the_measured_blocks_are_the_recorded_numbers(page: Path) -> None:
     assert measure_app.blocks(text) == measure_app.blocks(measure_app.render(text, RECORD)), (
         f"{page.name} differs from docs/measured/app.json: python scripts/measure_app.py "
         "--render")
+
+
+@pytest.mark.slow
+def test_the_documented_test_counts_are_those_pytest_collects_now() -> None:
+    """The tiers' counts of docs/install.md are the recorded collection's, to two significant
+    digits; within 10% of what pytest collects now (tests are added every day; the page said
+    1143 where 1499 were collected). Collected where the counts were, with the sweeps extra
+    (Optuna: the torch 2.13 suite of CI), which holds the tests of the sweep plugins."""
+    pytest.importorskip("optuna")
+    for tier in measure_app.TESTS:
+        recorded = RECORD["tests"][tier]["collected"]["count"]
+        now = measure_app.collect_tests(tier)["count"]
+        assert abs(recorded - now) <= 0.1 * now, (
+            f"the {tier} tier: {recorded} tests recorded, {now} collected now: python "
+            "scripts/measure_app.py --count-tests (or --only fast slow to time them too)")
+
+
+def test_a_count_is_given_to_two_significant_digits() -> None:
+    assert [measure_app.about(n) for n in (1499, 184, 1143, 96, 7)] == [
+        "about 1,500", "about 180", "about 1,100", "about 96", "about 7"]
 
 
 def test_the_script_renders_the_pages_that_hold_the_tables() -> None:
