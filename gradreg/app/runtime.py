@@ -120,13 +120,14 @@ def ddp_strategy(strategy: object, manual_optimization: bool, global_batch: bool
 def check_global_batch(trainer: L.Trainer, penalties: Mapping[str, GradientPenalty]) -> None:
     """Raise ``ValueError`` where ``data.global_batch`` cannot give the one-process steps: more
     than one rank under a strategy other than DDP (``trainer=fsdp_cpu``), or a penalty of the
-    parameter gradient (:func:`~gradreg.lightning.global_batch.check_splittable`)."""
+    parameter gradient with accumulated micro-batches
+    (:func:`~gradreg.lightning.global_batch.check_splittable`)."""
     if trainer.world_size > 1 and not isinstance(trainer.strategy, GlobalBatchDDPStrategy):
         raise ValueError(
             f"global batches are split over the ranks by DDP only, not by "
             f"{type(trainer.strategy).__name__}: use trainer=ddp_cpu or trainer=ddp_spawn_cpu, "
             "or data.global_batch=false (data.batch_size per rank)")
-    check_splittable(penalties, trainer.world_size)
+    check_splittable(penalties, trainer.world_size, trainer.accumulate_grad_batches)
 
 
 def check_launcher(trainer: L.Trainer) -> None:

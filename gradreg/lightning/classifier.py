@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from gradreg import capture, differentiable_attention, gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import accumulating, attached_trainer
+from gradreg.lightning.global_batch import slice_rows
 from gradreg.lightning.loss_terms import TASK, record_terms, terms_requested
 from gradreg.lightning.penalized import (
     OptimizerFactory,
@@ -224,7 +225,8 @@ class Classifier(PenalizedModule):
             accumulation = self._accumulations[name] = Accumulation(  # FSDP2: held gathered
                 gp, held_unsharded(tuple(self._trainable()), "a parameter penalty"),
                 over_ranks=over_ranks(trainer))
-        g = accumulation.add(partial(self._mean_loss, x, y), state, loss,
+        g = accumulation.add(partial(self._mean_loss, x, y), state, loss,  # global batches:
+                             rows=slice_rows(trainer, len(x)),  # the slices by their samples
                              retain_graph=retain_graph)
         value = None
         if not accumulating(trainer):

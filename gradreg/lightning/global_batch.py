@@ -14,10 +14,16 @@ backpropagates, automatic or manual optimization) by the slice's weight
 the gradient of the mean over the whole batch, uneven slices included. That holds for every
 loss that is a mean of per-sample terms, as gradreg's penalties are (each sample's input
 gradient depends on that sample only). A penalty of the *parameter* gradient
-(``points="parameters"``, e.g. ``param_grad_norm``) is not: each rank would penalize the norm of
-its own slice's gradient, not of the batch's (measured 2.1e-3 apart from one process after 3
-steps), so :func:`check_splittable` refuses it. The weight is a Python float known on the host:
-no synchronization is added to the step.
+(``points="parameters"``, e.g. ``param_grad_norm``, ``sam``) is not a mean of per-sample terms:
+the ``Classifier`` takes it of the whole batch's gradient over the ranks
+(:class:`~gradreg.penalties.accumulation.Accumulation` with ``over_ranks``), its slices
+weighted by their samples (:func:`slice_rows`: :math:`\bar g = \sum_r n_r \bar g_r / N`, one
+all-reduce), and each rank's second pass, scaled by :math:`w_r` as the task is, gives
+:math:`\frac1W \sum_r w_r H_r v = \frac1N \sum_r n_r H_r v`. Refused in one line: with
+``accumulate_grad_batches`` > 1 (Lightning weights micro-batches equally, an uneven last window
+would weigh them by samples: :func:`check_splittable`), and on a rank whose slice of the
+last batch is empty (a sample of weight 0 has no place in the batch's gradient). The weight is
+a Python float known on the host: no synchronization is added to the step.
 """
 
 from __future__ import annotations
@@ -33,21 +39,39 @@ from torch.optim import Optimizer
 from gradreg.lightning.data.splits import RankSlices
 from gradreg.penalties import GradientPenalty
 
-__all__ = ["GlobalBatchDDPStrategy", "check_splittable"]
+__all__ = ["GlobalBatchDDPStrategy", "check_splittable", "slice_rows"]
 
 
-def check_splittable(penalties: Mapping[str, GradientPenalty], world: int) -> None:
-    """Raise ``ValueError`` for a penalty whose value on a global batch split over ``world`` > 1
-    ranks is not the one-process value (a penalty of the parameter gradient)."""
-    if world < 2:
+def check_splittable(penalties: Mapping[str, GradientPenalty], world: int,
+                     accumulate: int = 1) -> None:
+    """Raise ``ValueError`` for a penalty whose value on global batches split over ``world`` > 1
+    ranks is not the one-process value: a penalty of the parameter gradient under
+    ``accumulate`` > 1 micro-batches per step (module docstring)."""
+    if world < 2 or accumulate < 2:
         return
     for name, penalty in penalties.items():
         if penalty.config.points == "parameters":
             raise ValueError(
-                f"penalty {name!r} (points='parameters') penalizes the norm of the batch's "
-                f"parameter gradient, which no rank of {world} holds under global_batch=True "
-                "(each would penalize its own slice's gradient, a different value): train it in "
-                "one process, or without global_batch (batch_size per rank, a different run)")
+                f"penalty {name!r} (points='parameters') on global batches split over {world} "
+                f"ranks with accumulate_grad_batches={accumulate}: the accumulated window's "
+                "gradient would weigh an uneven last micro-batch otherwise than the task; use "
+                "accumulate_grad_batches=1 (a larger data.batch_size), or one process")
+
+
+def slice_rows(trainer: pl.Trainer | None, rows: int) -> int | None:
+    """The samples of this rank's slice of the global batch, ``rows`` long (None where the
+    strategy does not weight global batches); a ``ValueError`` for a slice of weight 0 (an
+    empty slice, given one sample that counts for nothing), which a parameter penalty of the
+    whole batch cannot place."""
+    strategy = getattr(trainer, "strategy", None)
+    if not getattr(strategy, "weights_global_batches", False):
+        return None
+    if strategy._slice_weight == 0:
+        raise ValueError(
+            f"rank {trainer.global_rank}'s slice of this global batch is empty, and a penalty "
+            "of the parameter gradient weights the ranks' slices by their samples: choose "
+            "data.batch_size so that the last batch has a sample for every rank")
+    return rows
 
 
 class GlobalBatchDDPStrategy(DDPStrategy):
@@ -65,7 +89,8 @@ class GlobalBatchDDPStrategy(DDPStrategy):
     _slice_weight = 1.0
 
     def setup(self, trainer: pl.Trainer) -> None:
-        check_splittable(getattr(self.lightning_module, "penalties", {}), self.world_size)
+        check_splittable(getattr(self.lightning_module, "penalties", {}), self.world_size,
+                         trainer.accumulate_grad_batches)
         super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

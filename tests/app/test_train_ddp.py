@@ -29,16 +29,18 @@ def test_gan_recipe_with_its_dashboards_trains_on_two_processes(tmp_path: Path) 
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["trainer=ddp_cpu", "penalty=param_grad_norm"],
-     "error: data.global_batch: penalty 'param_grad_norm' (points='parameters') penalizes the "
-     "norm of the batch's parameter gradient, which no rank of 2 holds"),
+    (["trainer=ddp_cpu", "penalty=param_grad_norm", "trainer.accumulate_grad_batches=2"],
+     "error: data.global_batch: penalty 'param_grad_norm' (points='parameters') on global "
+     "batches split over 2 ranks with accumulate_grad_batches=2"),
     (["trainer=fsdp_cpu"], "error: data.global_batch: global batches are split over the ranks by "
                            "DDP only, not by ShardedPenaltyStrategy: use trainer=ddp_cpu"),
 ])
 def test_global_batches_that_two_ranks_cannot_split_exactly_are_one_line(
         tmp_path: Path, overrides: list[str], message: str) -> None:
-    """Before: param_grad_norm trained, 2.1e-3 off the one-process run after 3 steps (each rank
-    penalized its own slice's gradient); under FSDP an uneven last batch was averaged 1/2-1/2."""
+    """A penalty of the parameter gradient with accumulated micro-batches (an uneven last
+    window would be weighted otherwise than the task; without accumulation it is the whole
+    batch's, tests/lightning/data/test_global_batch.py); under FSDP an uneven last batch was
+    averaged 1/2-1/2."""
     result = run_script("data.global_batch=true", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith(message), result.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Steps of the digits classifier with data.global_batch, in one process or on two gloo ranks:
 ``python -m tests.lightning.data.global_batch_run <devices> <out.pt> <steps> <batch_size>
-<val_fraction>``
-saves the parameters of rank 0 (double backprop, weight 0.1; the digits' training split is
-1797 - 270 - round(val_fraction 1797) samples: 1257 with 0.15).
+<val_fraction> [<penalty>]``
+saves the parameters of rank 0 (the preset ``penalty``, default double backprop, weight 0.1;
+the digits' training split is 1797 - 270 - round(val_fraction 1797) samples: 1257 with 0.15).
 With 2 devices the test starts both ranks itself (``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_PORT``), as ``tests/reliability/ddp_run.py`` does, and each rank ends with ``os._exit``
 once its result is saved: gloo's threads sometimes abort the interpreter's teardown
@@ -21,13 +21,14 @@ from gradreg.lightning.classifier import Classifier
 from gradreg.lightning.data import DigitsDataModule
 from gradreg.lightning.global_batch import GlobalBatchDDPStrategy
 from gradreg.models import MLP
-from gradreg.penalties import double_backprop
+from gradreg.penalties import make_penalty
 
 
-def main(devices: int, out: str, steps: int, batch_size: int, val_fraction: float) -> None:
+def main(devices: int, out: str, steps: int, batch_size: int, val_fraction: float,
+         penalty: str = "double_backprop") -> None:
     torch.set_num_threads(1)
     L.seed_everything(0)
-    model = Classifier(MLP(64, 10, hidden=[32]), {"db": double_backprop(0.1)},
+    model = Classifier(MLP(64, 10, hidden=[32]), {"p": make_penalty(penalty, weight=0.1)},
                        pgd_steps=0)
     data = DigitsDataModule(shape=[64], batch_size=batch_size, val_fraction=val_fraction,
                             global_batch=True)
@@ -43,7 +44,8 @@ def main(devices: int, out: str, steps: int, batch_size: int, val_fraction: floa
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+         *sys.argv[6:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -104,15 +104,16 @@ def test_global_batches_on_several_ranks_need_the_weighting_strategy() -> None:
         module.train_dataloader()
 
 
-def test_a_penalty_of_the_parameter_gradient_is_refused_on_split_batches() -> None:
-    """Each rank would penalize the norm of its own slice's parameter gradient: 2.1e-3 off one
-    process after 3 steps of param_grad_norm."""
+def test_a_penalty_of_the_parameter_gradient_is_refused_with_accumulation() -> None:
+    """Split over ranks it is the whole batch's (weighted slices); with accumulated
+    micro-batches an uneven last window would be weighted otherwise than the task."""
     penalties = {"gnp": make_penalty("param_grad_norm", weight=0.1),
                  "db": make_penalty("double_backprop", weight=0.1)}
-    with pytest.raises(ValueError, match="penalty 'gnp' .* no rank of 2 holds .* in one process"):
-        check_splittable(penalties, 2)
-    check_splittable(penalties, 1)
-    check_splittable({"db": penalties["db"]}, 2)
+    with pytest.raises(ValueError, match="penalty 'gnp' .* accumulate_grad_batches=2"):
+        check_splittable(penalties, 2, accumulate=2)
+    check_splittable(penalties, 2)
+    check_splittable(penalties, 1, accumulate=2)
+    check_splittable({"db": penalties["db"]}, 2, accumulate=2)
 
 
 @pytest.mark.parametrize("size", [0, -1, 2.5, True])
@@ -121,12 +122,15 @@ def test_batch_size_must_be_a_positive_integer(size: object) -> None:
         DigitsDataModule(batch_size=size)
 
 
-@pytest.mark.parametrize(("batch_size", "val_fraction", "steps"), [
-    (64, 0.15, 20),  # the digits' epoch: 19 x 64 + 41, the last batch cut 20/21
-    (8, 1462 / 1797, 9),  # 65 = 8 x 8 + 1: rank 0's slice of the last batch is empty
+@pytest.mark.parametrize(("batch_size", "val_fraction", "steps", "penalty"), [
+    (64, 0.15, 20, "double_backprop"),  # the digits' epoch: 19 x 64 + 41, cut 20/21 at the end
+    (8, 1462 / 1797, 9, "double_backprop"),  # 65 = 8 x 8 + 1: rank 0's last slice is empty
+    # a penalty of the parameter gradient: 233 = 3 x 64 + 41, the last batch cut 20/21
+    (64, 1294 / 1797, 4, "sam"),
+    (64, 1294 / 1797, 4, "param_grad_norm"),
 ])
 def test_two_ranks_with_global_batches_take_the_single_process_steps(
-        tmp_path: Path, batch_size: int, val_fraction: float, steps: int) -> None:
+        tmp_path: Path, batch_size: int, val_fraction: float, steps: int, penalty: str) -> None:
     """Real DDP (2 gloo ranks): after a whole epoch of double backprop with Adam, the parameters
     are those of one process to float rounding (measured 1.5e-8 after the digits' 20 steps, where
     an unweighted mean was 4.4e-5 off; 4.5e-8 after 158 steps of batch 8)."""
@@ -137,7 +141,7 @@ def test_two_ranks_with_global_batches_take_the_single_process_steps(
             for rank in range(2)]
         run_processes([sys.executable, "-m", "tests.lightning.data.global_batch_run", str(devices),
                        str(tmp_path / f"{devices}.pt"), str(steps), str(batch_size),
-                       str(val_fraction)], ranks, cwd=root)
+                       str(val_fraction), penalty], ranks, cwd=root)
     one, two = (torch.load(tmp_path / f"{d}.pt") for d in (1, 2))
     assert one.keys() == two.keys()
     for name in one:
