@@ -28,12 +28,14 @@ of the micro-batches' penalties gives (each would penalize its own micro-batch's
 taken in two phases (:mod:`gradreg.penalties.accumulation`): each micro-batch's step takes its
 gradient, and the one after which the optimizer steps runs the second pass of every micro-batch
 of the window (kept until then with the random state of its forward), so the step equals one
-big batch's within float rounding (one such penalty, ``every=1``). Under DDP a batch is also
-split over the ranks, and the same two phases take the penalty of the whole batch's gradient (the
-ranks' mean, one all-reduce before the direction: ``over_ranks`` of
+big batch's within float rounding (one such penalty, ``every=1``). Under DDP (and FSDP2's
+:class:`~gradreg.lightning.sharded.ShardedPenaltyStrategy`, on the gathered parameters) a
+batch is also split over the ranks, and the same two phases take the penalty of the whole
+batch's gradient (the ranks' mean, one all-reduce before the direction: ``over_ranks`` of
 :class:`~gradreg.penalties.accumulation.Accumulation`), with or without accumulation (one
-parameter penalty), rather than each rank's own. DDP averages the ranks' gradients (a
-global-batch strategy weights them by their share of the batch), so ``reduction="sum"`` on more
+parameter penalty), rather than each rank's own (global batches' uneven slices weighted by
+their samples). DDP averages the ranks' gradients (a global-batch strategy weights them by
+their share of the batch), so ``reduction="sum"`` on more
 than one rank is refused.
 
 Validation and test differentiate too (FGSM, PGD, input-gradient norm): they need
