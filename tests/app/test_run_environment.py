@@ -44,7 +44,8 @@ def test_a_run_logged_to_a_file_has_no_progress_bars_tips_or_internal_warnings(
     app = result.stdout[result.stdout.index("final metrics:"):].splitlines()
     assert [line for line in logged if line in lightning] == lightning
     assert logged[-len(app):] == app
-    assert app[-1] == f"metrics:          {tmp_path / 'metrics.json'}"
+    assert app[-2:] == [f"metrics:          {tmp_path / 'metrics.json'}",
+                        f"open the logs:    tensorboard --logdir {tmp_path}"]
 
 
 def test_precision_64_trains_in_float64(tmp_path: Path) -> None:
