@@ -5,8 +5,9 @@ axis; per penalty (and setting of the other swept overrides) one colour, a line 
 over seeds at each λ and a band of ± one sample standard deviation (a search, whose every
 trial has its own λ and other values: one colour per penalty, each trial a point, no line);
 the baseline (``penalty=none``, λ = 0, which a log axis cannot place) as a grey horizontal line
-at its mean with a band of ± its SD across the whole axis. One legend for all panels. Drawn on a
-:class:`matplotlib.figure.Figure` (Agg, no pyplot state).
+at its mean with a band of ± its SD across the whole axis. One legend for all panels; the title's
+first line the setting chosen for the first metric (:func:`~gradreg.app.sweep_table.headline`).
+Drawn on a :class:`matplotlib.figure.Figure` (Agg, no pyplot state).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from .sweep_results import Job, Setting, outcome_metrics, settings
+from .sweep_table import headline
 
 COLUMNS = 3
 #: a sweep of at most this many λ values gets them as the ticks of the λ axis
@@ -30,9 +32,10 @@ def series_name(setting: Setting) -> str:
 
 
 def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
-                            title: str = "") -> Figure | None:
-    """The figure (module docstring) of ``jobs``; None where no finished job has a penalty
-    with λ > 0 (nothing to put on a log axis)."""
+                            title: str = "", direction: str | None = None) -> Figure | None:
+    """The figure (module docstring) of ``jobs``, its title first saying which setting was
+    chosen (:func:`~gradreg.app.sweep_table.headline`); None where no finished job has a
+    penalty with λ > 0 (nothing to put on a log axis)."""
     rows = settings(jobs)
     penalized = [s for s in rows if not s.is_baseline and s.weight > 0 and s.finished]
     metrics = outcome_metrics(jobs, optimized)
@@ -92,6 +95,8 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
     fig.legend(unique.values(), unique.keys(), loc="outside lower center",
                ncols=min(4, len(unique)))
     seeds = len({job.seed for job in jobs})
-    fig.suptitle(f"{title}\nmean ± SD over {seeds} seed{'s' * (seeds != 1)}; "
-                 "grey dashed: no penalty".lstrip("\n"))
+    answer = headline(jobs, optimized, direction)
+    fig.suptitle("\n".join(line for line in (
+        answer, title, f"mean ± SD over {seeds} seed{'s' * (seeds != 1)}; grey dashed: no penalty")
+        if line))
     return fig

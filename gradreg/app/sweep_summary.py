@@ -10,7 +10,8 @@ reads the sweep's jobs (:mod:`gradreg.app.sweep_results`) and writes in the swee
   seeds, the baseline as a horizontal band (:mod:`gradreg.app.sweep_figure`);
 
 and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holding the figure
-(Images tab, tag ``sweep/metric_vs_weight``), ``summary.md`` (Text tab, ``sweep/summary``) and
+(tag ``Sweep/metric_vs_weight``: first in Time Series, where TensorBoard opens, its title saying
+which setting was chosen), ``summary.md`` (Text tab, ``Sweep/summary``) and
 the HParams declaration of the sweep folder
 (:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
 jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it; where they
@@ -35,7 +36,9 @@ FIGURE = "metric_vs_weight.png"
 SUMMARY = "summary.md"
 #: the TensorBoard run of the sweep folder that holds the summary and the HParams declaration
 SUMMARY_RUN = "summary"
-FIGURE_TAG, TEXT_TAG = "sweep/metric_vs_weight", "sweep/summary"
+# capitalized, the tags sort before the runs' own (all lower case): TensorBoard's Time Series,
+# where it opens, shows the figure first, expanded, and the Text tab the summary
+FIGURE_TAG, TEXT_TAG = "Sweep/metric_vs_weight", "Sweep/summary"
 #: the loggers whose sweeps get a run ``summary`` of their own (gradreg/app/trackers.py)
 TRACKERS = "gradreg.app.trackers."
 
@@ -56,7 +59,8 @@ class SweepSummary(Callback):
         (sweep_dir / SUMMARY).write_text(f"# sweep {sweep_dir}\n\n{body}")
         say(f"\nsweep summary ({sweep_dir / SUMMARY}):\n{body}")
         figure = metric_vs_weight_figure(
-            jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}")
+            jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
+            direction=direction)
         if figure is not None:
             figure.savefig(sweep_dir / FIGURE)
             say(f"metric vs λ: {sweep_dir / FIGURE}")

@@ -183,6 +183,31 @@ def choice_line(rows: Sequence[Setting], metric: str, selection: str | None, rul
     return " ".join(parts)
 
 
+def headline(jobs: Sequence[Job], optimized: str | None = None,
+             direction: str | None = None) -> str | None:
+    """The answer of a sweep in one line, for its first outcome metric:
+    ``double_backprop λ = 0.3 chosen on val/acc_pgd; test/acc_pgd +0.175 (95% CI +0.097 to
+    +0.254, 3 seeds) over no penalty``; None where no setting is chosen (no validation
+    counterpart, no direction, a tie)."""
+    metrics = outcome_metrics(jobs, optimized)
+    if not metrics:
+        return None
+    rows = settings(jobs)
+    metric = metrics[0]
+    rule = better(metric, optimized, direction)
+    selection = selection_metric(metric, logged_metrics(jobs))
+    choice = choose(rows, selection, rule)
+    if choice is None or choice.chosen is None:
+        return None
+    chosen = choice.chosen
+    line = f"{label(chosen)} chosen on {selection}"
+    baseline = next((s for s in rows if s.is_baseline and s.others == chosen.others), None)
+    delta = None if baseline is None or baseline is chosen else compare(chosen, baseline, metric)
+    if delta is not None:
+        line += f"; {metric} {interval(delta)} over no penalty"
+    return line
+
+
 def metric_table(rows: Sequence[Setting], metric: str, selection: str | None,
                  chosen: Setting | None, rule: str | None) -> str:
     """The Markdown table of one metric (module docstring)."""

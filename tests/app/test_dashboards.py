@@ -155,7 +155,7 @@ def test_the_sweep_writes_its_summary(logs: Path) -> None:
     assert rows == [["| none", "0", "1/1"], ["| double_backprop", "0.1", "1/1"]]
     assert (logs / "metric_vs_weight.png").is_file()
     run = event_file(logs, SUMMARY)
-    assert run.Tags()["images"] == ["sweep/metric_vs_weight"]
+    assert run.Tags()["images"] == ["Sweep/metric_vs_weight"]
 
 
 def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, serve) -> None:
@@ -170,7 +170,7 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
     text = poll(f"{url}/data/plugin/text/tags", lambda tags: len(tags) == 4)
     assert all(set(text[run]) == {"autograd_graph/text/text_summary",
                                   "autograd_graph/dot/text_summary"} for run in names)
-    assert text[SUMMARY] == ["sweep/summary/text_summary"]
+    assert text[SUMMARY] == ["Sweep/summary/text_summary"]
     experiment = hparams_request(url, "experiment", {"experimentName": ""})
     infos = {info["name"]: info.get("differs", False) for info in experiment["hparamInfos"]}
     # the columns marked (shown first) are those whose values differ between the runs; one
@@ -202,8 +202,10 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
 
 # what each tab must show once rendered
 TABS = {
-    # Time Series opens on the parameter gradient norms, not on an epoch chart
-    "timeseries": [*SWEEP, "grad_norm 3 cards", "grad_norm/total /critic", "graph 4 cards"],
+    # Time Series opens on the sweep's figure, its card open (then the first group of the runs'
+    # own, here the GAN's critic landscape), not on an epoch chart
+    "timeseries": [*SWEEP, "Sweep /metric_vs_weight summary Step 0", "grad_norm 3 cards",
+                   "graph 4 cards"],
     # one outcome metric per chart, each saying where its final values are; one chart per
     # layer of the gradient split
     "custom_scalars": [*SWEEP, "outcome: val/acc, clean accuracy", "outcome: val/acc_fgsm",
@@ -219,9 +221,10 @@ TABS = {
     "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "lr_log10", "weight",
                 "penalty", "none", "double_backprop", "wgan_gp", "val/acc",
                 "val/energy_distance", "Number of matching session groups: 3"],
-    "images": [*SWEEP, SUMMARY, "graph/autograd", "graph/autograd/critic",
-               "graph/autograd/generator", "critic_landscape/grad_norm", "saliency"],
-    "images&tagFilter=sweep/": [SUMMARY, "sweep/metric_vs_weight"],
+    # the sweep's figure first, open; then the runs' groups
+    "images": [*SWEEP, SUMMARY, "Sweep Sweep/metric_vs_weight summary",
+               "critic_landscape/grad_norm", "graph 4", "saliency"],
+    "images&tagFilter=Sweep/": [SUMMARY, "Sweep/metric_vs_weight"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
     "histograms&tagFilter=param_grad/": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
@@ -229,11 +232,11 @@ TABS = {
     "?tagFilter=penalty_share#timeseries": [*SWEEP, "grad_split/penalty_share /backbone.fc1",
                                             "Tags matching filter"],
     "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0",
-             "sweep/summary/text_summary", "Δ vs baseline (95% CI)"],
+             "Sweep/summary/text_summary", "Δ vs baseline (95% CI)"],
 }
 # the tabs whose screenshots are the documentation's pictures
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
-               "images": "dashboard_images.png", "images&tagFilter=sweep/": "dashboard_sweep.png",
+               "images": "dashboard_images.png", "images&tagFilter=Sweep/": "dashboard_sweep.png",
                "histograms&tagFilter=param_grad/": "dashboard_histograms.png",
                "?tagFilter=penalty_share#timeseries": "dashboard_grad_split.png"}
 
@@ -250,6 +253,10 @@ def test_the_tabs_render_in_a_browser(logs: Path, serve, tmp_path: Path) -> None
             text = browser.wait_for_text(*needles)
             if tab == "timeseries":
                 assert "epoch" not in text.split()
+                # where TensorBoard opens: the sweep's figure (its title: the chosen λ) is the
+                # first group below the pinned cards
+                assert text.split("Pin cards for a quick view and comparison")[1].split()[:2] == [
+                    "Sweep", "Sweep"]
             if tab == "hparams":
                 # no column blank for some run (weight_log10 of penalty=none: the parallel
                 # coordinates would leave the run out), none equal in every run (seed)

@@ -539,6 +539,21 @@ def test_the_figure_draws_each_metric_against_the_weight_on_a_log_axis(tmp_path:
         "none (λ = 0)", "double_backprop"]
 
 
+def test_the_figures_title_says_which_setting_was_chosen(tmp_path: Path) -> None:
+    """Optimizing val/acc_pgd, the figure's first title line is the choice of its test
+    counterpart (hand-computed in the summary's test above); on test/acc first, validation ties
+    (0.920 both as shown): no choice, no line."""
+    synthetic_sweep(tmp_path)
+    figure = metric_vs_weight_figure(read_jobs(tmp_path), "val/acc_pgd", title="sweep x",
+                                     direction="maximize")
+    assert figure._suptitle.get_text().splitlines() == [
+        "double_backprop λ = 1 chosen on val/acc_pgd; test/acc_pgd +0.15 (95% CI +0.04 to "
+        "+0.26, 3 seeds) over no penalty", "sweep x",
+        "mean ± SD over 4 seeds; grey dashed: no penalty"]
+    untied = metric_vs_weight_figure(read_jobs(tmp_path), title="sweep x")
+    assert untied._suptitle.get_text().splitlines()[0] == "sweep x"
+
+
 def test_a_sweep_of_baselines_only_draws_no_figure(tmp_path: Path) -> None:
     synthetic_sweep(tmp_path)
     jobs = [job for job in read_jobs(tmp_path) if job.penalty == "none"]
@@ -574,7 +589,7 @@ def test_a_grid_sweep_runs_the_baseline_once_and_writes_its_summary_figure_and_h
     assert not any(name.startswith("penalty/weight/") for row in rows.values() for name in row)
     assert not list(tmp_path.glob("events.out.tfevents.*"))  # no run "."
     summary_run = EventAccumulator(str(tmp_path / "summary")).Reload()
-    assert summary_run.Tags()["images"] == ["sweep/metric_vs_weight"]
+    assert summary_run.Tags()["images"] == ["Sweep/metric_vs_weight"]
     content = summary_run.PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment
