@@ -348,14 +348,14 @@ class _AttentionJvp(torch.autograd.Function):
                            tuple(of_tangents), ctx.is_causal, ctx.scale)
 
 
-#: The backends of :func:`differentiable_attention`: ``"auto"`` is ``"triton"`` on CUDA tensors
-#: where Triton is installed, else ``"blockwise"``.
+#: The backends of :func:`differentiable_attention`: ``"auto"`` is ``"blockwise"`` (the Triton
+#: kernels are checked in Triton's interpreter only, not yet run on a GPU: asked for by name).
 BACKENDS = ("auto", "blockwise", "triton")
 
 
 def _kernels(backend: str, query: Tensor) -> Any:
     """The module whose functions compute the derivatives (and, for Triton, the forward):
-    ``"auto"`` takes the Triton kernels on CUDA tensors where a Triton they run on is installed."""
+    ``"auto"`` takes the blockwise path."""
     if backend == "triton":
         if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise GradientError(
@@ -364,11 +364,6 @@ def _kernels(backend: str, query: Tensor) -> Any:
                 "interpreter runs them where TRITON_INTERPRET=1 is set before gradreg imports "
                 "them).")
         return _triton_kernels()
-    if backend == "auto" and query.device.type == "cuda":
-        try:
-            return _triton_kernels()
-        except GradientError:
-            return blockwise
     return blockwise
 
 
@@ -485,8 +480,8 @@ def differentiable_attention(backend: str | None = None) -> Iterator[None]:
     ``backend`` (:data:`BACKENDS`): ``"blockwise"``, the fused kernel's forward and the
     derivatives of :mod:`gradreg.blockwise_attention`; ``"triton"``, the forward and the
     derivatives as Triton kernels (:mod:`gradreg.triton_attention`; ``pip install
-    'gradreg[triton]'``), on CUDA tensors; ``"auto"`` (the default, None): ``"triton"`` on CUDA
-    tensors where Triton is installed, else ``"blockwise"``. Nested uses are one context (an
+    'gradreg[triton]'``), on CUDA tensors, checked in Triton's interpreter but not yet run on a
+    GPU; ``"auto"`` (the default, None): ``"blockwise"``. Nested uses are one context (an
     inner one given a backend uses it until it is left). The backward may run after the context
     is left, with the backend of the forward."""
     if backend is not None:

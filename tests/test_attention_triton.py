@@ -148,8 +148,8 @@ def test_r1_through_a_transformer_with_the_triton_backend_equals_the_math_backen
 
 
 def test_the_backend_is_chosen_by_device_and_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``"auto"``: Triton on CUDA tensors, the blockwise path on others; an unknown name is
-    refused naming the valid ones."""
+    """``"auto"``: the blockwise path (Triton by name only, until run on a GPU); an unknown
+    name is refused naming the valid ones."""
     assert _kernels("auto", torch.zeros(1)) is blockwise
     assert _kernels("triton", torch.zeros(1)) is triton_attention
     assert _kernels("blockwise", torch.zeros(1)) is blockwise
@@ -166,10 +166,10 @@ def test_the_backend_is_chosen_by_device_and_by_name(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.cuda
-def test_auto_runs_the_triton_kernels_on_cuda() -> None:
+def test_the_triton_kernels_run_on_cuda() -> None:
     q, k, v = on_device(qkv(), torch.float32)
-    assert _kernels("auto", q) is triton_attention
-    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert _kernels("auto", q) is blockwise
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, backend="triton")
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
