@@ -3,8 +3,8 @@ Lightning's loggers, named after the run's folder, checked before training, and 
 config and the sweep's summary.
 
 * :class:`MLflowRun`: Lightning's ``MLFlowLogger`` on ``tracking_uri`` (default
-  ``MLFLOW_TRACKING_URI``, else :data:`LOCAL_STORE`, a SQLite file in the working folder whose
-  artifacts go to ``mlruns/`` beside it; ``mlflow ui --backend-store-uri sqlite:///mlflow.db``
+  ``MLFLOW_TRACKING_URI``, else :data:`LOCAL_STORE`, a SQLite file in the working folder; a
+  SQLite store's artifacts go to ``mlruns/`` beside its file; ``mlflow ui --backend-store-uri sqlite:///mlflow.db``
   shows them). A run's experiment is ``gradreg``; the jobs of a sweep share the experiment
   ``gradreg <sweep folder>`` (:func:`experiment_of`). A server that does not answer, or a
   store that cannot be opened, is refused before training.
@@ -95,6 +95,10 @@ class MLflowRun(MLFlowLogger):
                 if HydraConfig.initialized() else ""}
         if sweep is not None:
             tags["gradreg.sweep"] = sweep
+        if uri.startswith("sqlite:///") and "artifact_location" not in kwargs:
+            # a new experiment's artifacts beside its SQLite file (MLflow's default: ./mlruns)
+            kwargs["artifact_location"] = str(Path(uri.removeprefix("sqlite:///")).resolve()
+                                              .parent / "mlruns")
         super().__init__(experiment_name=experiment_name or experiment_of(sweep),
                          run_name=run_name(), tracking_uri=uri, tags=tags, **kwargs)
         try:

@@ -24,8 +24,10 @@ from tests.lightning.data.images import write_image_folder
 from .conftest import compose_config, options
 
 VISION = importlib.util.find_spec("torchvision") is not None
-# hparams_search=... selects Hydra's Optuna sweeper (the sweeps extra)
-SWEEPS = plugin_installed("hydra_plugins.hydra_optuna_sweeper")
+# hparams_search=... needs Optuna (the sweeps extra); logger=mlflow and wandb their packages (the
+# trackers extra)
+SWEEPS = plugin_installed("optuna")
+TRACKERS = {name: plugin_installed(name) for name in ("mlflow", "wandb")}
 GAN_SETUP = ["model=gan", "data=8gaussians", "penalty=wgan_gp"]
 IMAGE_GAN_SETUP = ["model=dcgan", "data.shape=[1,16,16]", "penalty=r1"]
 MOONS_SETUP = ["model.input_shape=[2]", "model.backbone.in_features=2",
@@ -49,6 +51,8 @@ def setup_for(group: str, option: str, tmp_path: Path) -> list[str]:
         return MOONS_SETUP
     if group == "model" and option == "gan":
         return GAN_SETUP
+    if (group, option) == ("logger", "mlflow"):  # the store in the test's folder
+        return [f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     if group == "penalty" and option in PRESETS and PRESETS[option]["points"] not in (
             CLASSIFIER_POINTS):
         return ["model=gan", "data=8gaussians"]
@@ -60,7 +64,9 @@ CASES = [pytest.param(group, option, id=f"{group}={option}", marks=[
     pytest.mark.skipif((group, option) in NEEDS_VISION and not VISION,
                        reason="needs torchvision (vision extra)"),
     pytest.mark.skipif(group == "hparams_search" and not SWEEPS,
-                       reason="needs Hydra's Optuna sweeper (sweeps extra)")])
+                       reason="needs Optuna (sweeps extra)"),
+    pytest.mark.skipif(group == "logger" and not TRACKERS.get(option, True),
+                       reason=f"needs {option} (trackers extra)")])
     for group in ("data", "model", "penalty", "trainer", "logger", "callbacks", "debug",
                   "experiment", "hparams_search")
     for option in options(group)]
