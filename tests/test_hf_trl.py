@@ -1,7 +1,7 @@
-"""gradreg's penalties in TRL's SFTTrainer (skipped where trl is not installed): the mixin
-first in the bases, a tiny GPT-2 built from a config, a tokenizer built in memory, an
-in-memory dataset; SAM's step is the hand-written two-step recipe on SFT's loss (the mean
-next-token cross-entropy, float64)."""
+"""gradreg's penalties in TRL's SFTTrainer and GRPOTrainer (skipped where trl is not
+installed): the mixin first in the bases, a tiny GPT-2 built from a config, a tokenizer built
+in memory, an in-memory dataset; SAM's step is the hand-written two-step recipe on SFT's loss
+(the mean next-token cross-entropy, float64), GR's on GRPO's."""
 
 from __future__ import annotations
 
@@ -142,3 +142,51 @@ def test_an_exact_parameter_penalty_with_the_loss_from_the_logits(tmp_path) -> N
             expected = torch.autograd.grad(loss + 0.05 * norm, weights)
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class Kept(PenaltyMixin, trl.GRPOTrainer):
+    """GRPO with the mixin, keeping the inputs of its last loss (the generated batch)."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        self.kept = dict(inputs)
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_gr_in_grpo_is_the_hand_written_recipe(tmp_path) -> None:
+    """``gr`` (λ = ε = 1e-3) in GRPOTrainer on a tiny GPT-2 with a reward of the completion's
+    length: the step's gradient is gradientregularization_trl's ``g + (λ/ε)(∇L(θ + ε g) - g)``
+    of GRPO's own loss on the generated batch (the plain trainer's ``compute_loss``), to 1e-6
+    of its largest entry (GRPO's fused head computes its log-probabilities in float32;
+    measured 2e-19). One process; not yet on several."""
+    args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=4, learning_rate=0.1,
+                          optim="sgd", max_grad_norm=0.0, report_to=[], save_strategy="no",
+                          logging_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+                          gradient_checkpointing=False)
+    data = datasets.Dataset.from_dict({"prompt": ["w1 w2", "w3 w4", "w5", "w6 w7"]})
+    record = Record()
+    grpo = Kept(model=tiny_gpt2(), args=args, train_dataset=data, processing_class=tokenizer(),
+                reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                penalties={"gr": gr(1e-3, step=1e-3)}, callbacks=[record])
+    grpo.train()
+    assert grpo.penalty_values["gr"] > 0
+    model, params = grpo.model, record.params[0]
+
+    def gradient() -> list[torch.Tensor]:
+        model.zero_grad()
+        loss = trl.GRPOTrainer.compute_loss(grpo, model, dict(grpo.kept))
+        return list(torch.autograd.grad(loss, list(model.parameters())))
+
+    load(model, params)
+    model.train()  # GRPO normalizes its loss by the mode
+    g = gradient()
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), g, strict=True):
+            p.add_(t, alpha=1e-3)
+    shifted = gradient()
+    expected = [a + (b - a) for a, b in zip(g, shifted, strict=True)]  # λ/ε = 1
+    largest = max(t.abs().max() for t in expected)
+    for got, want in zip(record.grads[0], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
+    assert max((a - b).abs().max() for a, b in zip(record.grads[0], g, strict=True)) \
+        > 1e-3 * largest  # the penalty moves the step (2.4e-2 here)
