@@ -332,7 +332,7 @@ def mean_over_ranks(tensors: list[Tensor], rows: int | None = None) -> Tensor | 
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
         torch.distributed.all_reduce(flat)
-        flat.div_(world) if share is None else flat.mul_((share / rows).to(flat.dtype))
+        flat.div_(world) if share is None else flat.mul_((1 / everyone).to(flat.dtype))
         parts = flat.split([t.numel() for t in group])
         torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(parts, group, strict=True)])
     return share
