@@ -2,7 +2,8 @@
 (accelerate's FSDP2 wrapping, set on CPUs as on GPUs: ``ranks_hf._on_cpus``): each step's
 gradient, after the engine's mean over the ranks, equals one process's that takes the whole
 batch of 8, for sam, asam, gr, the exact param_grad_norm and double backprop at the
-embeddings, with each rank's 4 rows in one micro-batch or in two (float64 throughout: a tiny GPT-2 and a float64 ``compute_loss_func``).
+embeddings, with each rank's 4 rows in one micro-batch or in two (float64 throughout: a tiny
+GPT-2 and a float64 ``compute_loss_func``).
 Slow: two processes that each import transformers."""
 
 from __future__ import annotations
