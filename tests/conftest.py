@@ -1,8 +1,10 @@
 """Shared by the test packages: the skip of tests marked ``cuda`` without a CUDA device (CI has
-none; run them on a GPU machine with ``python -m pytest -m cuda``), and a real TensorBoard."""
+none; run them on a GPU machine with ``python -m pytest -m cuda``), Triton's interpreter without
+one, and a real TensorBoard."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +12,11 @@ import pytest
 import torch
 
 from tests.tensorboard_server import start_tensorboard, stop
+
+# Without a GPU, Triton's kernels (gradreg.triton_attention) run in its interpreter: Triton reads
+# this when a kernel is defined, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,24 +2,20 @@
 gradient, the double backward, the JVP and its gradient equal the MATH backend's, for every mask
 kind of the blockwise path, in float64 and float32; third order; R1 through a transformer.
 
-Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-they are compiled) on CPU tensors: tiny sequences, several blocks of 4. Skipped where Triton is
-installed at the release they are checked with (3.9, the ``triton`` extra of CI's torch 2.13
-venv; the CUDA builds of torch bring their own, older ones); without Triton the blockwise path is
-the only one.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before any test imports them) on CPU tensors: tiny sequences, several blocks of
+4. Skipped unless Triton is installed at the release they are checked with (3.9, the ``triton``
+extra of CI's torch 2.13 venv; the CUDA builds of torch bring their own, older ones); without
+Triton the blockwise path is the only one.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if not torch.cuda.is_available():  # before the kernels are defined: they run interpreted
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", minversion="3.9")  # the release checked: one CI venv has it
 
 from gradreg import GradientError, differentiable_attention, triton_attention
