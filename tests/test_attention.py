@@ -428,14 +428,28 @@ def test_blockwise_derivatives_equal_the_math_backends(kind: str, lq: int,
     the MATH backend in float64."""
     options, inputs = attention_case(kind, lq, 6)
 
-    def ours(*xs: torch.Tensor) -> torch.Tensor:
-        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
-        return scaled_dot_product_attention(*xs[:3], **options, **extra)
+    got = math_derivatives(attention_of(scaled_dot_product_attention, options), inputs,
+                           dual=True)
+    assert_float64_derivatives_equal(got, math_backend_derivatives(options, inputs))
 
-    got = math_derivatives(ours, inputs, dual=True)
+
+def attention_of(attention, options: dict, **keywords: object):
+    """``attention(q, k, v, **options, **keywords)`` as a function of ``(q, k, v[, mask])``, a
+    fourth input being the ``attn_mask`` (a learned one, differentiated)."""
+    def of_inputs(*xs: torch.Tensor) -> torch.Tensor:
+        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
+        return attention(*xs[:3], **options, **extra, **keywords)
+    return of_inputs
+
+
+def math_backend_derivatives(options: dict, inputs: tuple[torch.Tensor, ...]) -> list:
+    """:func:`math_derivatives` of torch's attention with ``options`` on the MATH backend."""
     with sdpa_kernel(SDPBackend.MATH):
-        expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
-            {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
+        return math_derivatives(attention_of(FUSED, options), inputs)
+
+
+def assert_float64_derivatives_equal(got: list, expected: list) -> None:
+    """Each derivative equal to float64 rounding; where MATH gives None, ``got``'s is None or 0."""
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         if b is None:

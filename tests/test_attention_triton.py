@@ -27,8 +27,11 @@ from gradreg.attention import (
 from tests.test_attention import (
     FUSED,
     MASKS,
+    assert_float64_derivatives_equal,
     attention_case,
+    attention_of,
     math_backend,
+    math_backend_derivatives,
     math_derivatives,
     qkv,
     r1_gradients,
@@ -50,10 +53,7 @@ def on_device(inputs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[tor
 
 
 def triton(options: dict):
-    def attention(*xs: torch.Tensor) -> torch.Tensor:
-        extra = {"attn_mask": xs[3]} if len(xs) == 4 else {}
-        return scaled_dot_product_attention(*xs[:3], **options, **extra, backend="triton")
-    return attention
+    return attention_of(scaled_dot_product_attention, options, backend="triton")
 
 
 def options_on_device(options: dict) -> dict:
@@ -67,15 +67,7 @@ def test_triton_derivatives_equal_the_math_backends(kind: str) -> None:
     options, inputs = attention_case(kind, 7, 6)
     options, inputs = options_on_device(options), on_device(inputs, torch.float64)
     got = math_derivatives(triton(options), inputs, dual=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
-            {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected, strict=True):
-        if b is None:
-            assert a is None or not a.any()
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_float64_derivatives_equal(got, math_backend_derivatives(options, inputs))
 
 
 @pytest.mark.parametrize("kind", ["causal_and_bool", "float"])
@@ -86,9 +78,7 @@ def test_triton_float32_equals_the_math_backend(kind: str) -> None:
     if "attn_mask" in options and options["attn_mask"].is_floating_point():
         options["attn_mask"] = options["attn_mask"].float()
     got = math_derivatives(triton(options), inputs, dual=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        expected = math_derivatives(lambda *xs: FUSED(*xs[:3], **options, **(
-            {"attn_mask": xs[3]} if len(xs) == 4 else {})), inputs)
+    expected = math_backend_derivatives(options, inputs)
     for a, b in zip(got, expected, strict=True):
         if b is not None:
             torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-4, atol=1e-5)
