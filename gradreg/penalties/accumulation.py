@@ -153,9 +153,8 @@ class Accumulation:
             with state.replayed():
                 loss = fn()
         config = self.penalty.config
-        if (not self._stored and not self._watched and config.method == "finite_difference"
-                and config.step is None and config.shift == "normalized" and not config.adaptive):
-            check_default_step_is_smooth(loss)
+        if not (self._stored or self._watched) and config.method == "finite_difference":
+            check_default_step_is_smooth(loss, config.step, config.shift, config.adaptive)
         g, unused = _gradient_and_unused(loss, self.params, retain=retain_graph)
         if self.over_ranks:  # a parameter unused here may be used on another rank
             unused = frozenset()
