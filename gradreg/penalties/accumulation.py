@@ -126,7 +126,9 @@ class Accumulation:
         self.over_ranks = over_ranks
         #: this rank's share N_r / N of the samples, set by finish() over ranks with rows given
         self.share: Tensor | None = None
-        self._watched = False  # whether a shifted forward was watched for generators of its own
+        # whether the first window's checks ran: the default step on a smooth loss, a shifted
+        # forward watched for draws no captured state replays
+        self._checked = False
         self._buffers = KeptBuffers(WHAT)
         self._reset()
 
@@ -153,7 +155,7 @@ class Accumulation:
             with state.replayed():
                 loss = fn()
         config = self.penalty.config
-        if not (self._stored or self._watched) and config.method == "finite_difference":
+        if not (self._stored or self._checked) and config.method == "finite_difference":
             check_default_step_is_smooth(loss, config.step, config.shift, config.adaptive)
         g, unused = _gradient_and_unused(loss, self.params, retain=retain_graph)
         if self.over_ranks:  # a parameter unused here may be used on another rank
@@ -211,9 +213,9 @@ class Accumulation:
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
         with shifted_parameters(params, v, in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers,
-                                               watch=not self._watched and k == 0)
+                                               watch=not self._checked and k == 0)
                              for k, (fn, state) in enumerate(stored)), rows, count)
-        self._watched = True
+        self._checked = True
         return weighted, without_unused(difference_quotient(shifted, g, scale * factor), unused)
 
 
