@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -195,9 +196,18 @@ def measure_tests(name: str) -> dict[str, object]:
             "skipped": counts.get("skipped", 0)}
 
 
+def optional_test_packages() -> list[str]:
+    """The packages of ``pytest.importorskip`` calls in tests/ that this environment has: a
+    module that skips at import is not collected, so a tier's count depends on them."""
+    names = {match for path in (ROOT / "tests").rglob("*.py")
+             for match in re.findall(r"importorskip\(\s*[\"']([\w.]+)[\"']", path.read_text())}
+    return sorted(name for name in names if importlib.util.find_spec(name) is not None)
+
+
 def collect_tests(name: str) -> dict[str, object]:
     """The number of tests of the tier ``name`` that pytest collects now (``--collect-only``,
-    nothing run; the test of the recorded numbers left out), and the date."""
+    nothing run; the test of the recorded numbers left out), the date, and the optional
+    packages it was collected with (:func:`optional_test_packages`)."""
     output = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                              "-p", "no:cacheprovider", f"--ignore={ROOT / 'tests' / MEASURED_TEST}",
                              *TESTS[name]], cwd=ROOT, capture_output=True, text=True,
@@ -205,7 +215,8 @@ def collect_tests(name: str) -> dict[str, object]:
     count = re.search(r"^(\d+)(?:/\d+)? tests? collected", output, re.MULTILINE)
     if count is None:
         raise RuntimeError(f"pytest collected no test of the {name} tier:\n{output[-3000:]}")
-    return {"count": int(count[1]), "date": datetime.date.today().isoformat()}
+    return {"count": int(count[1]), "date": datetime.date.today().isoformat(),
+            "packages": optional_test_packages()}
 
 
 def run_all(names: Iterable[str], jobs: int, record: dict) -> None:
@@ -416,8 +427,10 @@ def test_tiers(record: dict) -> str:
     return ("`python -m pytest -m \"not slow\"` runs the fast tier, "
             f"{about(fast['collected']['count'])} tests, and `python -m pytest -m slow` the slow "
             f"tier, {about(slow['collected']['count'])} (counts collected on "
-            f"{fast['collected']['date']}; tests/{MEASURED_TEST} compares them with a collection "
-            f"of the checkout). Timed by {measured_on(record, fast)}{timed_then}, the fast tier "
+            f"{fast['collected']['date']} with the optional packages "
+            f"{', '.join(fast['collected']['packages'])}; tests/{MEASURED_TEST} compares them "
+            f"with a collection of the checkout where the same are installed). Timed by "
+            f"{measured_on(record, fast)}{timed_then}, the fast tier "
             f"took {seconds(fast['cpu_s'])} of CPU time ({seconds(fast['wall_s'])} of wall time, "
             f"load average {fast['load']:g}) and the slow tier {seconds(slow['cpu_s'])} "
             f"({seconds(slow['wall_s'])} of wall time, load {slow['load']:g}; the app, DDP and "
