@@ -76,7 +76,10 @@ second phase (its forwards run on the unwrapped model, past DDP's reducer) gives
 of its own share along :math:`v`, and DDP's mean of the ranks' gradients in the trainer's
 backward completes :math:`\bar H v`. The ranks' shares are weighted as the trainer weights
 them (by ``num_items_in_batch``, counted over all ranks, or equally). One parameter penalty
-there. Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the
+there. Each optimizer step begins with one all-gather of a few integers (which penalties are
+due, how many micro-batches): ranks that disagree, e.g. a penalty due on one rank and not on
+another (their ``due()`` counters apart), raise the same one-line error on every rank instead
+of waiting in collectives that no longer match. Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the
 model's parameters gathered, for every penalty (a double backward needs them too;
 :class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter, the mean over the ranks, runs
 once after the last one's backward: during the step each rank holds the full parameters and
@@ -112,7 +115,11 @@ from gradreg.penalties import (
     SharedForward,
     penalized_loss,
 )
-from gradreg.penalties.accumulation import Accumulation, combined  # per micro-batch, as Lightning's
+from gradreg.penalties.accumulation import (  # per micro-batch, as Lightning's
+    Accumulation,
+    agreed_over_ranks,
+    combined,
+)
 from gradreg.penalties.two_pass import Carried
 
 __all__ = [  # noqa: F822 (PenalizedTrainer: built on use)
@@ -382,6 +389,7 @@ class PenaltyMixin:
         count = getattr(self, "current_gradient_accumulation_steps", 1)
         if self._micro_batch == 0:  # due() once per optimizer step
             self._window = [name for name, gp in self.penalties.items() if gp.due()]
+            self._agree(count)
         self._micro_batch = (self._micro_batch + 1) % count
         due = {name: self.penalties[name] for name in self._window}
         if count > 1:
@@ -415,6 +423,17 @@ class PenaltyMixin:
                                     / (1 if due[name].config.reduction == "sum" else count))
                            for name, value in values.items())
         return (total, outputs) if return_outputs else total
+
+    def _agree(self, count: int) -> None:
+        """On several processes, refuse in one line on every rank a step whose penalties are
+        due on some ranks and not on others, or whose ranks accumulate different numbers of
+        micro-batches (module docstring): one all-gather of a few integers per optimizer step,
+        before any collective of the penalties, which would otherwise mismatch (a hang)."""
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            agreed_over_ranks({f"penalty {name!r} due": int(name in self._window)
+                               for name in self.penalties}
+                              | {"micro-batches in the step": count},
+                              f"{type(self).__name__} on {self.args.world_size} processes")
 
     def _share(self, num_items_in_batch: Tensor | int | None, count: int) -> float:
         r""":math:`s`, the factor ``training_step`` applies to the loss before its backward:

@@ -76,3 +76,17 @@ def test_each_ranks_own_penalty_would_be_another_step(tmp_path, ranks: list[dict
     mean = [(a + b) / 2 for a, b in zip(*halves, strict=True)]
     largest = max(t.abs().max() for t in whole)
     assert max((a - b).abs().max() for a, b in zip(mean, whole, strict=True)) > 1e-4 * largest
+
+
+def test_a_rank_whose_penalty_is_not_due_is_refused_on_each_not_left_waiting(tmp_path) -> None:
+    """``sam(0.05, every=2)`` due on rank 0 at the first step and not on rank 1 (its counter
+    one ``due()`` ahead): both ranks raise the same one-line error naming each rank's decision,
+    before any collective of the penalty (which would mismatch DDP's: a hang)."""
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_skip", str(tmp_path), "trainer"],
+                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT, timeout=300)
+    first, second = ((tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1))
+    assert first == second
+    assert first.startswith("PenalizedTrainer on 2 processes: the ranks disagree (penalty "
+                            "'sam' due: rank 0 1, rank 1 0)")
+    assert "\n" not in first

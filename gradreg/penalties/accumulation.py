@@ -52,7 +52,7 @@ objective, as for micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -79,7 +79,8 @@ from gradreg.penalties.state.buffers import KeptBuffers
 from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.penalties.two_pass import add_to_grad
 
-__all__ = ["Accumulation", "accumulated_backward", "combined", "mean_over_ranks"]
+__all__ = ["Accumulation", "accumulated_backward", "agreed_over_ranks", "combined",
+           "mean_over_ranks"]
 
 WHAT = "accumulated_backward"
 
@@ -183,6 +184,9 @@ class Accumulation:
         stored, count = self._stored, len(self._stored)
         rows = None if self._rows[0] is None else [int(n) for n in self._rows]
         total = count if rows is None else sum(rows)
+        if self.over_ranks:  # before the gradients' all-reduce, which would mismatch
+            agreed_over_ranks({"penalized parameters' entries": sum(t.numel() for t in self._sum),
+                               "rows given": int(rows is not None)}, f"{WHAT} over ranks")
         if self.over_ranks and rows is not None:  # Σ_r N_r ḡ_r / Σ_r N_r
             self.share = mean_over_ranks(self._sum, total)
             g = self._sum
@@ -337,6 +341,32 @@ def mean_over_ranks(tensors: list[Tensor], rows: int | None = None) -> Tensor | 
         parts = flat.split([t.numel() for t in group])
         torch._foreach_copy_(group, [part.view_as(t) for part, t in zip(parts, group, strict=True)])
     return share
+
+
+def agreed_over_ranks(facts: Mapping[str, int], what: str) -> None:
+    """Raise the same :class:`~gradreg.autograd.GradientError` on every rank of
+    ``torch.distributed``'s default group where the ranks' ``facts`` (name -> integer: whether a
+    penalty is due, how many entries a gradient has) differ, naming each rank's value; by one
+    all-gather of the integers, on the device of the default group's backend. Called by every
+    rank before a collective whose shapes or presence depend on them, so that a disagreement is
+    refused in one line instead of a collective mismatch (a hang, or the backend's abort)."""
+    names = list(facts)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([int(facts[name]) for name in names], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, mine)
+    table = torch.stack(everyone).cpu().tolist()
+    differing = [k for k, name in enumerate(names) if len({row[k] for row in table}) > 1]
+    if differing:
+        detail = "; ".join(f"{names[k]}: " + ", ".join(f"rank {r} {row[k]}"
+                                                       for r, row in enumerate(table))
+                           for k in differing)
+        raise GradientError(
+            f"{what}: the ranks disagree ({detail}), and each rank's step needs the others' "
+            "in the same collective: build the penalties and the parameters alike on every "
+            "rank, call penalty.due() once per step on each, and take the penalty on all of "
+            "them or none.")
 
 
 def _hessian_vector(fn: Callable[[], Tensor], state: GeneratorState, params: tuple[Tensor, ...],

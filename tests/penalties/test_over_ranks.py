@@ -104,3 +104,18 @@ def test_an_fsdp2_module_over_two_ranks_takes_the_penalty_of_the_whole_batch(
     model, x, y = problem()
     whole = step(model, x, y, method, micro_batches=4)["grad"]
     assert ((sharded_ranks[method] - whole).norm() / whole.norm()).item() < 1e-10
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_are_refused_on_each_not_left_waiting(tmp_path) -> None:
+    """Rank 1 penalizes fewer parameters than rank 0: both raise the same one-line error naming
+    each rank's count before the gradients' all-reduce (which would mismatch: the backend's
+    abort, or a wait until its timeout); the processes end well within the test's timeout."""
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_skip", str(tmp_path),
+                   "accumulated"], [{"RANK": str(rank), "WORLD_SIZE": "2"} for rank in (0, 1)],
+                  cwd=ROOT, timeout=120)
+    first, second = ((tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1))
+    assert first == second
+    assert first.startswith("accumulated_backward over ranks: the ranks disagree "
+                            "(penalized parameters' entries: rank 0 131, rank 1 80)")
+    assert "\n" not in first
