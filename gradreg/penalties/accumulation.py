@@ -110,7 +110,7 @@ class Accumulation:
     def __init__(self, penalty: GradientPenalty, params: Sequence[Tensor], *,
                  over_ranks: bool = False) -> None:
         config = penalty.config
-        if config.points != "parameters" or config.method not in ("finite_difference",
+        if config.points != "parameters" or config.method.name not in ("finite_difference",
                                                                     "double_backward"):
             raise GradientError(
                 f"{WHAT} takes a penalty on points='parameters' by method='finite_difference' "
@@ -156,7 +156,7 @@ class Accumulation:
             with state.replayed():
                 loss = fn()
         config = self.penalty.config
-        if not (self._stored or self._checked) and config.method == "finite_difference":
+        if not (self._stored or self._checked) and config.method.name == "finite_difference":
             check_default_step_is_smooth(loss, config.step, config.shift, config.adaptive)
         g, unused = _gradient_and_unused(loss, self.params, retain=retain_graph)
         if self.over_ranks:  # a parameter unused here may be used on another rank
@@ -207,7 +207,7 @@ class Accumulation:
         weighted = value.detach() * factor
         if config.check_finite:  # as the penalty's own call checks its value
             penalty.finite_check(penalty.last_value, weighted=weighted, factor=factor)
-        if config.method == "double_backward":  # H_k v exactly, by double backward
+        if config.method.name == "double_backward":  # H_k v exactly, by double backward
             return weighted, without_unused(_mean(
                 (_hessian_vector(fn, state, params, [factor * d for d in v], self._buffers)
                  for fn, state in stored), rows, count), unused)
