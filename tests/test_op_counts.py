@@ -4,13 +4,15 @@ On a GPU a fixed cost per step is kernel launches. Each step below is counted as
 dispatches (``TorchDispatchMode``; views and detaches left out, as they launch nothing), on its
 second call (the first call's checks run once), beside its hand-written twin on the same model,
 the same points and the same data: WGAN-GP at interpolates of an MLP critic, R1 at the reals
-(forward shared with the loss), double backprop on a classifier's per-sample losses, and SAM's
-two passes (``penalized_backward``). The guards stay on: a norm whose gradient is 0 at 0 and the
-finite check.
+(forward shared with the loss), double backprop on a classifier's per-sample losses, SAM's two
+passes (``penalized_backward``) and StyleGAN2's path length at W+ latents. The guards stay on: a
+norm whose gradient is 0 at 0, the finite check and a running mean that a non-finite batch
+leaves as it was. Each step also computes its twin's parameter gradients (float64).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from gradreg.penalties import (
     as_points,
     double_backprop,
     interpolate,
+    path_length,
     penalized_backward,
     r1,
     sam,
@@ -58,16 +61,30 @@ def counted(step: Callable[[], None]) -> Counter[str]:
     return ops.ops
 
 
-def critic(device: str) -> nn.Module:
+def critic(device: str, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32),
-                         nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Flatten(0)).to(device)
+                         nn.LeakyReLU(0.2), nn.Linear(32, 1), nn.Flatten(0)).to(device, dtype)
 
 
-def classifier(device: str) -> nn.Module:
+def classifier(device: str, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 4)).to(device)
+                         nn.Linear(32, 4)).to(device, dtype)
+
+
+class WPlusGenerator(nn.Module):
+    """W+ latents [B, 4, 8] -> images [B, 1, 4, 4], each layer's w through its own weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 16) for _ in range(4))
+
+    def forward(self, ws: Tensor) -> Tensor:
+        h = self.layers[0](ws[:, 0]).tanh()
+        for i in range(1, len(self.layers)):
+            h = h + self.layers[i](ws[:, i]).tanh()
+        return h.view(-1, 1, 4, 4)
 
 
 def grad_of(out: Tensor, x: Tensor) -> Tensor:
@@ -87,9 +104,9 @@ class Steps:
     penalty: nn.Module
 
 
-def wgan_gp_steps(device: str = "cpu") -> Steps:
-    model, gp = critic(device), wgan_gp(10.0)
-    real, fake = torch.randn(8, 16, device=device), torch.randn(8, 16, device=device)
+def wgan_gp_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, gp = critic(device, dtype), wgan_gp(10.0)
+    real, fake = (torch.randn(8, 16, device=device, dtype=dtype) for _ in range(2))
     x = interpolate(real, fake)
 
     def loss() -> Tensor:
@@ -105,9 +122,9 @@ def wgan_gp_steps(device: str = "cpu") -> Steps:
     return Steps(library, hand, (x, real, fake), model, gp)
 
 
-def r1_steps(device: str = "cpu") -> Steps:
-    model, penalty = critic(device), r1(10.0)
-    real = as_points(torch.randn(8, 16, device=device))
+def r1_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, penalty = critic(device, dtype), r1(10.0)
+    real = as_points(torch.randn(8, 16, device=device, dtype=dtype))
 
     def library() -> None:
         scores = model(real)
@@ -121,9 +138,10 @@ def r1_steps(device: str = "cpu") -> Steps:
     return Steps(library, hand, (real,), model, penalty)
 
 
-def double_backprop_steps(device: str = "cpu") -> Steps:
-    model, penalty = classifier(device), double_backprop(0.1)
-    x, y = as_points(torch.randn(8, 16, device=device)), torch.randint(0, 4, (8,), device=device)
+def double_backprop_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, penalty = classifier(device, dtype), double_backprop(0.1)
+    x = as_points(torch.randn(8, 16, device=device, dtype=dtype))
+    y = torch.randint(0, 4, (8,), device=device)
 
     def library() -> None:
         losses = F.cross_entropy(model(x), y, reduction="none")
@@ -137,11 +155,12 @@ def double_backprop_steps(device: str = "cpu") -> Steps:
     return Steps(library, hand, (x,), model, penalty)
 
 
-def sam_steps(device: str = "cpu") -> Steps:
-    model, rho = classifier(device), 0.05
+def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, rho = classifier(device, dtype), 0.05
     penalty = sam(rho)
     params = list(model.parameters())
-    x, y = torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device)
+    x = torch.randn(8, 16, device=device, dtype=dtype)
+    y = torch.randint(0, 4, (8,), device=device)
 
     def loss() -> Tensor:
         return F.cross_entropy(model(x), y)
@@ -168,8 +187,29 @@ def sam_steps(device: str = "cpu") -> Steps:
     return Steps(library, hand, (x,), model, penalty)
 
 
+def path_length_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    torch.manual_seed(0)
+    model, penalty = WPlusGenerator().to(device, dtype), path_length()
+    ws = as_points(torch.randn(8, 4, 8, device=device, dtype=dtype))
+    pl_mean = torch.zeros((), device=device, dtype=dtype)
+
+    def library() -> None:
+        penalty(model(ws), ws).backward()
+
+    def hand() -> None:  # stylegan2-ada-pytorch's training/loss.py, Gpl phase (gain 1, one rank)
+        img = model(ws)
+        pl_noise = torch.randn_like(img) / math.sqrt(img.shape[2] * img.shape[3])
+        (pl_grads,) = torch.autograd.grad((img * pl_noise).sum(), ws, create_graph=True)
+        pl_lengths = pl_grads.square().sum(2).mean(1).sqrt()
+        mean = pl_mean.lerp(pl_lengths.mean(), 0.01)
+        pl_mean.copy_(mean.detach())
+        ((pl_lengths - mean).square() * 2.0).mean().backward()
+
+    return Steps(library, hand, (ws,), model, penalty)
+
+
 STEPS = {"wgan_gp": wgan_gp_steps, "r1": r1_steps, "double_backprop": double_backprop_steps,
-         "sam": sam_steps}
+         "sam": sam_steps, "path_length": path_length_steps}
 
 
 #: The releases counted: the ops a step dispatches are torch's decompositions, which an older
@@ -185,6 +225,27 @@ def test_no_more_ops_than_by_hand(name: str) -> None:
     extra = ours - theirs
     assert sum(ours.values()) <= LIMIT * sum(theirs.values()), (
         f"{name}: {sum(ours.values())} ops, by hand {sum(theirs.values())}; extra: {dict(extra)}")
+
+
+@pytest.mark.parametrize("name", STEPS)
+def test_each_step_computes_its_twins_parameter_gradients(name: str) -> None:
+    """In float64, three calls of each (path length's running mean moves between them), the same
+    random draws for both: the parameter gradients agree to 1e-10 (the sum of different
+    roundings, not different math)."""
+    step = STEPS[name](dtype=torch.float64)
+    params = list(step.model.parameters())
+    grads = []
+    for run in (step.library, step.hand):
+        torch.manual_seed(1)
+        got = []
+        for _ in range(3):
+            for p in params:
+                p.grad = None
+            run()
+            got += [p.grad.clone() for p in params]
+        grads.append(got)
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.cuda

@@ -34,8 +34,8 @@ from gradreg.penalties.formulas.norms import (
 )
 from gradreg.penalties.state.loss_scale import LossScale
 
-__all__ = ["DEFAULT_COUNT", "PROJECTIONS", "latent_sq_length",
-           "projected_sq_norm"]
+__all__ = ["DEFAULT_COUNT", "PROJECTIONS", "gaussian_vjp", "latent_length",
+           "latent_sq_length", "projected_sq_norm"]
 
 #: Orthonormal projections per sample where ``count`` is left out.
 DEFAULT_COUNT = 1
@@ -52,8 +52,26 @@ def _orthonormal(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squar
 def _gaussian(outputs: Tensor, inputs: tuple[Tensor, ...], *, p: float, squared: bool,
               order: int, count: int | None, per_sample: bool,
               loss_scale: LossScale) -> Tensor:
-    sq = projected_sq_norm(outputs, inputs, "gaussian", 1, loss_scale)
-    return sq if squared else safe_sqrt(sq)
+    grads = gaussian_vjp(outputs, inputs, loss_scale)
+    return latent_sq_length(grads) if squared else latent_length(grads)
+
+
+def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype random directions are drawn in: ``dtype``, widened to float32 where narrower
+    (read off the dtype's size, without a call into torch's dispatcher)."""
+    return dtype if dtype.itemsize >= 4 else torch.float32
+
+
+def gaussian_vjp(outputs: Tensor, inputs: tuple[Tensor, ...],
+                 loss_scale: LossScale = None) -> tuple[Tensor, ...]:
+    r""":math:`J_i^\top y_i` at each of ``inputs``: the gradients of ``outputs`` [B, ...] with
+    StyleGAN2's random image :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}` as the vector
+    (pixels = H*W for images [B, C, H, W], the feature count otherwise), drawn in at least
+    float32 and cast to the outputs' dtype, built with ``create_graph=True``."""
+    flat = outputs.reshape(outputs.shape[0], -1)
+    pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else flat.shape[1]
+    noise = torch.randn(flat.shape, dtype=_draw_dtype(flat.dtype), device=flat.device)
+    return unscaled_vjp(flat, inputs, (noise / math.sqrt(pixels)).to(flat.dtype), loss_scale)
 
 
 def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: str,
@@ -68,17 +86,14 @@ def projected_sq_norm(outputs: Tensor, inputs: tuple[Tensor, ...], projection: s
     batch = outputs.shape[0]
     flat = outputs.reshape(batch, -1)
     k = flat.shape[1]
-    draw = {"dtype": torch.promote_types(flat.dtype, torch.float32), "device": flat.device}
     if projection == "gaussian":
-        pixels = math.prod(outputs.shape[2:]) if outputs.ndim > 2 else k
-        noise = (torch.randn(flat.shape, **draw) / math.sqrt(pixels)).to(flat.dtype)
-        return latent_sq_length(unscaled_vjp(flat, inputs, noise, loss_scale))
+        return latent_sq_length(gaussian_vjp(outputs, inputs, loss_scale))
     if count > k:
         raise GradientError(
             f"count={count} exceeds the {k} outputs per sample: "
             f"at most {k} orthonormal directions exist (and {k} gives the exact norm)."
         )
-    gaussian = torch.randn(batch, k, count, **draw)
+    gaussian = torch.randn(batch, k, count, dtype=_draw_dtype(flat.dtype), device=flat.device)
     directions = torch.linalg.qr(gaussian).Q.to(flat.dtype)  # [B, K, n], orthonormal, uniform
     sq = sum(
         per_sample_norm(unscaled_vjp(flat, inputs, directions[:, :, j], loss_scale), squared=True)
@@ -95,9 +110,21 @@ def latent_sq_length(grads: tuple[Tensor, ...]) -> Tensor:
     of the squared norm over ``w_dim`` (``pl_grads.square().sum(2).mean(1)``); [B, w_dim] is
     the same with one layer, i.e. the squared norm. Other shapes take all non-batch dims.
     """
-    return sum(g.square().sum(2).mean(1) if g.ndim == 3
-               else per_sample_rows(g).square().sum(1) for g in grads)
+    total = None
+    for g in grads:  # a loop, not sum(): no 0 + the first term
+        part = g.square().sum(2).mean(1) if g.ndim == 3 else per_sample_rows(g).square().sum(1)
+        total = part if total is None else total + part
+    return total
 
+
+def latent_length(grads: tuple[Tensor, ...]) -> Tensor:
+    r"""Per-sample length of latent gradients, StyleGAN2's ``pl_lengths``: the root of
+    :func:`latent_sq_length`, as one 2-norm of the rows, a W+ latent's scaled by
+    :math:`1/\sqrt{\text{num\_ws}}` (:math:`\sqrt{\frac{1}{L}\sum_l \lVert g_{il}\rVert^2} =
+    \lVert g_i \rVert / \sqrt{L}`), with gradient 0 where the gradient vanishes
+    (:func:`~gradreg.penalties.formulas.norms.per_sample_norm`)."""
+    return per_sample_norm(tuple(g / math.sqrt(g.shape[1]) if g.ndim == 3 else g
+                                 for g in grads))
 
 Norms = Callable[..., Tensor]
 #: The projections by name: how each computes the per-sample norms (module docstring).

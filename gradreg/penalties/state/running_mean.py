@@ -54,13 +54,15 @@ class RunningMean:
         batch's term keeping its gradient exactly as in the reference code.
 
         A batch whose mean norm is NaN or Inf leaves the running mean as it was
-        (``torch.where``, no host sync): its penalty is not finite (refused by
-        ``check_finite``), and the next finite batch goes on from the last finite mean.
+        (``torch.where``, no host sync, on the condition :math:`m - m = 0`, true exactly for a
+        finite :math:`m`: two kernels, where ``torch.isfinite`` is four): its penalty is not
+        finite (refused by ``check_finite``), and the next finite batch goes on from the last
+        finite mean.
         """
         self.promote(norms.dtype, norms.device)
         ema = self.value
         mean = norms.mean().to(ema.dtype)
-        updated = torch.where(torch.isfinite(mean), ema.lerp(mean, self.decay), ema)
+        updated = torch.where(mean - mean == 0, ema.lerp(mean, self.decay), ema)
         ema.copy_(updated.detach())
         return updated
 
@@ -75,15 +77,22 @@ class RunningMean:
         after = self.value
         if after is not before and after.is_floating_point() and after.element_size() < 4:
             self.buffers[self.name] = before.detach().to(
-                device=after.device, dtype=torch.promote_types(before.dtype, torch.float32))
+                device=after.device, dtype=_widest(before.dtype, torch.float32))
 
     def promote(self, dtype: torch.dtype, device: torch.device | None = None) -> None:
         """Widen the buffer to ``dtype``, and to at least float32, where that is wider (in
         place), and move it to ``device`` (None: where it is; a new tensor in the buffer's place,
         as ``module.to(device)`` puts there)."""
         ema = self.value
-        wider = torch.promote_types(torch.promote_types(dtype, ema.dtype), torch.float32)
+        wider = _widest(dtype, ema.dtype, torch.float32)
         if device is not None and device != ema.device:
             self.buffers[self.name] = ema.detach().to(device=device, dtype=wider)
         elif wider != ema.dtype:
             ema.data = ema.data.to(wider)
+
+
+def _widest(*dtypes: torch.dtype) -> torch.dtype:
+    """The widest of floating-point ``dtypes`` (the first of the widest; bf16 and float16 are
+    both narrower than the float32 always among them), read off their sizes without a call into
+    torch's dispatcher (``torch.promote_types`` is one, on every update)."""
+    return max(dtypes, key=lambda dtype: dtype.itemsize)
