@@ -3,41 +3,39 @@
 A configuration is the composition of the objects it configures, each a frozen dataclass that
 checks its own fields: the :class:`~gradreg.penalties.formulas.options.Norm` (target, p, power,
 sidedness, reduction, projection), the ``method`` (:data:`~gradreg.penalties.methods
-.METHOD_TYPES`: ``DoubleBackward(chunks)``, ``FiniteDifference(step)``, ``ParameterShift(step,
-shift, adaptive)``, ``Perturbation(step, count, central)``) and the ``kind``
+.METHOD_TYPES`: ``DoubleBackward(chunks)``, ``FiniteDifference(step)``, ``ParameterShift(shift,
+radius | scale, adaptive)``, ``Perturbation(sigma, count, central)``) and the ``kind``
 (:data:`~gradreg.penalties.kinds.KIND_TYPES`: ``GradientNorm()``, ``Spectral(iterations)``,
-``Hessian(count, step, reduction)``), with the options of the penalty as a whole (the points,
+``Hessian(count, epsilon, reduction)``), with the options of the penalty as a whole (the points,
 what is differentiated, laziness, gain, subsample, the finite check). What one object does not
 support of the others (a method of another kind, a projection a method does not compute) is
 refused when the configuration is built, by that object's ``check``.
 
 Presets and Hydra configs give flat options (``target=1.0, method="finite_difference",
-step=1e-3``); :meth:`PenaltyConfig.from_flat` is the one adapter from them, routing each option to
-the object that takes it and refusing, with the fix, an option no chosen object takes. The weight
-is not part of a configuration: it may change between steps (schedules) and is checkpointed with
-the penalty.
+step=1e-3``). The flat options are the fields of the classes (:data:`FLAT`, with their defaults)
+and ``step``, an alias for the step size of the chosen method or kind by its role
+(``FiniteDifference.step``, ``ParameterShift.radius`` or ``.scale``, ``Perturbation.sigma``,
+``Hessian.epsilon``). :meth:`PenaltyConfig.from_flat` is the one adapter: each chosen class takes
+its fields, and an option none of them takes, set to other than its default, is refused in one
+line naming it, the choice and the options the choice takes. The weight is not part of a
+configuration: it may change between steps (schedules) and is checkpointed with the penalty.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from torch import Tensor
+
 from gradreg.autograd import GradientError
 from gradreg.penalties import kinds, methods
 from gradreg.penalties.formulas.options import PROJECTION_NAMES, REDUCTIONS, Norm
-from gradreg.penalties.guards.options import (
-    Option,
-    check_count,
-    check_flag,
-    check_iterations,
-    check_step,
-    finite_number,
-    require,
-)
+from gradreg.penalties.guards.options import Option, check_flag, finite_number, require
 from gradreg.penalties.kinds import KINDS, GradientNorm
-from gradreg.penalties.methods import METHODS, DoubleBackward
+from gradreg.penalties.methods import METHODS, DoubleBackward, ParameterShift
 from gradreg.penalties.methods.finite_difference import SHIFTS
 
 __all__ = ["FLAT", "KINDS", "METHODS", "POINTS", "PROJECTION_NAMES", "REDUCTIONS", "RENAMED",
@@ -45,26 +43,10 @@ __all__ = ["FLAT", "KINDS", "METHODS", "POINTS", "PROJECTION_NAMES", "REDUCTIONS
 
 POINTS = ("inputs", "real", "fake", "interpolates", "perturbed", "activations", "latents",
           "parameters")
-#: Options of earlier releases and the one that replaced each: a step size is ``step``, a
-#: number of directions (projections, probes, Rademacher directions) is ``count``.
-RENAMED = {"fd_eps": "step", "sigma": "step", "epsilon": "step", "num_projections": "count",
-           "probes": "count", "k": "count"}
-#: The flat options and their defaults (those of :meth:`PenaltyConfig.from_flat`, the presets' and
-#: the Hydra configs' keywords).
-FLAT: dict[str, Any] = {
-    "target": 0.0, "one_sided": False, "power": 2.0, "p": 2.0, "reduction": "mean", "every": 1,
-    "points": "inputs", "of": "outputs", "layers": (), "gain": 1.0, "order": 1,
-    "projection": "sum", "ema_decay": 0.01, "check_finite": True, "method": "double_backward",
-    "subsample": 1.0, "chunks": 1, "step": None, "count": None, "central": False,
-    "kind": "gradient_norm", "iterations": 10, "shift": "normalized", "adaptive": False}
-#: The flat options that are real numbers (``p`` may also be ``inf``: the max-norm), converted to
-#: ``float``; ``target`` also takes ``"ema"``, ``step`` also ``None``.
-NUMBERS = ("target", "power", "p", "gain", "ema_decay", "subsample", "step")
-#: The flat options that are flags.
-FLAGS = ("one_sided", "check_finite", "central", "adaptive")
-#: The flat options of the norm (:class:`~gradreg.penalties.formulas.options.Norm`).
-NORM_OPTIONS = ("target", "one_sided", "power", "p", "reduction", "projection", "order",
-                "ema_decay")
+#: Options of earlier releases and the one that replaced each (checked only when an option is
+#: unknown): a step size is ``step`` (or its name by role), a number of directions (projections,
+#: probes, Rademacher directions) is ``count``.
+RENAMED = {"fd_eps": "step", "num_projections": "count", "probes": "count", "k": "count"}
 
 
 @dataclass(frozen=True)
@@ -75,14 +57,14 @@ class PenaltyConfig:
         norm: the norm and its penalty (:class:`~gradreg.penalties.formulas.options.Norm`).
         method: how the parameter gradient is computed (one of :data:`~gradreg.penalties
             .methods.METHOD_TYPES`, or :class:`~gradreg.penalties.methods.ParameterShift` for
-            ``points="parameters"``); it compares equal to its name
-            (``config.method == "finite_difference"``).
-        kind: what is penalized (one of :data:`~gradreg.penalties.kinds.KIND_TYPES`), equal to
-            its name.
+            ``points="parameters"``); its name is ``config.method.name``.
+        kind: what is penalized (one of :data:`~gradreg.penalties.kinds.KIND_TYPES`), named
+            ``config.kind.name``.
         points, of, layers, every, gain, subsample, check_finite: as in :meth:`from_flat`.
 
     The flat options are read as attributes too (``config.target``, ``config.step``: the value
-    of the object that takes it, else the option's default). Build one from flat options with
+    of the object that takes it, ``step`` that of the chosen step size, else the option's
+    default). Build one from flat options with
     :meth:`from_flat`, change some with :meth:`replace`.
 
     Examples:
@@ -92,8 +74,8 @@ class PenaltyConfig:
         >>> config == PenaltyConfig.from_flat(target=1.0, method="finite_difference", step=1e-3,
         ...                            points="interpolates")
         True
-        >>> config.method == "finite_difference", config.step, config.squared
-        (True, 0.001, False)
+        >>> config.method.name, config.step, config.squared
+        ('finite_difference', 0.001, False)
         >>> GradientPenalty(config.replace(one_sided=True), weight=10.0)
         GradientPenalty(weight=10.0, target=1.0, points='interpolates', every=1)
     """
@@ -109,13 +91,13 @@ class PenaltyConfig:
     subsample: float = 1.0
     check_finite: bool = True
 
-    #: The parts that take flat options, in the order a shared option (``step``, ``count``) is
-    #: read from.
+    #: The parts that take flat options, in the order a shared option (``reduction``) is read
+    #: from and the alias ``step`` is routed (the kind's step before the method's).
     PARTS: ClassVar[tuple[str, ...]] = ("kind", "method", "norm")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))  # a list from a config, frozen
-        for name, types in (("norm", (Norm,)), ("method", methods.METHOD_TYPES),
+        for name, types in (("norm", (Norm,)), ("method", (*methods.METHOD_TYPES, ParameterShift)),
                             ("kind", kinds.KIND_TYPES)):
             require(isinstance(getattr(self, name), types),
                     f"{name} must be one of {[t.__name__ for t in types]}, got "
@@ -143,13 +125,17 @@ class PenaltyConfig:
         require(0 < self.subsample <= 1, f"subsample must be in (0, 1], got {self.subsample!r}")
 
     def __getattr__(self, name: str) -> Any:
-        """A flat option: the value of the part that takes it, else its default."""
+        """A flat option: the value of the part that takes it (``step``: the chosen step size
+        by its role), else its default."""
         if name not in FLAT:
             raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
         for part in self.PARTS:
             value = self.__dict__.get(part)
-            if name in getattr(value, "__dataclass_fields__", ()):
-                return getattr(value, name)
+            if value is None:
+                continue
+            key = type(value).step_field(value.flat()) if name == "step" else name
+            if key is not None and key in value.__dataclass_fields__:
+                return getattr(value, key)
         return FLAT[name]
 
     @classmethod
@@ -201,16 +187,19 @@ class PenaltyConfig:
                 (:func:`~gradreg.penalties.methods.chunks.in_chunks`): the same gradient, about
                 ``1/chunks`` of the penalty graph's peak memory; needs ``outputs`` as a callable,
                 double backward, per-sample points and a numeric target.
-            step: the step size of the estimate that takes one, ``None`` for its default:
-                ``method="finite_difference"``, the input-space length of each sample's shift (for
-                ``points="parameters"``, the parameter-space length :math:`r` of the shift,
-                :mod:`~gradreg.penalties.methods.param_gradient`), by default
+            step: an alias for the step size of the estimate that takes one, by its role
+                (``None`` for its default): ``method="finite_difference"``, ``step``, the
+                input-space length of each sample's shift (for ``points="parameters"``, the
+                parameter-space ``radius`` :math:`r` of the shift or the ``scale`` of
+                ``shift="gradient"``, :mod:`~gradreg.penalties.methods.param_gradient`), by default
                 :func:`~gradreg.penalties.guards.precision.default_step` for the precision the
                 model's arithmetic ran in
                 (:func:`~gradreg.penalties.guards.precision.unit_roundoff`: float64, float32, or
-                TF32 on GPUs); ``method="perturbation"``, the probe's scale σ per element (default
-                0.01); ``kind="hessian"`` by finite difference, the step ε of the second difference
-                (default 0.1). Refused where no estimate takes a step.
+                TF32 on GPUs); ``method="perturbation"``, ``sigma``, the probe's scale σ per
+                element (default 0.01); ``kind="hessian"`` by finite difference, ``epsilon``, the
+                step ε of the second difference (default 0.1). Refused where no estimate takes a
+                step, and with the name it stands for.
+            sigma, epsilon, radius, scale: the step sizes by their role (above).
             count: the number of random directions, ``None`` for its default:
                 ``projection="orthonormal"``, the orthonormal projections (default 1);
                 ``method="perturbation"``, the probes per sample, averaged (default 1);
@@ -232,8 +221,8 @@ class PenaltyConfig:
             shift: for ``points="parameters"`` by ``method="finite_difference"``, how far the
                 parameters are shifted along :math:`v = \partial P/\partial g` (the penalty's
                 derivative in the loss gradient :math:`g`, its ``gain`` included): ``"normalized"``
-                by the length ``step`` (:math:`\theta + r\hat v`: GNP, SAM) or ``"gradient"`` by
-                ``step`` times :math:`v` (:math:`\theta + \epsilon v`; for GR's
+                by the length ``radius`` (:math:`\theta + r\hat v`: GNP, SAM) or ``"gradient"`` by
+                ``scale`` times :math:`v` (:math:`\theta + \epsilon v`; for GR's
                 :math:`\tfrac12\lVert g\rVert^2`, :math:`\theta + \epsilon g`; ASAM). One of
                 :data:`SHIFTS`; see :mod:`~gradreg.penalties.methods.param_gradient`.
             adaptive: for ``points="parameters"`` by ``method="finite_difference"``, the norm of
@@ -244,59 +233,47 @@ class PenaltyConfig:
         Examples:
             >>> from gradreg.penalties import PenaltyConfig
             >>> PenaltyConfig.from_flat(method="perturbation", step=0.01, count=4).method
-            Perturbation(step=0.01, count=4, central=False)
+            Perturbation(sigma=0.01, count=4, central=False)
             >>> PenaltyConfig.from_flat(kind="spectral", iterations=5).kind
             Spectral(iterations=5)
             >>> PenaltyConfig.from_flat(central=True)  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            ValueError: central sets the perturbation estimate; it does nothing with ...
+            ValueError: central=True is not an option of method='double_backward', ...
         """
-        check_renamed(options)
         unknown = sorted(set(options) - set(FLAT))
         if unknown:
+            check_renamed(options)
             raise TypeError(f"GradientPenalty got unknown option(s) {unknown}; valid: weight, "
                             f"{', '.join(FLAT)}.")
         flat = {**FLAT, **options}
-        _check_flat_types(flat)
-        norm = Norm(**{name: flat[name] for name in NORM_OPTIONS},
-                    count=flat["count"] if flat["projection"] == "orthonormal" else None)
-        method, kind = flat["method"], flat["kind"]
-        check_method_name(method)
-        require(kind in _named(kinds.KIND_TYPES),
-                f"kind must be one of {tuple(_named(kinds.KIND_TYPES))}, got {kind!r}")
-        check_iterations(flat["iterations"])
-        require(kind == "spectral" or flat["iterations"] == FLAT["iterations"],
-                "iterations sets the power iteration of kind='spectral'; pass kind='spectral'")
-        require(method == "perturbation" or flat["central"] == FLAT["central"],
-                f"central sets the perturbation estimate; it does nothing with "
-                f"method={method!r}: pass method='perturbation'")
-        require(method != "perturbation" or flat["chunks"] == 1,
-                "method='perturbation' keeps no double-backward graph to split: use chunks=1")
-        _check_chunks(flat["chunks"], method)
-        require(flat["shift"] in SHIFTS, f"shift must be one of {SHIFTS}, got {flat['shift']!r}")
-        shifts = flat["points"] == "parameters" and method == "finite_difference"
-        require(shifts or (flat["shift"], flat["adaptive"]) == (FLAT["shift"], FLAT["adaptive"]),
-                f"shift and adaptive set how param_grad_norm by method='finite_difference' "
-                f"shifts the parameters; they do nothing with points={flat['points']!r}, "
-                f"method={method!r}: pass points='parameters', method='finite_difference'")
-        _check_step_and_count(flat)
-        kind_options = _named(kinds.KIND_TYPES)[kind].from_flat(flat)
-        if kind == "hessian":  # the step of the Hessian's second difference is the kind's
-            flat["step"] = None
-        method_options = _named(methods.METHOD_TYPES)[method].from_flat(flat)
-        return cls(norm, method_options, kind_options, points=flat["points"], of=flat["of"],
-                   layers=flat["layers"], every=flat["every"], gain=flat["gain"],
-                   subsample=flat["subsample"], check_finite=flat["check_finite"])
+        _convert_numbers(flat)
+        check_method_name(flat["method"])
+        kind_type = _chosen(kinds.KIND_TYPES, "kind", flat["kind"])
+        method_type = _named(methods.METHOD_TYPES)[flat["method"]].form(flat)
+        parts = {"kind": kind_type, "method": method_type, "norm": Norm}
+        _route_step(flat, options, parts)
+        taken = {*_CONFIG_KEYS, *parts}.union(*(part.flat_keys(flat) for part in parts.values()))
+        for key in options:
+            if key not in taken and flat[key] != FLAT[key]:
+                _refuse(key, flat, parts)
+        return cls(Norm.from_flat(flat), method_type.from_flat(flat), kind_type.from_flat(flat),
+                   **{key: flat[key] for key in _CONFIG_KEYS})
 
     def flat(self) -> dict[str, Any]:
         """The flat options of this configuration (:meth:`from_flat` of them gives it back)."""
-        return {name: getattr(self, name) for name in FLAT} | {
-            "method": self.method.name, "kind": self.kind.name}
+        parts = [self.norm, self.method, self.kind]
+        return ({name: getattr(self, name) for name in _CONFIG_KEYS}
+                | {key: value for part in parts for key, value in part.flat().items()}
+                | {"method": self.method.name, "kind": self.kind.name})
 
     def replace(self, **options: Any) -> PenaltyConfig:
-        """This configuration with the flat ``options`` changed (:meth:`from_flat`)."""
-        return PenaltyConfig.from_flat(**{**self.flat(), **options})
+        """This configuration with the flat ``options`` changed (:meth:`from_flat`); the alias
+        ``step`` replaces the step size by its role."""
+        flat = self.flat()
+        if "step" in options:
+            flat = {key: value for key, value in flat.items() if key not in _STEP_FIELDS}
+        return PenaltyConfig.from_flat(**{**flat, **options})
 
     @classmethod
     def options(cls) -> tuple[str, ...]:
@@ -324,8 +301,8 @@ class PenaltyConfig:
         """Whether the penalty runs its own forward: the methods other than double backward,
         ``subsample``, ``chunks`` and the kinds other than ``"gradient_norm"`` do, so
         ``outputs`` must be a callable ``fn(*points)``."""
-        return (self.method != "double_backward" or self.subsample < 1
-                or self.method.chunks > 1 or self.kind != "gradient_norm")
+        return (self.method.name != "double_backward" or self.subsample < 1
+                or self.method.chunks > 1 or self.kind.name != "gradient_norm")
 
     @property
     def per_sample(self) -> bool:
@@ -339,70 +316,131 @@ class PenaltyConfig:
         return self.norm.squared
 
 
+
+#: The options of the penalty as a whole, with their defaults (the configuration's own fields).
+_CONFIG_KEYS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(PenaltyConfig)
+    if f.name not in PenaltyConfig.PARTS}
+
+
+def _defaults(*types: type[Option]) -> dict[str, Any]:
+    """The fields of ``types`` and their defaults, the first class's where two share a name."""
+    found: dict[str, Any] = {}
+    for option in types:
+        for f in dataclasses.fields(option):  # type: ignore[arg-type]
+            found.setdefault(f.name, f.default)
+    return found
+
+
+_OPTION_TYPES: tuple[type[Option], ...] = (Norm, *methods.METHOD_TYPES, ParameterShift,
+                                           *kinds.KIND_TYPES)
+#: The flat options and their defaults (those of :meth:`PenaltyConfig.from_flat`, the presets'
+#: and the Hydra configs' keywords): the configuration's own, ``method`` and ``kind``, the fields
+#: of the option classes, and the alias ``step``.
+FLAT: dict[str, Any] = {**_defaults(Norm), **_CONFIG_KEYS, "method": DoubleBackward.name,
+                        "kind": GradientNorm.name, **_defaults(*_OPTION_TYPES), "step": None}
+
+
+#: The fields the alias ``step`` may set.
+_STEP_FIELDS = {option.step_field({**FLAT, "shift": shift}) for option in _OPTION_TYPES
+                for shift in SHIFTS} - {None}
+
+
+def _typed(word: str) -> tuple[str, ...]:
+    """The flat options whose fields are annotated with ``word`` (``"float"``, ``"bool"``)."""
+    fields = [f for option in (PenaltyConfig, *_OPTION_TYPES)
+              for f in dataclasses.fields(option)]  # type: ignore[arg-type]
+    return tuple(dict.fromkeys(f.name for f in fields if word in str(f.type).split(" | ")))
+
+
+#: The flat options that are real numbers (``p`` may also be ``inf``: the max-norm), a numpy
+#: scalar or a 0-d tensor converted to ``float``; the step sizes among them also take ``None``.
+NUMBERS = _typed("float")
+#: The flat options that are flags.
+FLAGS = _typed("bool")
+
+
 def _named(types: tuple[type[Option], ...]) -> dict[str, type[Option]]:
     """The option classes by name: the registry of a flat option's values, read when used (a
     class added to the tuple is a valid value)."""
     return {option.name: option for option in types}
 
 
-def _check_flat_types(flat: dict[str, Any]) -> None:
-    """Numbers (numpy scalars and 0-d tensors converted to float in ``flat``), flags as bools:
-    anything else (a string, a bool for a number, an int too large for a float) is refused."""
+def _chosen(types: tuple[type[Option], ...], option: str, name: object) -> type[Option]:
+    """The class of ``types`` named ``name``, the value of the flat ``option``."""
+    named = _named(types)
+    require(name in named, f"{option} must be one of {tuple(named)}, got {name!r}")
+    return named[name]  # type: ignore[index]
+
+
+def _convert_numbers(flat: dict[str, Any]) -> None:
+    """A numpy scalar or a 0-d tensor given for a number is converted to ``float`` in ``flat``;
+    flags must be bools. The classes check their fields' values themselves."""
     for name in NUMBERS:
         value = flat[name]
-        if (name == "target" and value == "ema") or (name == "step" and value is None):
-            continue
-        number = finite_number(name, value, infinite=name == "p")
-        if type(value) not in (int, float):
-            flat[name] = number
+        if isinstance(value, Tensor) or type(value).__module__ == "numpy":
+            flat[name] = finite_number(name, value, infinite=name == "p")
     for name in FLAGS:
         check_flag(name, flat[name])
 
 
-def _check_chunks(chunks: object, method: str) -> None:
-    require(isinstance(chunks, int) and chunks >= 1,
-            f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
-    require(chunks == 1 or method == "double_backward",
-            f"chunks={chunks} needs method='double_backward', a numeric target (an 'ema' "
-            "target couples the samples) and per-sample points; use chunks=1")
+def _route_step(flat: dict[str, Any], options: dict[str, Any],
+                parts: dict[str, type[Option]]) -> None:
+    """The alias ``step`` set on the field of the first part (the kind's before the method's)
+    that takes a step size; left out where none does (and then refused)."""
+    step = flat["step"]
+    if step is None:
+        return
+    for part in parts.values():
+        field_name = part.step_field(flat)
+        if field_name is None:
+            continue
+        if field_name != "step":
+            if options.get(field_name) is not None:
+                raise ValueError(f"step is the alias of {field_name}: pass one of step={step!r} "
+                                 f"and {field_name}={options[field_name]!r}.")
+            flat[field_name], flat["step"] = step, None
+        return
 
 
-def _check_step_and_count(flat: dict[str, Any]) -> None:
-    """``step`` and ``count`` where an object takes them, of the right type and range (those of
-    ``kind="hessian"`` by :class:`~gradreg.penalties.kinds.Hessian`); refused elsewhere."""
-    method, kind = flat["method"], flat["kind"]
-    if kind != "hessian":
-        check_step(flat["step"])
-        check_count(flat["count"])
-    uses_step = (method == "finite_difference" if kind == "hessian"
-                 else kind == "gradient_norm" and method in ("finite_difference", "perturbation"))
-    uses_count = (kind == "hessian" or method == "perturbation"
-                  or flat["projection"] == "orthonormal")
-    require(flat["step"] is None or uses_step,
-            f"step sets the step size of method='finite_difference', method='perturbation' "
-            f"and kind='hessian' by finite difference; it does nothing with "
-            f"method={method!r}, kind={kind!r}: leave it out")
-    require(flat["count"] is None or uses_count,
-            f"count sets the random directions of projection='orthonormal', "
-            f"method='perturbation' (probes) and kind='hessian'; it does nothing with "
-            f"projection={flat['projection']!r}, method={method!r}, kind={kind!r}: "
-            "leave it out")
+def _refuse(key: str, flat: dict[str, Any], parts: dict[str, type[Option]]) -> None:
+    """Refuse ``key``, which the chosen classes ``parts`` do not take, in one line naming the
+    choice, the options it takes and the choices that take ``key``."""
+    choice = f"method={flat['method']!r}, kind={flat['kind']!r}"
+    if parts["method"] is ParameterShift:
+        choice += ", points='parameters'"
+    own = sorted({k for name in ("method", "kind") for k in parts[name].flat_keys(flat)}
+                 | ({"step"} if any(p.step_field(flat) for p in parts.values()) else set()))
+    takers = [f"{category}={option.name!r}" + (", points='parameters'"
+                                               if option is ParameterShift else "")
+              for category, types in (("method", (*methods.METHOD_TYPES, ParameterShift)),
+                                      ("kind", kinds.KIND_TYPES))
+              for option in types
+              if key in _defaults(option) or (key == "step" and option.step_field(flat))]
+    if key == "count":
+        takers.append("projection='orthonormal'")
+    require(False, f"{key}={flat[key]!r} is not an option of {choice}, which take"
+                   f" {', '.join(own) or 'none of their own'} besides the norm's and the "
+                   f"penalty's: leave it out, or choose {' or '.join(takers)}")
 
 
 def check_method_name(method: object) -> None:
     """Refuse a ``method`` that is not one of :data:`METHODS`; ``"compiled"`` (compiled
     ``torch.func``, removed: slower than the eager double backward in every case measured) with
     a :class:`~gradreg.GradientError` naming the method to pass."""
+    names = _named(methods.METHOD_TYPES)
+    if method in names:
+        return
     if method == "compiled":
         raise GradientError("method='compiled' was removed (it was slower than the eager double "
                             "backward in every case measured): use method='double_backward', "
                             "which is exact.")
-    names = tuple(_named(methods.METHOD_TYPES))
-    require(method in names, f"method must be one of {names}, got {method!r}")
+    require(False, f"method must be one of {tuple(names)}, got {method!r}")
 
 
 def check_renamed(options: Any) -> None:
-    """Refuse the options of earlier releases (:data:`RENAMED`), naming the option to pass."""
+    """Refuse the options of earlier releases (:data:`RENAMED`), naming the option to pass;
+    called where an option is unknown, not on every configuration."""
     for old in sorted(set(options) & set(RENAMED)):
         new = RENAMED[old]
         raise TypeError(f"option {old!r} was renamed {new!r}: pass {new}={options[old]!r} (one "

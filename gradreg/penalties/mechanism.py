@@ -35,40 +35,12 @@ With ``target="ema"`` the target is StyleGAN2's running mean of the norms.
 The per-sample norms are computed by :mod:`gradreg.penalties.formulas.projections`; the options are
 one validated, immutable :class:`~gradreg.penalties.config.PenaltyConfig`.
 
-**Adding a method.** How the parameter gradient is computed is an option object, built once
-with the penalty (``config.kind.build``, which for the gradient norm hands over to
+How the parameter gradient is computed is an option object (:mod:`gradreg.penalties.methods`),
+built once with the penalty (``config.kind.build``, which for the gradient norm hands over to
 ``config.method.build``); :meth:`GradientPenalty.forward` checks that the penalty is due, builds
-one checked :class:`~gradreg.penalties.call.PenaltyCall` (the points subsampled), calls
-the built method once with it, rescales a sum over a subsample to the whole batch and weights
-the result. A new method needs no change here:
-
-1. write its options as a frozen dataclass deriving from
-   :class:`~gradreg.penalties.guards.options.Option`, with its ``name`` (the value of the flat
-   option ``method``), its fields checked in ``__post_init__`` (a step size is ``step``, a
-   number of random directions ``count``, ``None`` for the method's default), ``check(config)``
-   refusing what it does not compute (every method but ``double_backward`` needs ``order=1``,
-   a numeric target, per-sample points and ``outputs`` as a callable), and
-   ``build(config, penalty)``;
-2. ``build`` returns a callable from a ``PenaltyCall`` to the unweighted penalty, made from the
-   penalty's :class:`~gradreg.penalties.call.PenaltyFunctions` (``exact``: the penalty of
-   per-sample outputs by double backward, an
-   :class:`~gradreg.penalties.methods.double_backward.ExactPenalty` that holds its own first-call
-   checks and the running mean of ``target="ema"``; ``of_gradients``: the penalty as a function
-   of the per-sample input gradients, and ``of_norms`` of the norms), whose parameter gradient
-   is the method's (a value computed ahead of the caller's backward reaches it through
-   :func:`~gradreg.penalties.methods.chunks.with_gradients` or a zero-valued surrogate). It
-   gets the outputs at the points from the call, checked once: ``call.evaluate()`` (given, or
-   the callable's), or, to run the model more than once, ``call.forward(what)``, one
-   :class:`~gradreg.penalties.state.randomness.Replaying` whose forwards all draw the random
-   numbers of the first (dropout's mask; a ``SharedForward`` hands back the caller's outputs
-   and their state); it probes coupled samples on its first call
-   (:mod:`~gradreg.penalties.guards.coupling`);
-3. add the class to :data:`~gradreg.penalties.methods.METHOD_TYPES` (the names of the option
-   ``method`` are derived from it) and give it ``from_flat(flat)``, its part of the flat
-   options (:meth:`PenaltyConfig.from_flat <gradreg.penalties.config.PenaltyConfig.from_flat>`
-   refuses a flat option no chosen object takes);
-4. test its parameter gradient against double backward (``tests/penalties/test_methods.py``)
-   and give it a row in the benchmark.
+one checked :class:`~gradreg.penalties.call.PenaltyCall` (the points subsampled), calls the built
+method once with it, rescales a sum over a subsample to the whole batch and weights the result.
+A new method needs no change here (the guide is "Adding a method" in ``docs/architecture.md``).
 
 What is penalized is the penalty's ``kind`` (:mod:`gradreg.penalties.kinds`): the gradient norm
 above, the Jacobian's spectral norm in its place, or the Hessian penalty.
@@ -90,7 +62,7 @@ from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, as_tuple
 from gradreg.penalties.call import PenaltyCall, PenaltyFunctions
-from gradreg.penalties.config import POINTS, RENAMED, PenaltyConfig
+from gradreg.penalties.config import FLAT, POINTS, RENAMED, PenaltyConfig
 from gradreg.penalties.formulas.norms import (
     NormPenalty,
     gradient_norms,
@@ -107,10 +79,9 @@ from gradreg.penalties.state.running_mean import RunningMean
 
 __all__ = ["POINTS", "GradientPenalty", "gradient_penalty", "per_sample_norm"]
 
-#: The options, read as ``penalty.config.<option>`` only: as attributes of the penalty they are
-#: refused, read or set. ``penalty.step`` is the lazy counter's buffer (a checkpoint key,
-#: ``<name>.step``); the step size is ``penalty.config.step``.
-_OPTIONS = tuple(name for name in PenaltyConfig.options() if name != "step")
+#: The lazy counter's buffer (a checkpoint key, ``<name>.lazy_step``), and its key in checkpoints
+#: of earlier releases, loaded under the new one.
+COUNTER, OLD_COUNTER = "lazy_step", "step"
 
 
 def gradient_penalty(
@@ -164,8 +135,10 @@ class GradientPenalty(nn.Module):
             (``penalty.config.replace(...)`` for another penalty).
         weight: the penalty coefficient (lambda, gamma), >= 0; may be changed between steps.
 
-    State (checkpointed through ``state_dict``): the lazy step counter, the running mean, and the
-    current weight. ``last_value`` holds the detached unweighted penalty of the last call.
+    State (checkpointed through ``state_dict``): the lazy step counter (the buffer
+    ``lazy_step``; a checkpoint of an earlier release, which named it ``step``, loads into it),
+    the running mean, and the current weight. ``last_value`` holds the detached unweighted
+    penalty of the last call.
 
     Examples:
         WGAN-GP's formula, :math:`10\,\mathrm{mean}_i (\lVert g_i \rVert - 1)^2`, of a critic
@@ -188,8 +161,8 @@ class GradientPenalty(nn.Module):
         self.config = PenaltyConfig.from_options(config, options)
         self.weight = weight
         config = self.config
-        self.register_buffer("step", torch.zeros((), dtype=torch.long))
-        self._steps = 0  # the counter itself; ``step`` mirrors it for checkpoints
+        self.register_buffer(COUNTER, torch.zeros((), dtype=torch.long))
+        self._steps = 0  # the counter itself; ``lazy_step`` mirrors it for checkpoints
         self._due = False  # what the latest due() returned: whether a lazy penalty may be called
         self.register_buffer("ema", torch.zeros(()))
         norm = config.norm
@@ -205,26 +178,26 @@ class GradientPenalty(nn.Module):
         # what each call reads of the configuration, read once here
         self._lazy, self._per_sample = config.every > 1, config.per_sample
         self._needs_callable, self._losses = config.needs_callable, config.of == "loss"
-        self._scalable = config.method == "double_backward" and config.kind == "gradient_norm"
+        self._scalable = (config.method.name == "double_backward"
+                          and config.kind.name == "gradient_norm")
         self._sum_of_subsample = config.subsample < 1 and norm.reduction == "sum"
         self._factor, self._check_finite = config.every * config.gain, config.check_finite
 
     def __getattr__(self, name: str) -> Any:
-        if name in _OPTIONS:
-            raise AttributeError(f"{name!r} is an option of the penalty's configuration: read "
-                                 f"penalty.config.{name}")
-        if name in RENAMED:
-            raise AttributeError(f"the option {name!r} was renamed {RENAMED[name]!r}: read "
-                                 f"penalty.config.{RENAMED[name]}")
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OPTIONS:
-            raise AttributeError(
-                f"{name} is part of the penalty's configuration, which does not change: build "
-                f"another penalty, GradientPenalty(penalty.config.replace({name}=...), "
-                "weight=penalty.weight).")
-        super().__setattr__(name, value)
+        try:
+            return super().__getattr__(name)  # the buffers and submodules
+        except AttributeError:
+            if name == OLD_COUNTER:
+                raise AttributeError(
+                    "penalty.step: the lazy counter is penalty.steps_taken (its buffer "
+                    "lazy_step); the step size is penalty.config.step") from None
+            if name in FLAT:
+                raise AttributeError(f"{name!r} is an option of the penalty's configuration: "
+                                     f"read penalty.config.{name}") from None
+            if name in RENAMED:
+                raise AttributeError(f"the option {name!r} was renamed {RENAMED[name]!r}: read "
+                                     f"penalty.config.{RENAMED[name]}") from None
+            raise
 
     @property
     def weight(self) -> float:
@@ -256,7 +229,7 @@ class GradientPenalty(nn.Module):
     def steps_taken(self) -> int:
         """How many times :meth:`due` was called: the training steps this penalty was considered
         for (due or not), i.e. the steps of the optimizer it belongs to when the module calls
-        ``due()`` once per such step. Saved in checkpoints (the ``step`` buffer)."""
+        ``due()`` once per such step. Saved in checkpoints (the ``lazy_step`` buffer)."""
         return self._steps
 
     def due(self) -> bool:
@@ -267,7 +240,7 @@ class GradientPenalty(nn.Module):
         call of the penalty is refused unless the latest ``due()`` returned True (the value is
         scaled by ``every``: computed on every step it would be ``every`` times too large); it
         may be called more than once on a due step (micro-batches). The decision is taken
-        on a Python integer (no device sync on a GPU); the ``step`` buffer is written to, not
+        on a Python integer (no device sync on a GPU); the ``lazy_step`` buffer is written to, not
         read, and a loaded state dict sets the integer again.
 
         Examples:
@@ -278,7 +251,7 @@ class GradientPenalty(nn.Module):
         """
         is_due = self._steps % self.config.every == 0
         self._steps += 1
-        self.step.fill_(self._steps)
+        self.lazy_step.fill_(self._steps)
         self._due = is_due
         return is_due
 
@@ -304,8 +277,10 @@ class GradientPenalty(nn.Module):
         saved_ema = state_dict.get(prefix + "ema")
         if isinstance(saved_ema, Tensor):  # a float64 running mean is restored in float64
             self._running_mean.promote(saved_ema.dtype)
+        if prefix + OLD_COUNTER in state_dict and prefix + COUNTER not in state_dict:
+            state_dict[prefix + COUNTER] = state_dict.pop(prefix + OLD_COUNTER)  # earlier key
         super()._load_from_state_dict(state_dict, prefix, *args)
-        self._steps = int(self.step)
+        self._steps = int(self.lazy_step)
 
     def forward(
         self,
@@ -396,3 +371,34 @@ class GradientPenalty(nn.Module):
             self.finite_check(self.last_value, points=points, weighted=weighted,
                               factor=factor, outputs=call.outputs)
         return weighted
+
+
+class _ConfigOption:
+    """A flat option as an attribute of :class:`GradientPenalty`: reading it falls through to
+    ``GradientPenalty.__getattr__``'s message, setting it is refused (the configuration does not
+    change). A descriptor on the class, so that setting the penalty's own attributes on every
+    call checks nothing."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, penalty: object, owner: type | None = None) -> Any:
+        raise AttributeError(self.name)
+
+    def __set__(self, penalty: object, value: object) -> None:
+        raise AttributeError(
+            f"{self.name} is part of the penalty's configuration, which does not change: build "
+            f"another penalty, GradientPenalty(penalty.config.replace({self.name}=...), "
+            "weight=penalty.weight).")
+
+
+def _guard_options(cls: type) -> None:
+    """Each flat option the class does not define becomes a :class:`_ConfigOption` of it."""
+    for name in FLAT:
+        if not hasattr(cls, name):
+            option = _ConfigOption()
+            setattr(cls, name, option)
+            option.__set_name__(cls, name)
+
+
+_guard_options(GradientPenalty)

@@ -27,9 +27,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "intermediate": {"weight": 0.01, "points": "activations", "of": "loss"},
     "jacobian": {"weight": 0.01, "points": "inputs", "projection": "orthonormal"},
     "param_grad_norm": {"weight": 0.01, "power": 1.0, "points": "parameters", "of": "loss"},
-    "sam": {"weight": 0.05, "step": 0.05, "power": 1.0, "points": "parameters", "of": "loss",
+    "sam": {"weight": 0.05, "radius": 0.05, "power": 1.0, "points": "parameters", "of": "loss",
             "method": "finite_difference"},
-    "asam": {"weight": 0.5, "step": 0.5, "power": 1.0, "points": "parameters", "of": "loss",
+    "asam": {"weight": 0.5, "scale": 0.5, "power": 1.0, "points": "parameters", "of": "loss",
              "method": "finite_difference", "shift": "gradient", "adaptive": True},
     "gr": {"weight": 1e-3, "power": 2.0, "gain": 0.5, "points": "parameters", "of": "loss",
            "method": "finite_difference", "shift": "gradient"},
@@ -45,6 +45,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _OPTIONS = ("weight", *PenaltyConfig.options())
+#: The presets of one :math:`\rho`, both their weight and the size of their shift (SAM's radius,
+#: ASAM's scale): a weight given alone sets that option too.
+RHO = {"sam": "radius", "asam": "scale"}
 
 
 def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
@@ -63,9 +66,9 @@ def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
     """
     if name not in PRESETS:
         raise ValueError(f"unknown penalty preset {name!r}; known presets: {', '.join(PRESETS)}.")
-    check_renamed(overrides)
     unknown = sorted(set(overrides) - set(_OPTIONS))
     if unknown:
+        check_renamed(overrides)
         raise ValueError(
             f"unknown option(s) {unknown} for penalty {name!r}; valid: {', '.join(_OPTIONS)}."
         )
@@ -74,6 +77,9 @@ def make_penalty(name: str, **overrides: Any) -> GradientPenalty:
         raise ValueError(
             f"gr is GR by finite difference; method={overrides['method']!r} is another penalty: "
             f"its exact form is param_grad_norm({weight}, power=2, gain=0.5) (double backward).")
+    shift = RHO.get(name)
+    if shift is not None and "weight" in overrides and not {shift, "step"} & set(overrides):
+        overrides = {**overrides, shift: overrides["weight"]}  # one rho
     return GradientPenalty(**{**PRESETS[name], **overrides})
 
 
@@ -304,9 +310,9 @@ def param_grad_norm(weight: float = 0.01, **options: Any) -> GradientPenalty:
     return make_penalty("param_grad_norm", weight=weight, **options)
 
 
-def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
+def sam(rho: float = 0.05, **options: Any) -> GradientPenalty:
     r"""Sharpness-aware minimization (Foret et al. 2021) as a penalty: ``param_grad_norm`` with
-    weight and finite-difference step both :math:`\rho`.
+    weight and shift radius both :math:`\rho`.
 
     ``loss + sam(rho)(LossAt(fn, loss), params)``, one backward, gives SAM's gradient
     :math:`\nabla L(\theta + \rho\,g/\lVert g \rVert)`, :math:`g = \nabla L(\theta)`: the
@@ -317,17 +323,21 @@ def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
     :func:`~gradreg.penalties.two_pass.penalized_loss` (and the Lightning modules) take it in
     SAM's two passes. The shifted forward replays the random state of the one at :math:`\theta`
     (the same dropout mask) and leaves BatchNorm's running statistics as one forward does
-    (davda54/sam's recipe leaves that to the user). Changing ``weight`` later keeps the step at
-    :math:`\rho`: it is then the parameter-gradient norm penalty with :math:`\alpha \ne 1`.
+    (davda54/sam's recipe leaves that to the user).
 
-    Preset options: those of :func:`param_grad_norm`, ``method="finite_difference"`` and
-    ``step`` equal to the weight (``make_penalty("sam", weight=0.1)`` keeps the preset's step
-    0.05: pass both).
+    :math:`\rho` is set once, here: the weight and ``radius`` (``make_penalty("sam",
+    weight=0.1)`` sets both too). The radius is part of the configuration and does not change;
+    a weight set later (a :class:`~gradreg.lightning.callbacks.PenaltyWeightSchedule`) scales
+    the correction instead: weight :math:`w` gives :math:`\nabla L(\theta) + (w/\rho)
+    (\nabla L(\theta + \rho\hat g) - \nabla L(\theta))`, SAM's gradient at :math:`w =
+    \rho` only (:math:`\alpha = w/\rho`). For a weight apart from the radius, build
+    ``param_grad_norm(weight, method="finite_difference", radius=r)``.
 
     Args:
-        weight: the neighbourhood radius :math:`\rho` (0.05 in the paper for CIFAR); also the
-            step unless ``step`` is given.
-        **options: any other option of :class:`GradientPenalty`, by keyword.
+        rho: the neighbourhood radius :math:`\rho` (0.05 in the paper for CIFAR), the weight
+            and the radius.
+        **options: any other option of :class:`GradientPenalty` but the weight and the radius,
+            by keyword.
 
     Examples:
         :math:`L = \lVert \theta \rVert^2 / 2` has :math:`\nabla L(\theta + \rho\hat\theta)
@@ -342,12 +352,12 @@ def sam(weight: float = 0.05, **options: Any) -> GradientPenalty:
         >>> theta.grad
         tensor([3.0300, 4.0400], dtype=torch.float64)
     """
-    return make_penalty("sam", weight=weight, **{"step": weight, **options})
+    return _of_rho("sam", rho, options)
 
 
-def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
+def asam(rho: float = 0.5, **options: Any) -> GradientPenalty:
     r"""Adaptive SAM (Kwon et al. 2021) as a penalty: :math:`\rho\,\lVert \lvert\theta\rvert
-    \odot g \rVert` with ``shift="gradient"`` and step :math:`\rho`.
+    \odot g \rVert` with ``shift="gradient"`` and scale :math:`\rho`.
 
     ``loss + asam(rho)(LossAt(fn, loss), params)``, one backward, gives ASAM's gradient
     :math:`\nabla L(\theta + \epsilon)`, :math:`\epsilon = \rho\, T^2 g / \lVert T g
@@ -360,13 +370,14 @@ def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
     :func:`~gradreg.penalties.two_pass.penalized_loss` and the Lightning modules, the shifted
     forward replaying the random state, as for :func:`sam`.
 
-    Preset options: those of :func:`sam`, ``shift="gradient"``, ``adaptive=True`` and ``step``
-    equal to the weight.
+    Preset options: those of :func:`sam`, ``shift="gradient"``, ``adaptive=True``; :math:`\rho`
+    is the weight and the shift's ``scale``, set once as :func:`sam`'s.
 
     Args:
-        weight: the neighbourhood radius :math:`\rho` (ten times SAM's, as the ASAM authors
-            suggest for the adaptive norm); also the step unless ``step`` is given.
-        **options: any other option of :class:`GradientPenalty`, by keyword.
+        rho: the neighbourhood radius :math:`\rho` (ten times SAM's, as the ASAM authors
+            suggest for the adaptive norm), the weight and the scale.
+        **options: any other option of :class:`GradientPenalty` but the weight and the scale,
+            by keyword.
 
     Examples:
         :math:`L = \lVert \theta \rVert^2 / 2`: :math:`g = \theta`, :math:`\epsilon = \rho
@@ -382,7 +393,19 @@ def asam(weight: float = 0.5, **options: Any) -> GradientPenalty:
         >>> theta.grad
         tensor([3.7354, 5.7432], dtype=torch.float64)
     """
-    return make_penalty("asam", weight=weight, **{"step": weight, **options})
+    return _of_rho("asam", rho, options)
+
+
+def _of_rho(name: str, rho: float, options: dict[str, Any]) -> GradientPenalty:
+    """The preset ``name`` whose weight and shift size (:data:`RHO`) are both ``rho``; either
+    given apart is refused."""
+    apart = sorted({"weight", "step", RHO[name]} & set(options))
+    if apart:
+        raise ValueError(
+            f"{name}(rho) sets both its weight and its {RHO[name]} to rho; {apart} apart would "
+            f"make it another penalty: pass {name}(rho), or param_grad_norm(weight, "
+            f"method='finite_difference', {RHO[name]}=...) for a weight of its own.")
+    return make_penalty(name, weight=rho, **options)
 
 
 def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
@@ -390,7 +413,7 @@ def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
     :math:`\tfrac{\lambda}{2} \lVert \nabla_\theta L \rVert^2` by finite difference over the
     shift :math:`\epsilon g` (``shift="gradient"``).
 
-    ``loss + gr(lam, step=eps)(LossAt(fn, loss), params)``, one backward, gives their step's
+    ``loss + gr(lam, scale=eps)(LossAt(fn, loss), params)``, one backward, gives their step's
     gradient :math:`g + (\lambda/\epsilon)(\nabla L(\theta + \epsilon g) - g)`, :math:`g =
     \nabla L(\theta)`: :math:`\nabla L + \lambda H g` up to :math:`O(\epsilon)`
     (:mod:`~gradreg.penalties.methods.param_gradient`). Their clipping of both gradients to norm 10
@@ -400,13 +423,14 @@ def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
 
     Preset options: ``power=2.0``, ``gain=0.5`` (the squared norm's :math:`\tfrac12`),
     ``points="parameters"``, ``of="loss"``, ``method="finite_difference"``,
-    ``shift="gradient"``, and :math:`\epsilon` = ``step`` by default 3e-4 in float32 (3e-7 in
-    float64; :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR`), below 1%
-    error on the docs' MLP and transformer where their ``grad_reg_eps`` = 1e-3 leaves 1.6% on the
-    transformer. ``step=1e-3`` runs their recipe exactly; at :math:`\lambda = \epsilon` its
+    ``shift="gradient"``, and :math:`\epsilon` = ``scale`` (the flat alias ``step``) by default
+    3e-4 in float32 (3e-7 in float64;
+    :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR`), below 1% error on
+    the docs' MLP and transformer where their ``grad_reg_eps`` = 1e-3 leaves 1.6% on the
+    transformer. ``scale=1e-3`` runs their recipe exactly; at :math:`\lambda = \epsilon` its
     gradient is :math:`\nabla L(\theta + \epsilon g)` with no difference to amplify rounding, so
     it also runs under bfloat16 autocast, as theirs does (the default step refuses arithmetic
-    coarser than TF32: pass ``step`` there).
+    coarser than TF32: pass ``scale`` there).
 
     Args:
         weight: :math:`\lambda` (their ``grad_reg_strength``, default 1e-3).
@@ -491,8 +515,9 @@ def approx_r1(weight: float = 10.0, **options: Any) -> GradientPenalty:
     \rVert^2 / \sigma^2` at the reals, :math:`\epsilon_i \sim N(0, I)`, whose expectation is R1
     up to :math:`O(\sigma^2)`. Call it with the critic itself, ``penalty(D, x)``.
 
-    Preset options: ``gain=0.5``, ``points="real"``, ``method="perturbation"``; ``step`` is
-    :math:`\sigma` (default 0.01), ``count`` the probes per sample, averaged (default 1).
+    Preset options: ``gain=0.5``, ``points="real"``, ``method="perturbation"``; ``sigma`` (the
+    flat alias ``step``) is :math:`\sigma` (default 0.01), ``count`` the probes per sample,
+    averaged (default 1).
 
     Args:
         weight: :math:`\gamma`.
@@ -519,7 +544,7 @@ def approx_r2(weight: float = 10.0, **options: Any) -> GradientPenalty:
     :math:`\tilde x`, :math:`\epsilon_i \sim N(0, I)`, the same :math:`\gamma` as R2; call it as
     ``penalty(D, fake)``.
 
-    Preset options: ``gain=0.5``, ``points="fake"``, ``method="perturbation"``; ``step`` and
+    Preset options: ``gain=0.5``, ``points="fake"``, ``method="perturbation"``; ``sigma`` and
     ``count`` as for :func:`approx_r1`.
 
     Args:
@@ -600,8 +625,8 @@ def hessian(weight: float = 0.1, **options: Any) -> GradientPenalty:
 
     Preset options: ``points="latents"``, ``kind="hessian"``, ``reduction="max"`` (the
     authors' default; ``"mean"`` also), ``method="finite_difference"`` (``"double_backward"``:
-    the exact second directional derivatives); ``step`` is the difference's :math:`\epsilon`
-    (default 0.1).
+    the exact second directional derivatives); ``epsilon`` (the flat alias ``step``) is the
+    difference's :math:`\epsilon` (default 0.1).
 
     Args:
         weight: :math:`\lambda`.

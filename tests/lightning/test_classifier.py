@@ -131,7 +131,7 @@ def test_accumulating_k_batches_equals_one_k_times_larger_batch() -> None:
     for name in initial:
         assert torch.allclose(small[name], large[name], atol=1e-10, rtol=0), name
         assert not torch.allclose(small[name], initial[name], atol=1e-3)  # they did move
-    assert int(models[8].penalties["db"].step) == 8 and int(models[32].penalties["db"].step) == 2
+    assert (models[8].penalties["db"].steps_taken, models[32].penalties["db"].steps_taken) == (8, 2)
 
 
 @pytest.mark.parametrize("points", ["inputs", "activations"])

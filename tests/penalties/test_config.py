@@ -82,11 +82,30 @@ def test_an_option_is_read_from_the_config_only(option: str) -> None:
     assert not hasattr(penalty, option)
 
 
-def test_the_step_attribute_is_the_lazy_counter_and_the_step_size_is_the_configs() -> None:
+def test_the_lazy_counter_is_lazy_step_and_the_step_size_is_the_configs() -> None:
     penalty = make_penalty("r1", every=2, method="finite_difference", step=0.01)
     penalty.due()
-    assert (penalty.step.item(), penalty.config.step) == (1, 0.01)
-    assert list(penalty.state_dict()) == ["step", "ema", "_extra_state"]
+    assert (penalty.lazy_step.item(), penalty.steps_taken, penalty.config.step) == (1, 1, 0.01)
+    assert list(penalty.state_dict()) == ["lazy_step", "ema", "_extra_state"]
+    with pytest.raises(AttributeError, match=r"^penalty\.step: the lazy counter is "
+                                             r"penalty\.steps_taken \(its buffer lazy_step\)"):
+        _ = penalty.step
+    with pytest.raises(AttributeError, match=r"step is part of the penalty's configuration"):
+        penalty.step = 0.1
+
+
+def test_a_state_dict_of_the_old_counter_key_loads_into_the_new_one() -> None:
+    """A checkpoint written before the counter was renamed (its key ``<name>.step``) restores
+    the counter and the lazy schedule; the new key is what is saved."""
+    old = {"step": torch.tensor(5), "ema": torch.tensor(0.25), "_extra_state": {"weight": 3.0}}
+    penalty = r1(10.0, every=4)
+    penalty.load_state_dict(old)
+    assert (penalty.steps_taken, penalty.lazy_step.item(), penalty.weight) == (5, 5, 3.0)
+    assert [penalty.due() for _ in range(4)] == [False, False, False, True]  # 5, 6, 7, then 8
+    module = nn.ModuleDict({"gp": r1(10.0, every=4)})
+    module.load_state_dict({"gp.step": torch.tensor(3), "gp.ema": torch.tensor(0.0),
+                            "gp._extra_state": {"weight": 1.0}})
+    assert module["gp"].steps_taken == 3 and "gp.lazy_step" in module.state_dict()
 
 
 def test_the_mistakes_in_building_one_are_named() -> None:
@@ -152,7 +171,7 @@ def test_a_new_method_slots_in_by_its_class(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(methods, "METHOD_TYPES", (*methods.METHOD_TYPES, Recorded))
     model, x = critic(), points(batch=6)
     penalty = make_penalty("r1", weight=4.0, method="recorded", subsample=0.5)
-    assert penalty.config.method == Recorded() == "recorded"
+    assert penalty.config.method == Recorded() and penalty.config.method.name == "recorded"
     assert penalty.needs_callable and len(built) == 1
     value = penalty(model, x)
     penalty(model, x)
@@ -199,8 +218,13 @@ def test_an_invalid_option_object_cannot_be_built() -> None:
         PenaltyConfig(Norm(target=1.0), methods.Perturbation())
     with pytest.raises(ValueError, match=r"^kind='spectral' is computed by method "):
         PenaltyConfig(method=methods.FiniteDifference(), kind=kinds.Spectral())
-    with pytest.raises(ValueError, match=r"^shift and adaptive set how param_grad_norm"):
+    with pytest.raises(ValueError, match=r"^ParameterShift shifts the parameters; it does "
+                                         r"nothing with points='inputs'"):
         PenaltyConfig(method=methods.ParameterShift())
+    with pytest.raises(ValueError, match=r"^scale is the factor of shift='gradient'"):
+        methods.ParameterShift(scale=0.1)
+    with pytest.raises(ValueError, match=r"^radius is the length of shift='normalized'"):
+        methods.ParameterShift("gradient", radius=0.1)
     with pytest.raises(ValueError, match=r"^points='parameters' by finite difference shifts"):
         PenaltyConfig(Norm(power=1.0), methods.FiniteDifference(), points="parameters")
     with pytest.raises(ValueError, match=r"^method must be one of"):
@@ -216,8 +240,9 @@ def test_an_option_of_another_kind_may_be_written_at_its_default_only() -> None:
     """iterations (kind='spectral'), and target, one_sided, power and p (not of kind='hessian'),
     compared with the fields' own defaults."""
     assert PenaltyConfig.from_flat(iterations=DEFAULTS["iterations"]).iterations == 10
-    with pytest.raises(ValueError, match="^iterations sets the power iteration of "
-                                         "kind='spectral'; pass kind='spectral'.$"):
+    with pytest.raises(ValueError, match="^iterations=11 is not an option of "
+                                         "method='double_backward', kind='gradient_norm', "
+                                         "which take chunks .* or choose kind='spectral'.$"):
         PenaltyConfig.from_flat(iterations=DEFAULTS["iterations"] + 1)
     written = {name: DEFAULTS[name] for name in ("target", "one_sided", "power", "p")}
     assert PenaltyConfig.from_flat(**HESSIAN, **written) == PenaltyConfig.from_flat(**HESSIAN)
@@ -242,7 +267,9 @@ def test_the_hessian_options_are_refused_alike_by_the_config_and_the_function(
         PenaltyConfig.from_flat(**{**HESSIAN, **options})
     with pytest.raises(ValueError) as by_function:
         hessian_penalty(lambda z: z.square(), torch.randn(3, 2), **options)
-    assert str(by_config.value) == str(by_function.value) == message
+    # the function's step is the option object's epsilon (the flat alias step sets it)
+    assert str(by_function.value) == message
+    assert str(by_config.value) == message.replace("step (", "epsilon (")
 
 
 def test_a_hessian_penalty_checks_its_options_when_built_not_when_called(
@@ -308,8 +335,6 @@ F64 = torch.float64
 
 
 RENAMED = [("fd_eps", "step", "r1", {"method": "finite_difference"}, 0.01),
-           ("sigma", "step", "approx_r1", {}, 0.05),
-           ("epsilon", "step", "hessian", {}, 0.2),
            ("num_projections", "count", "jacobian", {}, 2),
            ("probes", "count", "approx_r1", {}, 3),
            ("k", "count", "hessian", {}, 3)]
@@ -378,3 +403,98 @@ def test_the_exact_hessian_penalty_is_double_backward_at_every_level() -> None:
     with pytest.raises(ValueError, match="method 'finite_difference' or 'double_backward', got "
                                          "method='exact'"):
         hessian_penalty(quadratic, z, method="exact")
+
+
+# One configuration language: the flat options are the option classes' fields, and a key the
+# chosen classes do not take is refused by one rule.
+
+OPTION_TYPES = (Norm, *methods.METHOD_TYPES, methods.ParameterShift, *kinds.KIND_TYPES)
+
+
+def test_options_compare_as_objects_not_as_their_names() -> None:
+    """An option equals an option of its type and fields, never its name; equal objects hash
+    alike, so a set or a dict of them agrees with ``==``."""
+    config = PenaltyConfig.from_flat(method="perturbation", count=2)
+    assert config.method != "perturbation" and config.kind != "gradient_norm"
+    assert config.method.name == "perturbation" and config.kind.name == "gradient_norm"
+    assert config.method == methods.Perturbation(count=2) != methods.Perturbation(count=3)
+    assert methods.DoubleBackward() not in {"double_backward"}
+    assert methods.DoubleBackward(1) in {methods.DoubleBackward()}
+    assert len({methods.FiniteDifference(), methods.ParameterShift()}) == 2  # two types
+    assert hash(kinds.Hessian(count=3)) == hash(kinds.Hessian(3))
+
+
+def test_the_flat_options_are_the_fields_of_the_option_classes() -> None:
+    """FLAT is the configuration's own fields, ``method``, ``kind``, the fields of every option
+    class (each with its class's default) and the alias ``step``; NUMBERS and FLAGS are the
+    fields annotated float and bool."""
+    fields = {f.name: f for option in (PenaltyConfig, *OPTION_TYPES)
+              for f in dataclasses.fields(option)}
+    assert set(DEFAULTS) == (set(fields) - {"norm", "method", "kind"}) | {"method", "kind", "step"}
+    assert {"sigma", "epsilon", "radius", "scale", "iterations", "chunks"} <= set(DEFAULTS)
+    for option in OPTION_TYPES:
+        for f in dataclasses.fields(option):
+            assert f.name in DEFAULTS
+    assert DEFAULTS["reduction"] == "mean"  # the norm's, the first class that has it
+    assert set(config_module.FLAGS) == {"one_sided", "check_finite", "central", "adaptive"}
+    assert {"target", "p", "gain", "sigma", "epsilon", "radius", "scale", "step"} <= set(
+        config_module.NUMBERS)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"central": True}, "central=True is not an option of method='double_backward', "
+                        "kind='gradient_norm', which take chunks besides the norm's and the "
+                        "penalty's: leave it out, or choose method='perturbation'."),
+    ({"method": "perturbation", "chunks": 2},
+     "chunks=2 is not an option of method='perturbation', kind='gradient_norm', which take "
+     "central, count, sigma, step besides the norm's and the penalty's: leave it out, or choose "
+     "method='double_backward'."),
+    ({"method": "finite_difference", "shift": "gradient"},
+     "shift='gradient' is not an option of method='finite_difference', kind='gradient_norm', "
+     "which take step besides the norm's and the penalty's: leave it out, or choose "
+     "method='finite_difference', points='parameters'."),
+    ({"kind": "hessian", "points": "latents", "sigma": 0.1},
+     "sigma=0.1 is not an option of method='double_backward', kind='hessian', which take "
+     "chunks, count, epsilon, reduction, step besides the norm's and the penalty's: leave it "
+     "out, or choose method='perturbation'."),
+    ({"count": 3}, "count=3 is not an option of method='double_backward', kind='gradient_norm', "
+                   "which take chunks besides the norm's and the penalty's: leave it out, or "
+                   "choose method='perturbation' or kind='hessian' or "
+                   "projection='orthonormal'."),
+], ids=["central", "chunks", "shift", "sigma", "count"])
+def test_a_key_the_chosen_classes_do_not_take_is_refused_in_one_line(options: dict,
+                                                                     message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        PenaltyConfig.from_flat(**options)
+    assert str(refused.value) == message and "\n" not in message
+    # at its default it is accepted, as a config listing every option writes it
+    key = next(k for k in options if k not in ("method", "kind", "points"))
+    PenaltyConfig.from_flat(**{**options, key: DEFAULTS[key]})
+
+
+@pytest.mark.parametrize(("options", "part", "field"), [
+    ({"method": "finite_difference"}, "method", "step"),
+    ({"method": "perturbation"}, "method", "sigma"),
+    ({"kind": "hessian", "points": "latents", "method": "finite_difference"}, "kind", "epsilon"),
+    ({"method": "finite_difference", "points": "parameters", "of": "loss", "power": 1.0},
+     "method", "radius"),
+    ({"method": "finite_difference", "points": "parameters", "of": "loss", "power": 1.0,
+      "shift": "gradient"}, "method", "scale"),
+], ids=["finite_difference", "perturbation", "hessian", "radius", "scale"])
+def test_step_is_the_alias_of_the_step_size_by_its_role(options: dict, part: str,
+                                                        field: str) -> None:
+    """``step`` sets the chosen object's step size by its role name, and reads it back; the
+    role name itself gives the same configuration; both at once are refused."""
+    by_alias = PenaltyConfig.from_flat(**options, step=0.02)
+    assert getattr(getattr(by_alias, part), field) == 0.02
+    assert by_alias.step == getattr(by_alias, field) == 0.02
+    assert PenaltyConfig.from_flat(**options, **{field: 0.02}) == by_alias
+    assert PenaltyConfig.from_flat(**by_alias.flat()) == by_alias
+    assert by_alias.replace(step=0.03).step == 0.03
+    if field != "step":
+        with pytest.raises(ValueError, match=rf"^step is the alias of {field}: pass one of "
+                                             rf"step=0.02 and {field}=0.03\.$"):
+            PenaltyConfig.from_flat(**options, step=0.02, **{field: 0.03})
+    hessian = PenaltyConfig.from_flat(kind="hessian", points="latents",
+                                      method="finite_difference", step=0.2)
+    assert hessian.method == methods.FiniteDifference()  # the Hessian's step, not the method's

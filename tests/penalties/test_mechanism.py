@@ -112,7 +112,7 @@ def test_lazy_every_k_scales_by_k_and_builds_nothing_off_step() -> None:
         for acc, g, t in zip(summed, grads, task, strict=True):
             acc += g - t
     assert pattern == [True, False, False]
-    assert lazy.step.item() == 3
+    assert lazy.lazy_step.item() == lazy.steps_taken == 3
     for acc, g in zip(summed, one_step, strict=True):
         torch.testing.assert_close(acc, 3 * g, rtol=1e-12, atol=1e-14)
 
@@ -172,7 +172,7 @@ def test_state_round_trips_through_state_dict() -> None:
     penalty.weight = 0.5
     restored = make_penalty("path_length", every=4)
     restored.load_state_dict(penalty.state_dict())
-    assert restored.step.item() == 5 and restored.weight == 0.5
+    assert restored.lazy_step.item() == restored.steps_taken == 5 and restored.weight == 0.5
     assert restored.ema.item() == penalty.ema.item() != 0.0
     # the lazy phase goes on where it stopped: steps 5, 6, 7 off, 8 due
     assert [restored.due() for _ in range(4)] == [False, False, False, True]

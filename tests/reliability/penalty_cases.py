@@ -57,7 +57,7 @@ def penalty_value(gp: GradientPenalty, model: nn.Module, x: Tensor, **options: o
     of the model's outputs, or of the per-sample losses for a penalty of losses (``of="loss"``);
     ``options`` go to ``gp.forward`` (``loss_scale``)."""
     of = per_sample_losses if gp.config.of == "loss" else (lambda outputs: outputs)
-    if gp.config.points == "parameters" and gp.config.method == "finite_difference":
+    if gp.config.points == "parameters" and gp.config.method.name == "finite_difference":
         loss = task_loss(model, x)  # the GNP form: the loss as a closure, its value shared
         return gp(LossAt(lambda: task_loss(model, x), loss), list(model.parameters()), **options)
     if gp.config.points == "parameters":

@@ -56,7 +56,7 @@ class PenaltyBaseline(pl.Callback):
         elif name is None:
             raise ValueError("name the penalty of the baseline: PenaltyBaseline(penalty, "
                              "name='double_backprop').")
-        if not (penalty.config.points == "inputs" and penalty.config.kind == "gradient_norm"
+        if not (penalty.config.points == "inputs" and penalty.config.kind.name == "gradient_norm"
                 and penalty.config.projection == "sum" and penalty.config.order == 1
                 and not isinstance(penalty.config.target, str)):
             raise ValueError(

@@ -15,6 +15,7 @@ with decay ``ema_decay``) and the reduction a mean, a sum or a maximum over samp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gradreg.penalties.formulas.norms import REDUCE, squared_norm_penalty
 from gradreg.penalties.formulas.projections import PROJECTIONS
@@ -59,7 +60,7 @@ class Norm(Option):
         projection: ``"sum"``, ``"orthonormal"`` or ``"gaussian"``
             (:mod:`~gradreg.penalties.formulas.projections`).
         order: derivative order n of the ``"sum"`` projection.
-        count: orthonormal projections per sample (``None``: 1).
+        count: orthonormal projections per sample (``None``: 1; only with ``"orthonormal"``).
         ema_decay: the running mean's decay for ``target="ema"``, in (0, 1].
 
     Examples:
@@ -102,6 +103,17 @@ class Norm(Option):
         require(self.order == 1 or self.projection == "sum", "order > 1 needs projection='sum'")
         require(0 < self.ema_decay <= 1, f"ema_decay must be in (0, 1], got {self.ema_decay!r}")
         check_count(self.count)
+        require(self.count is None or self.projection == "orthonormal",
+                f"count sets the directions of projection='orthonormal'; it does nothing with "
+                f"projection={self.projection!r}: leave it out")
+
+    @classmethod
+    def flat_keys(cls, flat: dict[str, Any]) -> tuple[str, ...]:
+        """Its fields, ``count`` only with ``projection="orthonormal"`` (the other projections
+        draw no directions)."""
+        keys = super().flat_keys(flat)
+        return keys if flat["projection"] == "orthonormal" else tuple(
+            key for key in keys if key != "count")
 
     @property
     def squared(self) -> bool:

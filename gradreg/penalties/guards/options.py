@@ -17,23 +17,47 @@ __all__ = ["Option", "check_count", "check_flag", "check_iterations", "check_kin
            "check_per_sample_kind", "check_step", "finite_number", "require"]
 
 
-
 class Option:
     """The base of the option objects (a norm, a method, a kind): frozen dataclasses that check
-    their own fields when built, each registered under its :attr:`name`. An option object
-    compares equal to its name, so ``config.method == "finite_difference"`` reads as the flat
-    option did; two option objects are equal where their types and fields are."""
+    their own fields when built, each registered under its :attr:`name`. Their fields are their
+    flat options (:meth:`flat_keys`, read by
+    :meth:`~gradreg.penalties.config.PenaltyConfig.from_flat`), each named by its role (the
+    perturbation's ``sigma``, the Hessian's ``epsilon``); the flat alias ``step`` sets the field
+    :meth:`step_field` names. Two option objects are equal where their types and fields are; an
+    object is not equal to its name (compare ``config.method.name``)."""
 
     #: The name the object is chosen by in flat options (``method="finite_difference"``).
     name: ClassVar[str]
+
+    @classmethod
+    def flat_keys(cls, flat: dict[str, Any]) -> tuple[str, ...]:
+        """The flat options this class takes, given the others (``flat``): its fields."""
+        return tuple(field.name for field in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def form(cls, flat: dict[str, Any]) -> type[Option]:
+        """The class that takes ``flat`` (a method may have another form for some points)."""
+        return cls
+
+    @classmethod
+    def step_field(cls, flat: dict[str, Any]) -> str | None:
+        """The field the flat alias ``step`` sets (its step size by its role), or None."""
+        return None
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Option:
+        """The object of the flat options ``flat`` (all of them, defaults included)."""
+        return cls(**{key: flat[key] for key in cls.flat_keys(flat)})
+
+    def flat(self) -> dict[str, Any]:
+        """Its flat options: its fields by name."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     def values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return other == self.name
-        return type(other) is type(self) and other.values() == self.values()
+        return type(other) is type(self) and other.values() == self.values()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash((type(self), self.values()))
@@ -50,11 +74,12 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message + ".")
 
 
-def check_step(step: float | None) -> None:
-    """Refuse a step size that is not a number > 0 (``None``: the estimate's default)."""
+def check_step(step: float | None, name: str = "step") -> None:
+    """Refuse a step size ``name`` that is not a number > 0 (``None``: the estimate's
+    default)."""
     require(step is None or (isinstance(step, numbers.Real) and not isinstance(step, bool)
                              and step > 0),
-            f"step (the estimate's step size) must be a number > 0 or None (its default), got "
+            f"{name} (the estimate's step size) must be a number > 0 or None (its default), got "
             f"{step!r}")
 
 
@@ -90,7 +115,6 @@ def check_per_sample_kind(kind: str, config: Any) -> None:
             and config.points not in ("parameters", "activations"),
             f"kind={kind!r} takes per-sample points other than 'activations', a numeric target, "
             "projection='sum', order=1 and chunks=1")
-
 
 
 def finite_number(name: str, value: object, *, minimum: float | None = None,

@@ -9,8 +9,9 @@ r"""What a penalty penalizes: its ``kind``, chosen once with the method when it 
   :math:`\operatorname{reduce}_i \hat\sigma_i^2`, a Lipschitz target c with ``one_sided``
   :math:`\operatorname{reduce}_i \max(0, \hat\sigma_i - c)^2`;
 * ``"hessian"``: the Hessian penalty of :mod:`gradreg.penalties.kinds.hessian` (``count``
-  directions, ``step``, ``reduction`` ``"max"`` or ``"mean"``; ``method="finite_difference"`` is the
-  authors' central difference, ``"double_backward"`` the exact second directional derivatives),
+  directions, ``epsilon``, ``reduction`` ``"max"`` or ``"mean"``;
+  ``method="finite_difference"`` is the authors' central difference, ``"double_backward"``
+  the exact second directional derivatives),
   of the callable's outputs at its one input.
 
 Both kinds other than ``"gradient_norm"`` run the model themselves (``outputs`` must be a
@@ -27,7 +28,7 @@ default) is the maximum over the batch at hand, which averaging over ranks does 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gradreg.penalties.guards.options import Option
 from gradreg.penalties.kinds.hessian import Hessian, HessianPenalty, hessian_penalty
@@ -47,16 +48,11 @@ class GradientNorm(Option):
 
     Examples:
         >>> from gradreg.penalties.kinds import GradientNorm
-        >>> GradientNorm() == "gradient_norm"
-        True
+        >>> GradientNorm().name
+        'gradient_norm'
     """
 
     name = "gradient_norm"
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> GradientNorm:
-        """From the flat options (none)."""
-        return cls()
 
     def check(self, config: Configuration) -> None:
         """Every method computes a gradient norm (each states what else it needs)."""

@@ -166,14 +166,16 @@ def check_hessian_options(*, count: int | None, step: float | None, reduction: s
     check_hessian_values(count=count, step=step, reduction=reduction)
 
 
-def check_hessian_values(*, count: int | None, step: float | None, reduction: str) -> None:
-    """The values of :func:`check_hessian_options`, the method apart."""
+def check_hessian_values(*, count: int | None, step: float | None, reduction: str,
+                         step_name: str = "step") -> None:
+    """The values of :func:`check_hessian_options`, the method apart (the step named
+    ``step_name``: the :class:`Hessian` option calls it ``epsilon``)."""
     require(reduction in REDUCTIONS,
             f"kind='hessian' reduces by 'max' (the authors' default) or 'mean', got "
             f"reduction={reduction!r}")
     check_count(count, 2, ": the Hessian penalty is a variance over the directions, which needs "
                           "two")
-    check_step(step)
+    check_step(step, step_name)
 
 
 def hessian_penalty(
@@ -263,15 +265,16 @@ class HessianPenalty:
 class Hessian(Option):
     """``kind="hessian"``: the Hessian penalty (module docstring) with ``count`` Rademacher
     directions per sample (>= 2, ``None``: :data:`DEFAULT_COUNT`), the second difference's
-    ``step`` ε (``None``: :data:`DEFAULT_STEP`; by ``method="finite_difference"`` only) and the
+    step ``epsilon`` ε (``None``: :data:`DEFAULT_STEP`; by ``method="finite_difference"`` only;
+    the flat alias ``step``) and the
     ``reduction`` ``"max"`` (the authors') or ``"mean"`` over samples and units; by
     ``method="finite_difference"`` (the authors' central difference) or ``"double_backward"``
     (exact second directional derivatives).
 
     Examples:
         >>> from gradreg.penalties.kinds import Hessian
-        >>> Hessian(count=4, reduction="mean") == "hessian"
-        True
+        >>> Hessian(count=4, epsilon=0.05).epsilon
+        0.05
         >>> Hessian(count=1)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -283,16 +286,16 @@ class Hessian(Option):
     methods: ClassVar[tuple[str, ...]] = ("finite_difference", "double_backward")
 
     count: int | None = None
-    step: float | None = None
+    epsilon: float | None = None
     reduction: str = "max"
 
     def __post_init__(self) -> None:
-        check_hessian_values(count=self.count, step=self.step, reduction=self.reduction)
+        check_hessian_values(count=self.count, step=self.epsilon, reduction=self.reduction,
+                             step_name="epsilon")
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> Hessian:
-        """From the flat options (``count``, ``step``, ``reduction``)."""
-        return cls(flat["count"], flat["step"], flat["reduction"])
+    def step_field(cls, flat: dict[str, Any]) -> str | None:
+        return "epsilon"
 
     def check(self, config: Configuration) -> None:
         """A variance of second derivatives, not a norm: the norm's options at their
@@ -303,13 +306,12 @@ class Hessian(Option):
         require(norm.target == 0 and not norm.one_sided and norm.power == 2 and norm.p == 2,
                 "kind='hessian' penalizes a variance, not a norm: target, one_sided, power "
                 "and p do not apply; leave them at their defaults")
-        require(self.step is None or config.method == "finite_difference",
-                f"step sets the step size of method='finite_difference', method='perturbation' "
-                f"and kind='hessian' by finite difference; it does nothing with "
-                f"method={config.method.name!r}, kind='hessian': leave it out")
+        require(self.epsilon is None or config.method.name == "finite_difference",
+                f"epsilon is the step of kind='hessian' by method='finite_difference'; "
+                f"method={config.method.name!r} takes none: leave it out")
 
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
-        return HessianMethod(HessianPenalty(self.count, self.step, self.reduction,
+        return HessianMethod(HessianPenalty(self.count, self.epsilon, self.reduction,
                                             config.method.name))
 
 

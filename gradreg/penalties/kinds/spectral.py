@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -120,8 +120,8 @@ class Spectral(Option):
 
     Examples:
         >>> from gradreg.penalties.kinds import Spectral
-        >>> Spectral(iterations=5) == "spectral"
-        True
+        >>> Spectral(iterations=5).name
+        'spectral'
         >>> Spectral(iterations=0)
         Traceback (most recent call last):
         ...
@@ -136,11 +136,6 @@ class Spectral(Option):
 
     def __post_init__(self) -> None:
         check_iterations(self.iterations)
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> Spectral:
-        """From the flat options (``iterations``)."""
-        return cls(flat["iterations"])
 
     def check(self, config: Configuration) -> None:
         """The operator 2-norm of per-sample Jacobians, by double backward."""

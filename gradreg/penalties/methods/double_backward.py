@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from torch import Tensor
 
@@ -103,8 +102,8 @@ class DoubleBackward(Option):
 
     Examples:
         >>> from gradreg.penalties.methods import DoubleBackward
-        >>> DoubleBackward(chunks=4) == "double_backward"  # an option equals its name
-        True
+        >>> DoubleBackward(chunks=4).name, DoubleBackward(chunks=4) == DoubleBackward(4)
+        ('double_backward', True)
         >>> DoubleBackward(chunks=0)
         Traceback (most recent call last):
         ...
@@ -119,11 +118,6 @@ class DoubleBackward(Option):
         chunks = self.chunks
         require(isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1,
                 f"chunks must be an int >= 1 (1 = the whole batch at once), got {chunks!r}")
-
-    @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> DoubleBackward:
-        """From the flat options (``chunks``)."""
-        return cls(flat["chunks"])
 
     def check(self, config: Configuration) -> None:
         """Refuse chunks of a penalty whose samples are coupled (an ``"ema"`` target, one norm

@@ -143,13 +143,23 @@ def check_smooth(outputs: Tensor) -> None:
         )
 
 
+def _check_difference(name: str, config: Configuration) -> None:
+    """Refuse what a difference of first derivatives does not compute: another projection or
+    order, an ``"ema"`` target, activations as points."""
+    norm = config.norm
+    require(norm.projection == "sum" and norm.order == 1 and norm.numeric_target
+            and config.points != "activations",
+            f"method={name!r} supports projection='sum', order=1, a numeric target and "
+            "per-sample points other than 'activations' (and points='parameters' with "
+            "method='finite_difference'); use method='double_backward'")
+
+
 @dataclass(frozen=True, eq=False)
 class FiniteDifference(Option):
     """``method="finite_difference"``: the exact value, its parameter gradient by the forward
     difference of :func:`finite_difference` over a shift of length ``step`` in input space
     (``None``: :func:`~gradreg.penalties.guards.precision.default_step` of the arithmetic); for
-    ``points="parameters"`` its form :class:`~gradreg.penalties.methods.param_gradient
-    .ParameterShift`.
+    ``points="parameters"`` its form :class:`ParameterShift`.
 
     Examples:
         >>> from gradreg.penalties.methods import FiniteDifference
@@ -169,26 +179,21 @@ class FiniteDifference(Option):
         check_step(self.step)
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> FiniteDifference:
-        """From the flat options (``step``; for ``points="parameters"``, the
-        :class:`~gradreg.penalties.methods.param_gradient.ParameterShift` of ``step``, ``shift``
-        and ``adaptive``)."""
-        if flat["points"] == "parameters":
-            return ParameterShift.from_flat(flat)
-        return cls(flat["step"])
+    def form(cls, flat: dict[str, Any]) -> type[Option]:
+        """:class:`ParameterShift` for ``points="parameters"``, else this class."""
+        return ParameterShift if flat["points"] == "parameters" else cls
+
+    @classmethod
+    def step_field(cls, flat: dict[str, Any]) -> str | None:
+        return "step"
 
     def check(self, config: Configuration) -> None:
-        """Refuse what a difference of first derivatives does not compute: another projection
-        or order, an ``"ema"`` target, activations as points."""
-        norm = config.norm
-        require(norm.projection == "sum" and norm.order == 1 and norm.numeric_target
-                and config.points != "activations",
-                f"method={self.name!r} supports projection='sum', order=1, a numeric target and "
-                "per-sample points other than 'activations' (and points='parameters' with "
-                "method='finite_difference'); use method='double_backward'")
-        require(config.points != "parameters" or type(self) is not FiniteDifference,
+        """Refuse what a difference of input gradients does not compute (and the parameters,
+        which :class:`ParameterShift` shifts)."""
+        _check_difference(self.name, config)
+        require(config.points != "parameters",
                 "points='parameters' by finite difference shifts the parameters: pass "
-                "method=ParameterShift(step, shift, adaptive) (the flat options do)")
+                "method=ParameterShift(shift, radius | scale, adaptive) (the flat options do)")
 
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
         return FiniteDifferenceMethod(penalty, self.step)
@@ -212,52 +217,70 @@ class FiniteDifferenceMethod:
         return value
 
 
-#: The shift rules of :class:`ParameterShift`: a fixed length ``step`` (``"normalized"``), or
-#: ``step`` times :math:`v` (``"gradient"``).
+#: The shift rules of :class:`ParameterShift`: a fixed length ``radius`` (``"normalized"``), or
+#: ``scale`` times :math:`v` (``"gradient"``).
 SHIFTS = ("normalized", "gradient")
 
 
 @dataclass(frozen=True, eq=False)
-class ParameterShift(FiniteDifference):
-    r"""``method="finite_difference"`` for ``points="parameters"`` (module docstring): the
-    parameters shifted along :math:`v = \partial P/\partial g` by the length ``step``
-    (``shift="normalized"``: :math:`\theta + r\hat v`, GNP, SAM) or by ``step`` times :math:`v`
-    (``shift="gradient"``: :math:`\theta + \epsilon v`, GR, ASAM); ``adaptive``: the norm of
-    :math:`\lvert\theta\rvert \odot g` (ASAM). ``step=None``: the
+class ParameterShift(Option):
+    r"""``method="finite_difference"`` for ``points="parameters"`` (module docstring of
+    :mod:`~gradreg.penalties.methods.param_gradient`): the parameters shifted along
+    :math:`v = \partial P/\partial g` by the length ``radius`` (``shift="normalized"``:
+    :math:`\theta + r\hat v`, GNP, SAM) or by ``scale`` times :math:`v` (``shift="gradient"``:
+    :math:`\theta + \epsilon v`, GR, ASAM); ``adaptive``: the norm of
+    :math:`\lvert\theta\rvert \odot g` (ASAM). ``None``: the
     :func:`~gradreg.penalties.guards.precision.default_step` of the loss's arithmetic for a
     parameter shift (:data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`; times
     :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR` for ``"gradient"``).
+    The flat alias ``step`` sets the one the shift rule takes.
 
     Examples:
         >>> from gradreg.penalties.methods import ParameterShift
-        >>> ParameterShift(shift="gradient", adaptive=True) == "finite_difference"
-        True
+        >>> ParameterShift("gradient", scale=0.5, adaptive=True).name
+        'finite_difference'
         >>> ParameterShift(shift="sideways")
         Traceback (most recent call last):
         ...
         ValueError: shift must be one of ('normalized', 'gradient'), got 'sideways'.
+        >>> ParameterShift(scale=0.1)
+        Traceback (most recent call last):
+        ...
+        ValueError: scale is the factor of shift='gradient': pass shift='gradient' (or radius).
     """
 
+    name = "finite_difference"
+
     shift: str = "normalized"
+    radius: float | None = None
+    scale: float | None = None
     adaptive: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require(self.shift in SHIFTS, f"shift must be one of {SHIFTS}, got {self.shift!r}")
+        check_step(self.radius, "radius")
+        check_step(self.scale, "scale")
+        require(self.scale is None or self.shift == "gradient",
+                "scale is the factor of shift='gradient': pass shift='gradient' (or radius)")
+        require(self.radius is None or self.shift == "normalized",
+                "radius is the length of shift='normalized': pass scale with shift='gradient'")
         check_flag("adaptive", self.adaptive)
 
-    def check(self, config: Configuration) -> None:
-        super().check(config)
-        require(config.points == "parameters",
-                f"shift and adaptive set how param_grad_norm by method='finite_difference' "
-                f"shifts the parameters; they do nothing with points={config.points!r}: pass "
-                "points='parameters'")
-
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> ParameterShift:
-        """From the flat options (``step``, ``shift``, ``adaptive``)."""
-        return cls(flat["step"], flat["shift"], flat["adaptive"])
+    def step_field(cls, flat: dict[str, Any]) -> str | None:
+        return "scale" if flat["shift"] == "gradient" else "radius"
+
+    @property
+    def length(self) -> float | None:
+        """The shift's ``radius`` or ``scale``, the one its rule takes (``None``: default)."""
+        return self.scale if self.shift == "gradient" else self.radius
+
+    def check(self, config: Configuration) -> None:
+        _check_difference(self.name, config)
+        require(config.points == "parameters",
+                f"ParameterShift shifts the parameters; it does nothing with "
+                f"points={config.points!r}: pass points='parameters'")
 
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
-        return ParameterFiniteDifference(penalty, config, step=self.step, shift=self.shift,
+        return ParameterFiniteDifference(penalty, config, step=self.length, shift=self.shift,
                                          adaptive=self.adaptive)

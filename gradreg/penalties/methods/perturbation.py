@@ -173,14 +173,14 @@ def _probe(x: Tensor, generator: torch.Generator | None) -> Tensor:
 @dataclass(frozen=True, eq=False)
 class Perturbation(Option):
     r"""``method="perturbation"``: the squared per-sample norms estimated from ``count``
-    perturbed forwards per sample of scale ``step`` (σ), central differences with
-    ``central`` (:func:`perturbation_sq_norms`), no double backward; only for squared norms with
-    target 0 (R1, R2, double backprop, the Jacobian). ``None``: the defaults
+    perturbed forwards per sample of scale ``sigma`` (σ; the flat alias ``step``), central
+    differences with ``central`` (:func:`perturbation_sq_norms`), no double backward; only for
+    squared norms with target 0 (R1, R2, double backprop, the Jacobian). ``None``: the defaults
     (:data:`DEFAULT_STEP`, :data:`DEFAULT_COUNT`).
 
     Examples:
         >>> from gradreg.penalties.methods import Perturbation
-        >>> Perturbation(step=0.01, count=4, central=True).count
+        >>> Perturbation(sigma=0.01, count=4, central=True).count
         4
         >>> Perturbation(central="yes")
         Traceback (most recent call last):
@@ -190,25 +190,24 @@ class Perturbation(Option):
 
     name = "perturbation"
 
-    step: float | None = None
+    sigma: float | None = None
     count: int | None = None
     central: bool = False
 
     def __post_init__(self) -> None:
-        check_step(self.step)
+        check_step(self.sigma, "sigma")
         check_count(self.count)
         check_flag("central", self.central)
 
     @classmethod
-    def from_flat(cls, flat: dict[str, Any]) -> Perturbation:
-        """From the flat options (``step``, ``count``, ``central``)."""
-        return cls(flat["step"], flat["count"], flat["central"])
+    def step_field(cls, flat: dict[str, Any]) -> str | None:
+        return "sigma"
 
     def check(self, config: Configuration) -> None:
         """Refuse what the estimate does not compute: norms that are not squared with target 0,
         higher orders, the Gaussian projection, points without per-sample rows."""
         norm = config.norm
-        require(config.kind == "gradient_norm" and norm.squared and norm.order == 1
+        require(config.kind.name == "gradient_norm" and norm.squared and norm.order == 1
                 and norm.projection in ("sum", "orthonormal")
                 and config.points not in ("parameters", "activations"),
                 "method='perturbation' estimates squared per-sample norms with target 0 (R1, "
@@ -217,7 +216,7 @@ class Perturbation(Option):
                 "method='double_backward' or 'finite_difference'")
 
     def build(self, config: Configuration, penalty: PenaltyFunctions) -> Method:
-        return PerturbationMethod(penalty, DEFAULT_STEP if self.step is None else self.step,
+        return PerturbationMethod(penalty, DEFAULT_STEP if self.sigma is None else self.sigma,
                                   DEFAULT_COUNT if self.count is None else self.count,
                                   central=self.central)
 
