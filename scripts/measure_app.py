@@ -171,7 +171,7 @@ def measure_sweep(name: str, overrides: list[str], folder: Path) -> dict[str, ob
     """Run the sweep ``python scripts/train.py -m <overrides>`` (one thread per job):
     :func:`timed`'s numbers for the whole sweep, and each job's overrides and validation and
     test metrics, in job order."""
-    from gradreg.app.sweep_results import job_results  # the app's reading of a sweep folder
+    from gradreg.app.sweeps.results import job_results  # the app's reading of a sweep folder
 
     sweep_dir = folder_of(name, folder)
     result, _ = timed(name, app_command("-m", *overrides, "threads=1",

@@ -27,10 +27,10 @@ from torch import nn
 from gradreg.lightning.checkpoint import PreemptionCheckpoint
 from gradreg.lightning.penalized import checkpoint_mismatch
 
+from .checks.errors import ConfigError
+from .checks.paths import resolve_checkpoint
 from .console import say
-from .errors import ConfigError
 from .invocation import command
-from .path_checks import resolve_checkpoint
 
 #: the exit status of a run stopped by a signal: 128 + its number, what a shell reports for it
 #: (SIGTERM 143, SIGINT 130)

@@ -14,6 +14,16 @@ event files, checkpoints and metrics mixed). :func:`claim_folder` makes the fold
 of a sweep) with an exclusive ``mkdir`` and, where another process made it first, takes
 ``<time>-2``, ``<time>-3``, ...; the resolver is cached, so Hydra's later readings of the same
 key (and a sweep's jobs, which get a copy of the cache) see the same folder.
+
+The HParams columns that configs/callbacks/hparams.yaml computes name λ the same way (Hydra
+instantiates them, as nested ``_target_`` nodes, when it builds the callbacks):
+
+* :func:`effective_weight`: λ as the run uses it, one ``weight`` column for every penalty: 0
+  for ``penalty=none``, whatever ``penalty.weight`` the command line gave it (a sweep
+  ``penalty=none,double_backprop penalty.weight=0.1,1`` gives ``none`` each weight);
+* :func:`log10`: TensorBoard's HParams declaration has no log-scale hint (``HParamInfo`` has a
+  name, a type, a domain and whether it differs), so λ and the learning rate also get
+  ``weight_log10`` and ``lr_log10`` columns, blank where the value is 0 (``penalty=none``).
 """
 
 from __future__ import annotations
@@ -28,8 +38,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .sweep_space import swept_keys
+from .sweeps.space import swept_keys
 
+#: the penalty name of a run without a penalty
+NO_PENALTY = "none"
 #: the overrides a run's label already states
 LABELLED_KEYS = ("penalty", "penalty.weight")
 #: the digits of a sweep job's number in its folder name (``007_none``): sorted up to 999 jobs
@@ -58,11 +70,27 @@ def penalty_label(name: str, weight: Any, penalties: Mapping[str, Any] | None = 
     """``double_backprop:0.1``, ``none``, ``r1:10+r2:1`` (with ``penalties``' entries, whose
     ``weight`` is each one's λ): the penalties a run trains with and their weights (a name
     alone where the config has no weight)."""
-    named = [] if name == "none" else [(name, weight)]
+    named = [] if name == NO_PENALTY else [(name, weight)]
     named += [(key, node.get("weight") if isinstance(node, Mapping) else None)
               for key, node in (penalties or {}).items()]
     return "+".join(key if value is None else f"{key}:{short_number(str(value))}"
-                    for key, value in named) or "none"
+                    for key, value in named) or NO_PENALTY
+
+
+def effective_weight(penalty: str, weight: float | None) -> float:
+    """λ as the run uses it: 0 for ``penalty=none`` (which ignores ``penalty.weight``) or
+    without a weight, else ``weight``."""
+    if penalty == NO_PENALTY or weight is None:
+        return 0.0
+    return float(weight)
+
+
+def log10(value: float | None) -> float | None:
+    """``log10(value)`` for a positive number; None (a blank cell) for 0, a negative number or
+    None."""
+    if value is None or float(value) <= 0:
+        return None
+    return math.log10(float(value))
 
 
 def run_folder_suffix(overrides: str, only_swept: bool = False, limit: int = 120) -> str:

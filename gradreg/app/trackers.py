@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError
+from .checks.errors import ConfigError
 
 #: the default MLflow tracking store: a SQLite file in the working folder
 LOCAL_STORE = "sqlite:///mlflow.db"

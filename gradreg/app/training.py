@@ -25,10 +25,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from gradreg.app import runtime, trackers
+from gradreg.app.checks.errors import building, discard_folder, exit_with
+from gradreg.app.checks.paths import check_writable, resolve_checkpoint
 from gradreg.app.console import say
-from gradreg.app.errors import building, exit_with
-from gradreg.app.path_checks import check_writable, resolve_checkpoint
-from gradreg.app.refused_run import discard_folder
 from gradreg.app.resume import (
     ResumedWeights,
     check_fresh_output,

@@ -1,12 +1,12 @@
 """``hydra/sweeper=grid``: Hydra's basic sweeper without the jobs that repeat another
-(:func:`gradreg.app.sweep_grid.distinct_jobs`)."""
+(:func:`gradreg.app.sweeps.grid.distinct_jobs`)."""
 
 from __future__ import annotations
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
 
-from gradreg.app.sweep_grid import distinct_jobs
+from gradreg.app.sweeps.grid import distinct_jobs
 
 
 class GridSweeper(BasicSweeper):

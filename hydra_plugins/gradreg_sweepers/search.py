@@ -1,5 +1,5 @@
 """``hydra/sweeper=penalty_search`` (the searches of ``configs/hparams_search/``): an Optuna study
-of the app's runs in a database (:mod:`gradreg.app.sweep_search`)."""
+of the app's runs in a database (:mod:`gradreg.app.sweeps.search`)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ class SearchSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
-        from gradreg.app import sweep_search
+        from gradreg.app.checks.errors import ConfigError
         from gradreg.app.console import say
-        from gradreg.app.errors import ConfigError
+        from gradreg.app.sweeps import search as sweep_search
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         sweep_dir = Path(self.config.hydra.sweep.dir)

@@ -13,9 +13,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gradreg.app.sweep_plugins import plugin_installed
+from gradreg.app.checks.values import check_values
+from gradreg.app.sweeps.space import plugin_installed
 from gradreg.app.training import build
-from gradreg.app.value_checks import check_values
 from gradreg.lightning.classifier import CLASSIFIER_POINTS, Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.penalties import PRESETS

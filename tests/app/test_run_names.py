@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradreg.app import hparams_columns, run_names
+from gradreg.app import run_names
 
 from .helpers import TINY, run_script
 
@@ -75,10 +75,10 @@ def test_a_jobs_number_is_zero_padded_so_that_the_jobs_sort_in_order() -> None:
 
 def test_the_hparams_weight_is_the_one_the_run_uses_and_its_log10_is_blank_at_zero() -> None:
     """penalty=none ignores penalty.weight: its λ is 0, whose log10 is left blank."""
-    assert hparams_columns.effective_weight("none", 0.3) == 0.0
-    assert hparams_columns.effective_weight("r1", 10) == 10.0
-    assert hparams_columns.effective_weight("r1", None) == 0.0
-    assert [hparams_columns.log10(value) for value in (0.001, 100, 0.0, None)] == [
+    assert run_names.effective_weight("none", 0.3) == 0.0
+    assert run_names.effective_weight("r1", 10) == 10.0
+    assert run_names.effective_weight("r1", None) == 0.0
+    assert [run_names.log10(value) for value in (0.001, 100, 0.0, None)] == [
         -3.0, 2.0, None, None]
 
 

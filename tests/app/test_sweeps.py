@@ -21,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from gradreg.app import sweep_plugins, sweep_results, sweep_space, sweep_table
-from gradreg.app.sweep_figure import metric_vs_weight_figure
-from gradreg.app.sweep_results import read_jobs
-from gradreg.app.sweep_summary import SweepSummary
+from gradreg.app.sweeps import results as sweep_results
+from gradreg.app.sweeps import space as sweep_space
+from gradreg.app.sweeps import table as sweep_table
+from gradreg.app.sweeps.figure import metric_vs_weight_figure
+from gradreg.app.sweeps.results import read_jobs
+from gradreg.app.sweeps.summary import SweepSummary
 
 from .conftest import CONFIGS, ROOT
 from .helpers import TINY, hparams, run_in_process, run_script, start
@@ -32,7 +34,7 @@ from .helpers import TINY, hparams, run_in_process, run_script, start
 PLUGINS = ("optuna", "hydra_plugins.hydra_joblib_launcher",
            "hydra_plugins.hydra_submitit_launcher")
 needs_extra = pytest.mark.skipif(
-    not all(sweep_plugins.plugin_installed(name) for name in PLUGINS),
+    not all(sweep_space.plugin_installed(name) for name in PLUGINS),
     reason="needs the sweeps extra (Optuna, Hydra's joblib and submitit launchers): "
            "pip install -e '.[sweeps]'")
 
@@ -240,7 +242,7 @@ def test_a_plugin_that_is_not_installed_is_one_line_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: Hydra's "Could not find 'hydra/launcher/joblib'", which names no package."""
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(sweep_plugins, "plugin_installed", lambda name: False)
+    monkeypatch.setattr(sweep_space, "plugin_installed", lambda name: False)
     with pytest.raises(SystemExit) as exit_info:
         run_in_process(*args, tmp_path=tmp_path)
     assert exit_info.value.code == 2
@@ -711,8 +713,8 @@ def test_the_search_space_reads_hydras_sweep_syntax_and_the_command_line_wins() 
     """The recipe's λ on a log scale is replaced by the command line's; a choice and a range are
     categories of their values; an integer interval; a plain value goes to every trial."""
     optuna = pytest.importorskip("optuna")
-    from gradreg.app.errors import ConfigError
-    from gradreg.app.sweep_search import search_space
+    from gradreg.app.checks.errors import ConfigError
+    from gradreg.app.sweeps.search import search_space
 
     space = search_space(
         {"penalty.weight": "tag(log, interval(0.001, 10.0))",
@@ -738,7 +740,7 @@ def test_resuming_a_study_retries_the_trial_left_running_and_keeps_the_ended_one
     optuna = pytest.importorskip("optuna")
     from hydra.core.utils import JobReturn, JobStatus
 
-    from gradreg.app.sweep_search import Space, resume, run_trials
+    from gradreg.app.sweeps.search import Space, resume, run_trials
 
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     space = Space({"penalty.weight": optuna.distributions.FloatDistribution(0.01, 1.0)}, [])

@@ -34,7 +34,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from scipy import stats
 
-from .hparams_columns import NO_PENALTY, effective_weight
+from ..run_names import NO_PENALTY, effective_weight
 
 #: overrides that a setting states in its own columns (penalty, λ) or pairs by (seed)
 OWN_KEYS = ("penalty", "penalty.weight", "seed")

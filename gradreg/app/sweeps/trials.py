@@ -1,7 +1,7 @@
 """What a run of a sweep is to its sweeper: the value it returns, and whether its failure ends the
 search.
 
-A search (the app's Optuna sweeper, :mod:`gradreg.app.sweep_search`, ``configs/hparams_search/``)
+A search (the app's Optuna sweeper, :mod:`gradreg.app.sweeps.search`, ``configs/hparams_search/``)
 optimizes the value the task function returns: the metric named by ``optimized_metric``
 (:func:`objective`). A trial of a search whose training diverges (:class:`~gradreg.NonFiniteError`:
 a NaN or Inf penalty, typically at a large weight or learning rate) fails alone: the job raises
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from .errors import ConfigError
-from .invocation import command
+from ..checks.errors import ConfigError
+from ..invocation import command
 
 
 def objective(metrics: Mapping[str, float], name: str | None) -> float | None:

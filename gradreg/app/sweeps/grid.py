@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .hparams_columns import NO_PENALTY
+from ..run_names import NO_PENALTY
 
 #: the config node that ``penalty=none`` ignores
 IGNORED_BY_NONE = "penalty."

@@ -1,13 +1,13 @@
 """``summary.md`` of a sweep: per outcome metric, the setting chosen on the validation split and
 how it does on the test split, against the baseline and against the runner-up.
 
-One section per outcome metric (:func:`~gradreg.app.sweep_results.outcome_metrics`: the test
+One section per outcome metric (:func:`~gradreg.app.sweeps.results.outcome_metrics`: the test
 metrics, the optimized one first). The setting is **chosen on the validation split**
-(:func:`~gradreg.app.sweep_results.selection_metric`: ``val/acc_pgd`` chooses for
+(:func:`~gradreg.app.sweeps.results.selection_metric`: ``val/acc_pgd`` chooses for
 ``test/acc_pgd``; choosing on the test metric itself would select on the test set): the best
 validation mean, the **runner-up** the second best. A line in words says what was chosen and
 its test difference from the baseline and from the runner-up, paired by seed, with its 95%
-confidence interval (:mod:`gradreg.app.sweep_results`) and whether it exceeds the noise; with
+confidence interval (:mod:`gradreg.app.sweeps.results`) and whether it exceeds the noise; with
 one seed, that no spread is known. Settings tied on validation (equal as shown) are named
 together and none is chosen.
 
@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .sweep_results import (
+from .results import (
     Difference,
     Job,
     Setting,

@@ -1,7 +1,7 @@
 """What the app makes of the errors Hydra meets before the run that are the user's to fix: a run
 folder it cannot create, an override that does not parse or names a key or group option the
 config does not have, a config file that is not YAML; each becomes a one-line
-:class:`~gradreg.app.errors.ConfigError` (:func:`hydra_error`)."""
+:class:`~gradreg.app.checks.errors.ConfigError` (:func:`hydra_error`)."""
 
 from __future__ import annotations
 

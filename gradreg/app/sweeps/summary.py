@@ -1,13 +1,13 @@
 """The end of every sweep: which λ won, by how much, over seeds.
 
 :class:`SweepSummary` (a Hydra callback, ``hydra.callbacks.sweep_summary`` in configs/train.yaml)
-reads the sweep's jobs (:mod:`gradreg.app.sweep_results`) and writes in the sweep folder:
+reads the sweep's jobs (:mod:`gradreg.app.sweeps.results`) and writes in the sweep folder:
 
 * ``summary.md`` (also printed): per outcome metric, each setting's mean ± SD over seeds and its
   difference from the ``penalty=none`` baseline paired by seed ± its standard error, the best
-  marked where the difference exceeds the noise (:mod:`gradreg.app.sweep_table`);
+  marked where the difference exceeds the noise (:mod:`gradreg.app.sweeps.table`);
 * ``metric_vs_weight.png``: each outcome metric against λ on a log axis, mean and band over
-  seeds, the baseline as a horizontal band (:mod:`gradreg.app.sweep_figure`);
+  seeds, the baseline as a horizontal band (:mod:`gradreg.app.sweeps.figure`);
 
 and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holding the figure
 (tag ``Sweep/metric_vs_weight``: first in Time Series, where TensorBoard opens, its title saying
@@ -27,10 +27,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from .console import say
-from .sweep_figure import metric_vs_weight_figure
-from .sweep_results import read_jobs
-from .sweep_table import summary_markdown
+from ..console import say
+from .figure import metric_vs_weight_figure
+from .results import read_jobs
+from .table import summary_markdown
 
 FIGURE = "metric_vs_weight.png"
 SUMMARY = "summary.md"
@@ -68,7 +68,7 @@ class SweepSummary(Callback):
             log_summary(sweep_dir, body, figure, optimized)
         if any(str(node.get("_target_", "")).startswith(TRACKERS)
                for node in (config.get("logger") or {}).values() if node is not None):
-            from .trackers import log_sweep_summary  # Lightning, MLflow, W&B: only here
+            from ..trackers import log_sweep_summary  # Lightning, MLflow, W&B: only here
 
             log_sweep_summary(config, sweep_dir, sweep_dir / SUMMARY,
                               sweep_dir / FIGURE if figure is not None else None)

@@ -11,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .console import say
+from ..console import say
 
 
 class SearchReport(Callback):

@@ -15,9 +15,9 @@ with the same storage (for the default, the same ``hydra.sweep.dir``) it resumes
 killed is recorded as failed and its parameters are tried again, and the study runs to
 ``n_trials`` trials in all. ``optuna-dashboard <storage URL>`` shows the study while it runs.
 
-A trial whose training diverged (:class:`~gradreg.app.trials.DivergedTrial`) is recorded as
+A trial whose training diverged (:class:`~gradreg.app.sweeps.trials.DivergedTrial`) is recorded as
 failed and the search goes on, one pruned from its validation metric
-(:mod:`gradreg.app.search_pruning`) as pruned; any other error of a trial ends the search.
+(:mod:`gradreg.app.sweeps.pruning`) as pruned; any other error of a trial ends the search.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from hydra.core.override_parser.types import (
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from .errors import ConfigError
+from ..checks.errors import ConfigError
 from .trials import DivergedTrial
 
 #: the default storage's file in the sweep folder
 DEFAULT_FILE = "optuna.db"
-#: the file where the search leaves its best trial (read by :mod:`gradreg.app.search_report`)
+#: the file where the search leaves its best trial (read by :mod:`gradreg.app.sweeps.search_report`)
 RESULTS = "optimization_results.yaml"
 #: a trial's user attribute: its run folder
 FOLDER = "folder"

@@ -1,4 +1,5 @@
-"""The keys a multirun varies, and the environment its jobs inherit in processes of their own.
+"""The keys a multirun varies, the environment its jobs inherit in processes of their own, and
+the packages its command line selects.
 
 The keys come from the command line's sweep overrides (``penalty=none,double_backprop``,
 ``seed=range(3)``) and the sweeper's search space (``hydra.sweeper.params``); they name each
@@ -7,6 +8,10 @@ job's folder (:mod:`gradreg.app.run_names`). Launchers that run each job in a pr
 there, which imports this package: from a checkout, the jobs get its root on their
 ``PYTHONPATH`` (an installed package needs nothing), and the command line's swept keys in
 ``GRADREG_SWEPT_KEYS`` (:func:`jobs_environment`).
+
+The packages of the extras that a command line selects (the sweeps extra: Optuna for a search,
+Hydra's joblib and submitit launchers; the trackers extra: MLflow, W&B) are checked to be
+installed before Hydra looks for them or the run builds its logger (:func:`check_plugins`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.util import find_spec
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -21,12 +27,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 
-from .hydra_compat import command_line_parser
+from ..checks.errors import ConfigError
+from ..hydra_compat import command_line_parser
 
 #: the environment variable that hands the swept keys to jobs in other processes
 SWEPT_KEYS_VARIABLE = "GRADREG_SWEPT_KEYS"
 #: the folder that holds the gradreg package the app runs from
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 
 def command_line_overrides(argv: list[str]) -> list[Override]:
@@ -77,3 +84,40 @@ def jobs_environment(argv: list[str]) -> Iterator[None]:
             else:
                 os.environ[name] = value
 
+
+#: (config group, option prefix) -> the module that it needs and the extra that installs it
+PLUGINS = {("hparams_search", ""): ("optuna", "sweeps"),
+           ("hydra/sweeper", "penalty_search"): ("optuna", "sweeps"),
+           ("hydra/launcher", "joblib"): ("hydra_plugins.hydra_joblib_launcher", "sweeps"),
+           ("hydra/launcher", "submitit"): ("hydra_plugins.hydra_submitit_launcher", "sweeps"),
+           ("logger", "mlflow"): ("mlflow", "trackers"),
+           ("logger", "wandb"): ("wandb", "trackers")}
+
+
+def plugin_installed(module: str) -> bool:
+    """Whether ``module`` (``optuna``, a Hydra plugin's ``hydra_plugins.<name>``) is installed;
+    False too where no Hydra plugin is (no ``hydra_plugins`` package to search in)."""
+    try:
+        return find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_plugins(argv: list[str]) -> None:
+    """Raise ConfigError where the command line selects a search, launcher or tracker whose
+    package is not installed (Hydra would say "Could not find 'hydra/launcher/joblib'")."""
+    for override in command_line_overrides(argv):
+        value = override.value()
+        values = [item for item in (value if isinstance(value, list) else [value])
+                  if isinstance(item, str)]  # logger=[tensorboard,mlflow]: each
+        for (group, prefix), (plugin, extra) in PLUGINS.items():
+            for chosen in values:
+                if (override.key_or_group == group and chosen.startswith(prefix)
+                        and not plugin_installed(plugin)):
+                    package = plugin.split(".")[-1].replace("_", "-")
+                    needs = (f"Hydra's plugin {package}" if plugin.startswith("hydra_plugins")
+                             else package)
+                    raise ConfigError(
+                        f"{group}={chosen} needs {needs}, of the {extra} extra: "
+                        f"pip install -e '.[{extra}]'"
+                    )

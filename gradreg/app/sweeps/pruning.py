@@ -1,6 +1,6 @@
 """Pruning a search's hopeless trials from their validation metric.
 
-In a job of a search (``hydra/sweeper=penalty_search``, :mod:`gradreg.app.sweep_search`),
+In a job of a search (``hydra/sweeper=penalty_search``, :mod:`gradreg.app.sweeps.search`),
 :class:`TrialPruning` reports ``optimized_metric`` to the trial after each validation (step: the
 epoch) and asks the study's pruner (``hydra.sweeper.pruner``, Optuna's ``MedianPruner`` by
 default) whether to go on; where not, it says so in one line and raises ``optuna.TrialPruned``,
@@ -17,8 +17,8 @@ import optuna
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
-from .console import say
-from .sweep_search import storage_url
+from ..console import say
+from .search import storage_url
 from .trials import in_search
 
 

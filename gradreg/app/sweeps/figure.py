@@ -1,12 +1,12 @@
 """The metric-vs-λ figure of a sweep: each outcome metric against the penalty weight.
 
-One panel per outcome metric (:func:`~gradreg.app.sweep_results.outcome_metrics`), λ on a log
+One panel per outcome metric (:func:`~gradreg.app.sweeps.results.outcome_metrics`), λ on a log
 axis; per penalty (and setting of the other swept overrides) one colour, a line through the mean
 over seeds at each λ and a band of ± one sample standard deviation (a search, whose every
 trial has its own λ and other values: one colour per penalty, each trial a point, no line);
 the baseline (``penalty=none``, λ = 0, which a log axis cannot place) as a grey horizontal line
 at its mean with a band of ± its SD across the whole axis. One legend for all panels; the title's
-first line the setting chosen for the first metric (:func:`~gradreg.app.sweep_table.headline`).
+first line the setting chosen for the first metric (:func:`~gradreg.app.sweeps.table.headline`).
 Drawn on a :class:`matplotlib.figure.Figure` (Agg, no pyplot state).
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from .sweep_results import Job, Setting, outcome_metrics, settings
-from .sweep_table import headline
+from .results import Job, Setting, outcome_metrics, settings
+from .table import headline
 
 COLUMNS = 3
 #: a sweep of at most this many λ values gets them as the ticks of the λ axis
@@ -34,7 +34,7 @@ def series_name(setting: Setting) -> str:
 def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
                             title: str = "", direction: str | None = None) -> Figure | None:
     """The figure (module docstring) of ``jobs``, its title first saying which setting was
-    chosen (:func:`~gradreg.app.sweep_table.headline`); None where no finished job has a
+    chosen (:func:`~gradreg.app.sweeps.table.headline`); None where no finished job has a
     penalty with λ > 0 (nothing to put on a log axis)."""
     rows = settings(jobs)
     penalized = [s for s in rows if not s.is_baseline and s.weight > 0 and s.finished]
