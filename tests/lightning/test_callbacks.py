@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 from pathlib import Path
@@ -22,9 +23,10 @@ from gradreg.lightning.callbacks import (
     WeightSchedule,
 )
 from gradreg.lightning.callbacks.graph import node_kinds
+from gradreg.lightning.classifier import Classifier
 from gradreg.lightning.gan import GAN
 from gradreg.models import MLP
-from gradreg.penalties import GradientPenalty, as_points, double_backprop, make_penalty
+from gradreg.penalties import GradientPenalty, as_points, double_backprop, make_penalty, sam
 from tests.lightning.helpers import (
     BATCH,
     WEIGHT,
@@ -39,6 +41,7 @@ from tests.lightning.helpers import (
     scalars,
     trainer,
 )
+from tests.lightning.test_split import Recorder, digits_like
 
 # --- GradientNormMonitor -------------------------------------------------------------------------
 
@@ -229,6 +232,34 @@ def test_schedule_warns_when_resumed_with_another_schedule(tmp_path: Path) -> No
                                          "resuming with .*kind='step'"):
         trainer(tmp_path, [PenaltyWeightSchedule("step", steps=8)], max_steps=2).fit(
             PlainClassifier(), loader(), ckpt_path=path)
+
+
+def test_a_schedule_scales_sams_correction_and_keeps_its_radius(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """sam(0.05) under a constant schedule of weight 0.1 (float64 Classifier, SGD, 2 steps): the
+    applied gradient is grad L + (0.1/0.05)(grad L(theta + 0.05 g_hat) - grad L), by hand at
+    each step's parameters: the radius stays 0.05 (the schedule sets the weight only), and the
+    fit's start names the penalty's shift in one info line."""
+    torch.manual_seed(0)
+    module = Classifier(MLP(6, 3, hidden=[5]).double(), {"sam": sam(0.05)}, pgd_steps=0,
+                        optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+    recorder = Recorder()
+    schedule = PenaltyWeightSchedule("constant", end=0.1)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, [schedule, recorder], max_steps=2).fit(module, digits_like())
+    assert "'penalties.sam' shifts the parameters by radius=0.05" in caplog.text
+    assert module.penalties["sam"].config.method.radius == 0.05
+    for (before, (x, y)), applied in zip(recorder.before, recorder.grads, strict=True):
+        params = list(before.parameters())
+        g = torch.autograd.grad(F.cross_entropy(before(x), y), params)
+        norm = torch.sqrt(sum(t.square().sum() for t in g))
+        with torch.no_grad():
+            for p, t in zip(params, g, strict=True):
+                p.add_(t * (0.05 / norm))
+        shifted = torch.autograd.grad(F.cross_entropy(before(x), y), params)
+        for (name, _), at, there in zip(before.named_parameters(), g, shifted, strict=True):
+            torch.testing.assert_close(applied[f"backbone.{name}"], at + 2.0 * (there - at),
+                                       rtol=1e-9, atol=1e-12)
 
 
 # --- AutogradGraphLogger -------------------------------------------------------------------------

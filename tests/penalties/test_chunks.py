@@ -138,7 +138,7 @@ def test_chunks_divide_the_peak_memory_of_the_penalty() -> None:
     ("options", "message"),
     [({"chunks": 0}, "chunks must be an int >= 1"),
      ({"chunks": 2.0}, "chunks must be an int >= 1"),
-     ({"chunks": 2, "method": "finite_difference"}, "needs method='double_backward'"),
+     ({"chunks": 2, "method": "finite_difference"}, "choose method='double_backward'"),
      ({"chunks": 2, "target": "ema"}, "an 'ema' target couples the samples"),
      ({"chunks": 2, "points": "parameters"}, "per-sample points")],
 )

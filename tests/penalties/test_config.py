@@ -498,3 +498,25 @@ def test_step_is_the_alias_of_the_step_size_by_its_role(options: dict, part: str
     hessian = PenaltyConfig.from_flat(kind="hessian", points="latents",
                                       method="finite_difference", step=0.2)
     assert hessian.method == methods.FiniteDifference()  # the Hessian's step, not the method's
+
+
+def test_the_rename_refusals_run_only_when_an_option_is_unknown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a penalty does not look up the names of earlier releases (only an unknown
+    option does), and setting the penalty's own attributes on each call checks no option name:
+    the refusal of setting an option is a descriptor of the option's name alone."""
+    def refuse(options: object) -> None:
+        raise AssertionError("the renamed options were checked")
+
+    monkeypatch.setattr(config_module, "check_renamed", refuse)
+    monkeypatch.setattr(presets, "check_renamed", refuse)
+    make_penalty("wgan_gp", method="finite_difference", step=0.01)
+    PenaltyConfig.from_flat(method="perturbation", sigma=0.02)
+    for build in (lambda: make_penalty("r1", fd_eps=0.1), lambda: GradientPenalty(k=2)):
+        with pytest.raises(AssertionError, match="renamed options were checked"):
+            build()
+    assert "__setattr__" not in vars(GradientPenalty)
+    penalty = r1(1.0, every=2)
+    penalty.due()
+    penalty.last_value = torch.zeros(())  # an attribute of the penalty's own: no check
+    assert penalty.lazy_step.item() == 1

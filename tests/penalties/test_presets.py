@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import grad
 
-from gradreg.penalties import PRESETS, make_penalty
+from gradreg.penalties import PRESETS, asam, make_penalty, sam
 from gradreg.penalties.methods import PenaltyFunctions
+from gradreg.penalties.methods.param_gradient import LossAt
 
 from .conftest import ALL_PRESETS, CATALOGUE_PRESETS, preset_case, preset_kwargs
 
@@ -152,3 +153,46 @@ def test_every_preset_pickles_and_copies_with_its_own_state(name: str) -> None:
             assert functions.exact.running_mean.value is copied.ema  # and running mean
             assert functions.of_norms is copied._of_norms  # a pure function of the norms
             assert functions.of_gradients.__self__ is copied._of_norms
+
+
+# SAM's rho: one number, the weight and the shift's size, set once.
+
+
+def test_sam_and_asam_own_one_rho() -> None:
+    """``sam(rho)`` sets the weight and the radius, ``asam(rho)`` the weight and the scale; a
+    weight given alone to ``make_penalty`` sets both too; either given apart to the function is
+    refused in one line naming the penalty to build instead."""
+    penalty = sam(0.1)
+    assert (penalty.weight, penalty.config.method.radius, penalty.config.step) == (0.1, 0.1, 0.1)
+    penalty = asam(0.3)
+    assert (penalty.weight, penalty.config.method.scale, penalty.config.shift) == (
+        0.3, 0.3, "gradient")
+    assert make_penalty("sam", weight=0.2).config.method.radius == 0.2
+    assert make_penalty("sam").config.method.radius == 0.05
+    assert make_penalty("sam", weight=0.2, radius=0.05).config.method.radius == 0.05
+    for apart in ({"weight": 0.2}, {"radius": 0.2}, {"step": 0.2}):
+        with pytest.raises(ValueError, match=r"^sam\(rho\) sets both its weight and its radius "
+                                             r"to rho; .* param_grad_norm\(weight, "
+                                             r"method='finite_difference', radius=\.\.\.\)"):
+            sam(0.05, **apart)
+    with pytest.raises(ValueError, match=r"^asam\(rho\) sets both its weight and its scale"):
+        asam(0.5, scale=0.1)
+
+
+@pytest.mark.parametrize("weight", [0.05, 0.1])
+def test_a_weight_set_later_keeps_sams_radius(weight: float) -> None:
+    """A weight w set after building (a schedule) scales SAM's correction and leaves its radius:
+    with L = sum(theta^4)/4, grad L = theta^3, the step's gradient is
+    theta^3 + (w/rho)((theta + rho g_hat)^3 - theta^3) at rho = 0.05 (float64, by hand), SAM's
+    gradient (theta + rho g_hat)^3 at w = rho only."""
+    rho = 0.05
+    theta = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64, requires_grad=True)
+    penalty = sam(rho)
+    penalty.weight = weight
+    at = LossAt.run(lambda: theta.pow(4).sum() / 4)
+    (at.loss + penalty(at, [theta])).backward()
+    g = theta.detach() ** 3
+    shifted = (theta.detach() + rho * g / g.norm()) ** 3
+    expected = g + (weight / rho) * (shifted - g)
+    torch.testing.assert_close(theta.grad, expected, rtol=1e-9, atol=0)
+    assert penalty.config.method.radius == rho

@@ -21,12 +21,23 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from gradreg.lightning.callbacks._penalties import named_penalties
 from gradreg.penalties import GradientPenalty
 
 KINDS = ("constant", "linear", "cosine", "step")
+
+
+def shift_size(penalty: GradientPenalty) -> str | None:
+    """The size of the shift of a penalty that shifts the parameters (``radius=0.05``), as its
+    configuration has it; None for the other penalties."""
+    method = penalty.config.method
+    if penalty.config.points != "parameters" or method.name != "finite_difference":
+        return None
+    name = type(method).step_field(method.flat())
+    value = getattr(method, name)
+    return f"{name}={'its default' if value is None else value}"
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,15 @@ class PenaltyWeightSchedule(pl.Callback):
     step, which in the GAN counts the steps of both optimizers). The schedule and the last applied
     steps and weights are saved in checkpoints and restored on resume.
 
+    The schedule sets the weight, the factor of the penalty's value and gradient, and nothing of
+    its configuration: a penalty that shifts the parameters (``sam(rho)``, ``asam``, ``gr``,
+    ``param_grad_norm`` by finite difference) keeps the shift it was built with. For SAM, whose
+    :math:`\rho` is both the weight and the radius, a weight :math:`w` gives the gradient
+    :math:`\nabla L(\theta) + (w/\rho)(\nabla L(\theta + \rho\\hat g) - \nabla L(\theta))`:
+    a ramp of :math:`w` from 0 to :math:`\rho` goes from plain training to SAM at the fixed
+    radius :math:`\rho`, never SAM at radius :math:`w`. Each such penalty is named in one info
+    line when the fit starts.
+
     Args:
         kind, start, end, steps, begin: the :class:`WeightSchedule` (module docstring).
         penalties: module paths of the penalties to schedule; ``None`` schedules all of them.
@@ -137,6 +157,13 @@ class PenaltyWeightSchedule(pl.Callback):
             )
         names = found if self.penalties is None else self.penalties
         self._targets = {name: found[name] for name in names}
+        for name, penalty in self._targets.items():
+            shift = shift_size(penalty)
+            if shift is not None:
+                rank_zero_info(
+                    f"PenaltyWeightSchedule: {name!r} shifts the parameters by {shift}, which the "
+                    "schedule does not change: its weight w scales the correction to the "
+                    f"gradient at the shifted parameters (SAM's step where w equals its rho).")
 
     @staticmethod
     def counted_step(trainer: pl.Trainer, pl_module: pl.LightningModule,
