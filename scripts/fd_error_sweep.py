@@ -1,6 +1,6 @@
 """The finite-difference step against the arithmetic: relative error of the penalty's parameter
 gradient (against float64 double backward on the same points) for float32 and for TF32 emulated
-on the CPU (``gradreg.tf32``), over steps, activations and the benchmark's model shapes.
+on the CPU (``tests/tf32.py``), over steps, activations and the benchmark's model shapes.
 
     python scripts/fd_error_sweep.py                     # the table in docs/benchmarks.md
     python scripts/fd_error_sweep.py --steps 0.1,0.3,0.5,1
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gradreg.penalties import as_points, interpolate, make_penalty
-from gradreg.tf32 import EmulatedTF32
+from tests.tf32 import EmulatedTF32
 
 ACTIVATIONS = {"tanh": nn.Tanh, "elu": nn.ELU, "softplus": nn.Softplus, "silu": nn.SiLU}
 

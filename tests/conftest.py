@@ -13,7 +13,7 @@ import torch
 
 from tests.tensorboard_server import start_tensorboard, stop
 
-# Without a GPU, Triton's kernels (gradreg.triton_attention) run in its interpreter: Triton reads
+# Without a GPU, Triton's kernels (gradreg.attention.triton) run in its interpreter: Triton reads
 # this when a kernel is defined, so it is set before any test module imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

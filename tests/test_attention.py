@@ -14,8 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gradreg
 from gradreg import GradientError, differentiable_attention
-from gradreg import blockwise_attention as blockwise
-from gradreg.attention import scaled_dot_product_attention
+from gradreg.attention import blockwise, scaled_dot_product_attention
 from gradreg.graph import walk_backward_graph
 from gradreg.penalties import presets
 
@@ -145,8 +144,8 @@ def test_the_triton_backend_without_triton_is_refused_naming_the_extra(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without Triton, backend="triton" is refused at the context's entry with the extra to
     install; "auto" keeps the blockwise path."""
-    monkeypatch.setitem(sys.modules, "gradreg.triton_attention", None)
-    monkeypatch.delattr(gradreg, "triton_attention", raising=False)
+    monkeypatch.setitem(sys.modules, "gradreg.attention.triton", None)
+    monkeypatch.delattr(gradreg.attention, "triton", raising=False)
     with (pytest.raises(GradientError, match=r"backend='triton' needs Triton.*"
                                              r"pip install 'gradreg\[triton\]'"),
           differentiable_attention(backend="triton")):

@@ -18,12 +18,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 pytest.importorskip("triton", minversion="3.9")  # the release checked: one CI venv has it
 
-from gradreg import GradientError, differentiable_attention, triton_attention
-from gradreg import blockwise_attention as blockwise
-from gradreg.attention import (
-    _kernels,
-    scaled_dot_product_attention,
-)
+from gradreg import GradientError, differentiable_attention
+from gradreg.attention import blockwise, scaled_dot_product_attention
+from gradreg.attention import triton as triton_attention
+from gradreg.attention.routing import _kernels
 from tests.test_attention import (
     FUSED,
     MASKS,

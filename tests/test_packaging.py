@@ -29,7 +29,7 @@ OPTIONAL = ("lightning", "pytorch_lightning", "hydra", "omegaconf", "sklearn", "
             "tensorboard", "torchvision")
 #: the modules of the core, all of them torch only
 CORE = ("gradreg", "gradreg.penalties", "gradreg.models", "gradreg.evaluation.metrics",
-        "gradreg.evaluation.sample_quality", "gradreg.sharding", "gradreg.tf32")
+        "gradreg.evaluation.sample_quality", "gradreg.sharding", "gradreg.attention")
 
 
 def python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -159,14 +159,14 @@ def names(requirements: list[str]) -> set[str]:
 DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision", "hydra": "hydra-core",
                 "omegaconf": "hydra-core", "yaml": "hydra-core", "mlflow": "mlflow-skinny"}
 #: the extras of each package of gradreg ("": the top-level modules)
-LAYERS = {"": (), "penalties": (), "models": (), "evaluation": (), "lightning": ("lightning",),
-          "app": ("app", "lightning")}
+LAYERS = {"": (), "attention": (), "penalties": (), "models": (), "evaluation": (),
+          "lightning": ("lightning",), "app": ("app", "lightning")}
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
                     "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers",
                     "app/sweeps/search.py": "sweeps", "app/sweeps/pruning.py": "sweeps",
-                    "app/trackers.py": "trackers", "triton_attention.py": "triton"}
+                    "app/trackers.py": "trackers", "attention/triton.py": "triton"}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from gradreg.tf32 import EmulatedTF32, round_to_tf32
+from tests.tf32 import EmulatedTF32, round_to_tf32
 
 
 def test_rounding_keeps_ten_mantissa_bits_ties_away_from_zero() -> None:

@@ -19,9 +19,9 @@ from gradreg.penalties import (
     make_penalty,
     methods,
 )
-from gradreg.tf32 import EmulatedTF32
 from tests.penalties.parameter_gradients import value_and_grad
 from tests.residual_net import ResidualNet
+from tests.tf32 import EmulatedTF32
 
 
 def smooth_critic(dtype: torch.dtype = torch.float64, n_in: int = 8) -> nn.Sequential:

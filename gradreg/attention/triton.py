@@ -1,7 +1,7 @@
 r"""Attention's forward, backward, double backward and JVP as Triton kernels, flash-style.
 
-The same functions as :mod:`gradreg.blockwise_attention` (whose docstring derives the math), of
-the same :class:`~gradreg.blockwise_attention.Attention`, computed by four kernels that keep
+The same functions as :mod:`gradreg.attention.blockwise` (whose docstring derives the math), of
+the same :class:`~gradreg.attention.blockwise.Attention`, computed by four kernels that keep
 each block of scores in registers: no :math:`L \times S` tensor is built, memory is linear in the
 sequence, and the log-sum-exp :math:`\ell` of each query is what a block of :math:`P` is
 recomputed from.
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from gradreg.blockwise_attention import Attention, _in_float32
+from gradreg.attention.blockwise import Attention, _in_float32
 
 #: The oldest Triton the kernels are written for (float64 ``tl.dot``, ``input_precision``).
 MIN_TRITON = (3, 2)
@@ -471,7 +471,7 @@ def _gradients(run: _Launch, lse: Tensor, g: Tensor, d: Tensor, *, first: bool,
 def vjp(a: Attention, lse: Tensor, out: Tensor, g: Tensor, mask_grad: bool
         ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """:math:`(\\bar Q, \\bar K, \\bar V, \\bar M)` for the output cotangent ``g``, as
-    :func:`gradreg.blockwise_attention.vjp`."""
+    :func:`gradreg.attention.blockwise.vjp`."""
     run = _Launch(a)
     d = run.rows((g * out).sum(-1))
     first, _ = _gradients(run, run.rows(lse), run.flat(g), d, first=True, second=None,
@@ -483,7 +483,7 @@ def vjp(a: Attention, lse: Tensor, out: Tensor, g: Tensor, mask_grad: bool
 def jvp(a: Attention, lse: Tensor, out: Tensor, dq: Tensor | None, dk: Tensor | None,
         dv: Tensor | None, dm: Tensor | None) -> Tensor:
     """:math:`\\dot O` for tangents (None: zero) of :math:`(Q, K, V, M)`, as
-    :func:`gradreg.blockwise_attention.jvp`."""
+    :func:`gradreg.attention.blockwise.jvp`."""
     run = _Launch(a)
     rho, _, psv, pz = _row_sums(run, run.rows(lse), (run.flat(dq), run.flat(dk), dm),
                                 z=run.flat(dv), psv=True)
@@ -497,7 +497,7 @@ def second_order(a: Attention, lse: Tensor, out: Tensor, g: Tensor,
                  ) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor | None], Tensor,
                             tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
     """The double backward (and, where ``with_vjp``, the backward) of
-    :func:`gradreg.blockwise_attention.second_order`."""
+    :func:`gradreg.attention.blockwise.second_order`."""
     run = _Launch(a)
     u, w, z, m = (run.flat(cotangents[0]), run.flat(cotangents[1]), run.flat(cotangents[2]),
                   cotangents[3])

@@ -1,12 +1,6 @@
-r"""Scaled dot-product attention with a double backward, for exact penalties through attention.
-
-Only the MATH backend of ``F.scaled_dot_product_attention`` has a double backward; the fused
-kernels (flash, memory-efficient, CPU flash) have none, so an exact penalty (R1, WGAN-GP, double
-backprop, ``param_grad_norm``) through ``nn.MultiheadAttention``, ``nn.TransformerEncoder`` or a
-ViT fails in its double backward. :func:`scaled_dot_product_attention` is an autograd function
-whose forward is the fused kernel (the backend the caller's ``sdpa_kernel`` context chose) and
-whose backward can be differentiated again (a gradient taken with ``create_graph=True``
-through it has a graph) and which has a forward-mode derivative. For queries :math:`Q`, keys
+r"""Attention as autograd functions whose backward can be differentiated again, and which have a
+forward-mode derivative, given the module of kernels that computes them
+(:mod:`gradreg.attention.blockwise` or :mod:`gradreg.attention.triton`). For queries :math:`Q`, keys
 :math:`K`, values :math:`V`, scale :math:`s` and additive mask :math:`M` (:math:`-\infty` where a
 boolean mask or ``is_causal`` forbids a key):
 
@@ -27,59 +21,38 @@ Hessian penalty) for tangents :math:`\dot Q, \dot K, \dot V, \dot M`:
     \dot P = P \odot (\dot S - \operatorname{rowsum}(P \odot \dot S)), \quad
     \dot O = \dot P V + P \dot V,
 
-computed blockwise over queries and keys (:mod:`gradreg.blockwise_attention`, which also
-derives the double backward): every block of :math:`P` is recomputed from :math:`Q, K, M` and the
-log-sum-exp of each query's scores (computed once per forward, in a sweep of the same blocks), so
-no :math:`L \times S` tensor is kept between the passes or built in one; memory grows linearly
-with the sequence, as the fused kernel's forward does. The backward taken with
-``create_graph=True`` is itself an autograd function (:class:`_AttentionGrad`) whose backward,
-the double backward, is blockwise; so is the backward of the JVP (:class:`_AttentionJvp`, the
-spectral norm's). A row whose keys are all masked has :math:`P = 0` where the kernel's output
-there is 0 (torch 2.13, 2.14) and :math:`P =` NaN where it is NaN (torch 2.4): the derivatives
-are those of the forward that ran. Derivatives of third order (the double backward
-differentiated again, the JVP of a JVP of the exact Hessian penalty, and its backward) are
-written in differentiable ops on :math:`L \times S` tensors, as MATH's are.
-
-:func:`differentiable_attention` routes every ``F.scaled_dot_product_attention`` call made while
-it is active (``nn.MultiheadAttention`` and the ``nn.TransformerEncoder`` layers in train and eval
-mode, timm's ViT with ``fused_attn``, Hugging Face models with ``attn_implementation="sdpa"``)
-through :func:`scaled_dot_product_attention`. Wrap it around the forward whose graph a penalty
-differentiates, and only that forward: a task loss without a penalty keeps the fused backward.
-A penalty called with the model itself (``penalty(D, x)``) by an exact method enters it by itself.
-
-``dropout_p > 0`` (attention dropout in training mode) runs the MATH backend for that call: the
-dropout mask of a fused kernel cannot be recovered for the backward, and MATH's dropout is an
-ordinary differentiable op, so the result equals a model with MATH attention everywhere (the same
-random numbers), at MATH's memory (quadratic in the sequence). ``enable_gqa`` (torch >= 2.5)
-repeats the key and value heads before the kernel. Nested (ragged) tensors are refused.
+computed blockwise over queries and keys (:mod:`gradreg.attention.blockwise`, which also derives
+the double backward): every block of :math:`P` is recomputed from :math:`Q, K, M` and the
+log-sum-exp of each query's scores (computed once per forward, in a sweep of the same blocks), so no
+:math:`L \times S` tensor is kept between the passes or built in one; memory grows linearly with the
+sequence, as the fused kernel's forward does. The backward taken with ``create_graph=True`` is
+itself an autograd function (:class:`_AttentionGrad`) whose backward, the double backward, is
+blockwise; so is the backward of the JVP (:class:`_AttentionJvp`, the spectral norm's). A row whose
+keys are all masked has :math:`P = 0` where the kernel's output there is 0 (torch 2.13, 2.14) and
+:math:`P =` NaN where it is NaN (torch 2.4): the derivatives are those of the forward that ran.
+Derivatives of third order (the double backward differentiated again, the JVP of a JVP of the exact
+Hessian penalty, and its backward) are written in differentiable ops on :math:`L \times S` tensors,
+as MATH's are (:func:`reference_attention` is the forward in them, for ``torch.func`` transforms).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
-from gradreg import blockwise_attention as blockwise
-from gradreg.autograd import GradientError
-from gradreg.blockwise_attention import add_optional
-from gradreg.torch_compat import attention_in_functional, functorch_transform_active
+from gradreg.attention import blockwise
+from gradreg.attention.blockwise import add_optional
 
-__all__ = ["BACKENDS", "differentiable_attention", "explain_fused_attention",
-           "scaled_dot_product_attention"]
+__all__ = ["FUSED", "attention", "reference_attention"]
 
-#: The fused entry point that :func:`differentiable_attention` replaces (bound at import, so a
-#: replacement of the module attribute never reaches it).
-_FUSED = F.scaled_dot_product_attention
+#: The fused entry point that :func:`~gradreg.attention.differentiable_attention` replaces (bound
+#: at import, so a replacement of the module attribute never reaches it).
+FUSED = F.scaled_dot_product_attention
 
 
 def _scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
@@ -199,16 +172,16 @@ def _default_scale(q: Tensor, scale: float | None) -> float:
 
 
 class _Attention(torch.autograd.Function):
-    """The forward of ``kernels`` (:mod:`gradreg.blockwise_attention`: the fused kernel; the
-    Triton kernels of :mod:`gradreg.triton_attention`: theirs, which returns the log-sum-exp
-    too, as a second output that is not differentiable); backward (:class:`_AttentionGrad`) and
-    forward-mode derivative (:class:`_AttentionJvp`) by ``kernels``."""
+    """The forward of ``kernels`` (:mod:`gradreg.attention.blockwise`: the fused kernel; the Triton
+    kernels of :mod:`gradreg.attention.triton`: theirs, which returns the log-sum-exp too, as a
+    second output that is not differentiable); backward (:class:`_AttentionGrad`) and forward-mode
+    derivative (:class:`_AttentionJvp`) by ``kernels``."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                 scale: float | None, kernels: Any) -> Tensor | tuple[Tensor, Tensor]:
         if kernels is blockwise:
-            return _FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+            return FUSED(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
         return kernels.forward(blockwise.Attention(q, k, v, mask, is_causal,
                                                    _default_scale(q, scale)))
 
@@ -261,10 +234,10 @@ def _log_sum_exp(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 
 class _AttentionGrad(torch.autograd.Function):
     r""":math:`(\bar Q, \bar K, \bar V[, \bar M])` of :math:`(Q, K, V, M, \bar O)`
-    (:func:`blockwise_attention.vjp`); its backward is :func:`blockwise_attention.second_order`
-    (the double backward; in differentiable ops on :math:`L \times S` tensors where that
-    backward is itself differentiated), both by ``kernels`` (the blockwise path's functions or
-    the Triton kernels')."""
+    (:func:`gradreg.attention.blockwise.vjp`); its backward is
+    :func:`gradreg.attention.blockwise.second_order` (the double backward; in differentiable ops on
+    :math:`L \times S` tensors where that backward is itself differentiated), both by ``kernels``
+    (the blockwise path's functions or the Triton kernels')."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, g: Tensor, out: Tensor,
@@ -299,11 +272,11 @@ class _AttentionGrad(torch.autograd.Function):
 
 
 class _AttentionJvp(torch.autograd.Function):
-    r""":math:`\dot O` of :math:`(Q, K, V, M)` and tangents :math:`(\dot Q, \dot K, \dot V,
-    \dot M)` (:func:`blockwise_attention.jvp`); its backward is
-    :func:`blockwise_attention.second_order` with :func:`blockwise_attention.vjp` for the
-    tangents, its own JVP (the exact Hessian penalty's JVP of a JVP) :func:`_jvp_of_jvp`; all
-    but the last by ``kernels``."""
+    r""":math:`\dot O` of :math:`(Q, K, V, M)` and tangents :math:`(\dot Q, \dot K, \dot V, \dot M)`
+    (:func:`gradreg.attention.blockwise.jvp`); its backward is
+    :func:`gradreg.attention.blockwise.second_order` with :func:`gradreg.attention.blockwise.vjp`
+    for the tangents, its own JVP (the exact Hessian penalty's JVP of a JVP) :func:`_jvp_of_jvp`;
+    all but the last by ``kernels``."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor, lse: Tensor,
@@ -348,164 +321,21 @@ class _AttentionJvp(torch.autograd.Function):
                            tuple(of_tangents), ctx.is_causal, ctx.scale)
 
 
-#: The backends of :func:`differentiable_attention`: ``"auto"`` is ``"blockwise"`` (the Triton
-#: kernels are checked in Triton's interpreter only, not yet run on a GPU: asked for by name).
-BACKENDS = ("auto", "blockwise", "triton")
-
-
-def _kernels(backend: str, query: Tensor) -> Any:
-    """The module whose functions compute the derivatives (and, for Triton, the forward):
-    ``"auto"`` takes the blockwise path."""
-    if backend == "triton":
-        if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise GradientError(
-                f"backend='triton' runs its kernels on CUDA tensors, got {query.device.type} "
-                "ones: move the model to a GPU, or use backend='blockwise' (on the CPU, Triton's "
-                "interpreter runs them where TRITON_INTERPRET=1 is set before gradreg imports "
-                "them).")
-        return _triton_kernels()
-    return blockwise
-
-
-def _triton_kernels() -> Any:
-    """:mod:`gradreg.triton_attention`; a clear error where Triton is not installed (or too
-    old)."""
-    try:
-        from gradreg import triton_attention
-    except ImportError as err:
-        raise GradientError(
-            f"backend='triton' needs Triton ({err}): pip install 'gradreg[triton]', or use "
-            "backend='blockwise'.") from err
-    return triton_attention
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: "
-                         f"{', '.join(map(repr, BACKENDS))}.")
-
-
-def scaled_dot_product_attention(
-    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-    enable_gqa: bool = False, *, backend: str | None = None,
-) -> Tensor:
-    """``F.scaled_dot_product_attention`` (same arguments, same output) whose gradient can be
-    differentiated again (module docstring); a drop-in replacement. ``backend``: one of
-    :data:`BACKENDS`, that of the enclosing :func:`differentiable_attention` where None
-    (``"auto"`` outside one)."""
-    backend = getattr(_active, "backend", "auto") if backend is None else backend
-    _check_backend(backend)
-    tensors = (query, key, value) + (() if attn_mask is None else (attn_mask,))
-    if any(t.is_nested for t in tensors):
-        raise GradientError(
-            "gradreg's differentiable attention does not take nested (ragged) tensors: pad the "
-            "sequences and pass a boolean attn_mask (or key_padding_mask) instead.")
-    if dropout_p > 0:  # MATH's dropout is differentiable; a fused kernel's mask is not kept
-        with sdpa_kernel(SDPBackend.MATH):
-            return _FUSED(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                          is_causal=is_causal, scale=scale,
-                          **({"enable_gqa": True} if enable_gqa else {}))
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        if query.shape[-3] % key.shape[-3]:
-            raise ValueError(
-                f"enable_gqa needs the query heads ({query.shape[-3]}) to be a multiple of the "
-                f"key/value heads ({key.shape[-3]}).")
-        repeats = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(repeats, dim=-3)
-        value = value.repeat_interleave(repeats, dim=-3)
-    if functorch_transform_active():  # torch.func differentiates ops, not these Functions
-        return _reference_attention(query, key, value, attn_mask, is_causal, scale)
-    kernels = _kernels(backend, query)
-    out = _Attention.apply(query, key, value, attn_mask, is_causal, scale, kernels)
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+              scale: float | None, kernels: Any) -> Tensor:
+    """:math:`O` of the module docstring, its derivatives (and, for the Triton kernels, itself)
+    by ``kernels``: :mod:`gradreg.attention.blockwise` or :mod:`gradreg.attention.triton`."""
+    out = _Attention.apply(q, k, v, mask, is_causal, scale, kernels)
     return out if kernels is blockwise else out[0]
 
 
-def _reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                         scale: float | None) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                        scale: float | None) -> Tensor:
     r""":math:`O = P V` in differentiable ops on :math:`L \times S` tensors, a row whose keys are
     all masked as the fused kernel has it (:func:`_scores`): for ``torch.func`` transforms (grad
     of grad, jvp or vjp of grad), which differentiate ops as they run rather than the autograd
     Functions of the fused path."""
-    out = _FUSED(q.detach(), k.detach(), v.detach(), is_causal=is_causal, scale=scale,
+    out = FUSED(q.detach(), k.detach(), v.detach(), is_causal=is_causal, scale=scale,
                  attn_mask=None if mask is None else mask.detach())  # where rows are dead
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.matmul(_scores(q, k, mask, is_causal, scale, out), v)
-
-
-def explain_fused_attention(err: GradientError) -> GradientError:
-    """``err`` (no double backward through the outputs' graph), with the fix where torch's
-    message names a fused attention kernel: the forward belongs inside
-    :func:`differentiable_attention`."""
-    if "scaled_dot_product" not in str(err):
-        return err
-    return GradientError(
-        f"{err} The model's attention ran a fused kernel, which has no double backward: compute "
-        "the outputs inside `with gradreg.differentiable_attention():`, or pass the model itself "
-        "(penalty(model, x)), which enters it.")
-
-
-class _RouteAttention(TorchFunctionMode):
-    """Replaces ``F.scaled_dot_product_attention`` by :func:`scaled_dot_product_attention`
-    while active. ``F.multi_head_attention_forward`` dispatches to the mode as a whole (and
-    runs its body with the mode off), so its call runs with the replacement in place of the
-    fused entry point that its body calls (:func:`gradreg.torch_compat
-    .attention_in_functional`)."""
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _FUSED:
-            return scaled_dot_product_attention(*args, **kwargs)
-        if func is F.multi_head_attention_forward:
-            with attention_in_functional(scaled_dot_product_attention):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-_active = threading.local()
-
-
-@contextmanager
-def differentiable_attention(backend: str | None = None) -> Iterator[None]:
-    """Within this context, ``F.scaled_dot_product_attention`` (also as called by
-    ``nn.MultiheadAttention`` and the transformer layers) is :func:`scaled_dot_product_attention`:
-    the fused kernel forward, a backward that can be differentiated again. Wrap the forward
-    whose graph a penalty differentiates::
-
-        with gradreg.differentiable_attention():
-            scores = critic(x)          # x = as_points(real)
-        loss = adversarial(scores) + r1(scores, x)
-
-    ``backend`` (:data:`BACKENDS`): ``"blockwise"``, the fused kernel's forward and the
-    derivatives of :mod:`gradreg.blockwise_attention`; ``"triton"``, the forward and the
-    derivatives as Triton kernels (:mod:`gradreg.triton_attention`; ``pip install
-    'gradreg[triton]'``), on CUDA tensors, checked in Triton's interpreter but not yet run on a
-    GPU; ``"auto"`` (the default, None): ``"blockwise"``. Nested uses are one context (an
-    inner one given a backend uses it until it is left). The backward may run after the context
-    is left, with the backend of the forward."""
-    if backend is not None:
-        _check_backend(backend)
-        if backend == "triton":
-            _triton_kernels()  # refused here where Triton is not installed
-        outer = getattr(_active, "backend", "auto")
-        _active.backend = backend
-        try:
-            with differentiable_attention():
-                yield
-        finally:
-            _active.backend = outer
-        return
-    if getattr(_active, "depth", 0):
-        _active.depth += 1
-        try:
-            yield
-        finally:
-            _active.depth -= 1
-        return
-    _active.depth = 1
-    try:
-        with _RouteAttention():
-            yield
-    finally:
-        _active.depth = 0
