@@ -79,14 +79,32 @@ them (by ``num_items_in_batch``, counted over all ranks, or equally). One parame
 there. Each optimizer step begins with one all-gather of a few integers (which penalties are
 due, how many micro-batches): ranks that disagree, e.g. a penalty due on one rank and not on
 another (their ``due()`` counters apart), raise the same one-line error on every rank instead
-of waiting in collectives that no longer match. Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the
-model's parameters gathered, for every penalty (a double backward needs them too;
+of waiting in collectives that no longer match.
+
+Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the model's
+parameters gathered, for every penalty (a double backward needs them too;
 :class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter, the mean over the ranks, runs
 once after the last one's backward: during the step each rank holds the full parameters and
 gradients (DDP's memory, not FSDP's share of it); the optimizer state and, between steps, the
-parameters stay sharded. Refused in one line when the trainer is built: every penalty under
-DeepSpeed ZeRO, the parameter penalties under FSDP1, FSDP2 on a
-torch before 2.6 and ``nn.DataParallel`` (DDP and FSDP2 take them all).
+parameters stay sharded.
+
+Under DeepSpeed ZeRO-2 (``deepspeed={... "zero_optimization": {"stage": 2}}``) the parameter
+penalties, by either method, are those of the whole batch's gradient as under DDP, on one
+process or several. DeepSpeed hooks the outputs of its engine's forward: any backward through
+them, ``torch.autograd.grad`` included, starts its backward and, when that graph ends, its
+gradient reduction. So none of the penalty's passes goes through the trainer's forward: each
+micro-batch's first phase runs a forward of its own on the unwrapped model (one forward and
+backward more per micro-batch than under DDP), as the second phase does, and the trainer's
+backward, DeepSpeed's, differentiates the trainer's loss, plus a zero carrying the penalty's
+gradient :math:`c\,\bar H_r v`; ZeRO's reduction averages the ranks' sums as DDP's does.
+(DeepSpeed clips gradients to ``gradient_clipping``, 1.0 where a configuration leaves it out
+and accelerate fills it; ``"auto"`` takes the trainer's ``max_grad_norm``.)
+
+Refused in one line when the trainer is built: under DeepSpeed the penalties at the inputs or
+activations (their inner gradient through the engine's outputs would run its reduction) and
+every penalty under ZeRO-3 (its parameters are partitioned between forwards, and a penalty
+shifts them or differentiates them twice); the parameter penalties under FSDP1, FSDP2 on a
+torch before 2.6 and ``nn.DataParallel``. DDP and FSDP2 take them all.
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -229,6 +247,13 @@ def _fsdp_version(trainer: Any) -> int:
     return int((getattr(trainer.args, "fsdp_config", None) or {}).get("version", 2))
 
 
+def _zero_stage(trainer: Any) -> int | None:
+    """The ZeRO stage of the trainer's DeepSpeed engine; None where DeepSpeed is off."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
+
+
 def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
     """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
     none); the graph is kept."""
@@ -307,13 +332,28 @@ class PenaltyMixin:
             _head(model)
 
     def _check_engine(self, name: str, penalty: GradientPenalty) -> None:
-        """Refuse in one line, before training, a penalty the trainer's engine cannot take:
-        under DeepSpeed ZeRO none (its partitioned gradients take no second backward), the
-        parameter penalties under FSDP1 and with several GPUs in one process
-        (``nn.DataParallel``); DDP and FSDP2 take all."""
+        """Refuse in one line, before training, a penalty the trainer's engine cannot take
+        (module docstring): under DeepSpeed, those at points other than the parameters and
+        every penalty under ZeRO-3; the parameter penalties under FSDP1 and with several GPUs
+        in one process (``nn.DataParallel``); DDP and FSDP2 take all."""
         parameters = penalty.config.points == "parameters"
-        engine = ("DeepSpeed ZeRO" if getattr(self, "is_deepspeed_enabled", False)
-                  else "FSDP1" if parameters and getattr(self, "is_fsdp_enabled", False)
+        stage = _zero_stage(self)
+        works = ("train with DDP (one process per device, e.g. torchrun) or FSDP2 "
+                 "(fsdp_config={'version': 2}), which take every penalty of the whole batch")
+        if stage == 3:
+            raise GradientError(
+                f"penalty {name!r} (points={penalty.config.points!r}) is not taken under "
+                "DeepSpeed ZeRO-3, whose parameters are partitioned between forwards (a shifted "
+                f"or twice-differentiated parameter is not held whole): {works}; FSDP2 shards "
+                "the parameters as ZeRO-3 does. ZeRO-2 takes the parameter penalties.")
+        if stage is not None and not parameters:
+            raise GradientError(
+                f"penalty {name!r} (points={penalty.config.points!r}) differentiates the "
+                "trainer's forward twice, and DeepSpeed's backward hooks on the engine's outputs "
+                "run its gradient reduction after the inner gradient: "
+                f"{works}; or use a parameter penalty (sam, asam, gr, param_grad_norm), which "
+                f"DeepSpeed ZeRO-{stage} takes.")
+        engine = ("FSDP1" if parameters and getattr(self, "is_fsdp_enabled", False)
                   and _fsdp_version(self) != 2
                   else "FSDP2 on this torch" if parameters and getattr(self, "is_fsdp_enabled",
                                                                         False)
@@ -324,9 +364,7 @@ class PenaltyMixin:
         if engine is not None:
             raise GradientError(
                 f"penalty {name!r} (points={penalty.config.points!r}) is not taken under "
-                f"{engine} yet: train with DDP (one process per device, e.g. torchrun) or "
-                "FSDP2 (fsdp_config={'version': 2}), which take every penalty of the whole "
-                "batch.")
+                f"{engine} yet: {works}.")
 
     def _check_fused_head(self, name: str, penalty: GradientPenalty, model: nn.Module) -> None:
         """Refuse in one line, before training, what TRL's fused LM head (a model whose forward
@@ -567,12 +605,14 @@ class PenaltyMixin:
         if not parameter:
             return loss
         ranks = self.args.world_size > 1
+        engine = _zero_stage(self) is not None  # its own backward hooks: module docstring
         if ranks and len(parameter) > 1:
             raise GradientError(
                 f"penalties {sorted(parameter)} on {self.args.world_size} processes: the penalty "
                 "of the whole batch's gradient is taken for one parameter penalty; use one.")
-        # the second phase's forwards bypass DDP's reducer, which the trainer's backward feeds
-        again = self.accelerator.unwrap_model(model) if ranks else model
+        # the second phase's forwards bypass DDP's reducer (DeepSpeed's hooks), which the
+        # trainer's backward feeds
+        again = self.accelerator.unwrap_model(model) if ranks or engine else model
 
         def loss_at_parameters() -> Tensor:
             return parent(again, dict(inputs), num_items_in_batch=num_items_in_batch)
@@ -589,12 +629,13 @@ class PenaltyMixin:
         penalized = set(map(id, chosen))
         others = _carried_gradient(loss, [unsharded[id(p)] for p in trainable
                                           if id(p) not in penalized]) \
-            if count > 1 or ranks or any(gp.needs_callable for gp in parameter.values()) \
+            if not engine and (count > 1 or ranks
+                               or any(gp.needs_callable for gp in parameter.values())) \
             else None
-        if count > 1 or ranks:
+        if count > 1 or ranks or engine:
             ((name, gp),) = parameter.items()
             task = self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
-                                     count, factor, retain, ranks)
+                                     count, factor, retain, ranks, engine)
         else:
             task = loss
             for name, gp in parameter.items():
@@ -619,14 +660,17 @@ class PenaltyMixin:
     def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor,
                      fn: Callable[[], Tensor], state: GeneratorState, params: list[Tensor],
                      values: dict[str, Tensor], count: int, factor: int,
-                     retain: bool, ranks: bool) -> Tensor:
+                     retain: bool, ranks: bool, engine: bool) -> Tensor:
         r"""Micro-batch :math:`k` of :math:`N`: the ``Accumulation`` is given ``factor``
         :math:`\cdot L_k` (:math:`N L_k` for losses normalized over the accumulated batch,
         :math:`L_k` for micro-batch means: its mean over the micro-batches is :math:`L`); the
         task term carries :math:`\nabla L_k` (the trainer multiplies by :math:`s`), and on the
         last micro-batch also :math:`(N/\text{factor})\,\lambda \nabla^2 L\, v`, which
         the trainer's :math:`s` makes the task's scale :math:`\sigma` times it (module
-        docstring); the penalty :math:`\lambda P(\nabla L)` goes into ``values``."""
+        docstring); the penalty :math:`\lambda P(\nabla L)` goes into ``values``. Under
+        DeepSpeed (``engine``) the first phase runs its own forward of the unwrapped model, and
+        the task term is the trainer's loss itself (its backward, DeepSpeed's, gives
+        :math:`\nabla L_k`) plus a zero carrying the penalty's gradient alone."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
             accumulation = self._accumulations[name] = Accumulation(gp, params,
@@ -636,12 +680,19 @@ class PenaltyMixin:
             with nullcontext() if gp.needs_callable else differentiable_attention():
                 return fn() * factor
 
-        g = accumulation.add(scaled, state, loss * factor, retain_graph=retain)
+        g = accumulation.add(scaled, state, None if engine else loss * factor,
+                             retain_graph=retain)
+        if engine:  # the trainer's backward of its loss gives the task's gradient
+            g = [None] * len(g)
         if self._micro_batch == 0:  # the last micro-batch of the optimizer step
             value, hv = accumulation.finish()
             g = combined(g, hv, count)
             values[name] = value
         g = [None if t is None else t.div_(factor) for t in g]  # None: a parameter unused
+        if engine:
+            zero = loss.detach().new_zeros(())
+            return loss + Carried.apply(zero, g, True, *accumulation.params) \
+                if any(t is not None for t in g) else loss
         return Carried.apply(loss.detach(), g, True, *accumulation.params)
 
 

@@ -200,16 +200,24 @@ def test_two_parameter_penalties_on_several_processes_are_refused(tmp_path,
 
 
 @pytest.mark.parametrize(("engine", "penalty", "match"), [
-    ("is_deepspeed_enabled", double_backprop(0.1), "not taken under DeepSpeed ZeRO yet: train "
-                                                   "with DDP .* or FSDP2"),
-    ("is_deepspeed_enabled", sam(0.05), "not taken under DeepSpeed ZeRO yet: train with DDP"),
-    ("is_fsdp_enabled", sam(0.05), "not taken under FSDP1 yet: train with DDP")],
-    ids=["deepspeed_inputs", "deepspeed_parameters", "fsdp1_parameters"])
-def test_what_an_engine_cannot_take_is_refused_before_training(tmp_path, engine: str, penalty,
+    ("zero2", double_backprop(0.1), "differentiates the trainer's forward twice, .*: train with "
+                                    "DDP .* or FSDP2 .*; or use a parameter penalty"),
+    ("zero3", sam(0.05), "not taken under DeepSpeed ZeRO-3, .*: train with DDP .* or FSDP2"),
+    ("fsdp1", sam(0.05), "not taken under FSDP1 yet: train with DDP")],
+    ids=["deepspeed_inputs", "zero3_parameters", "fsdp1_parameters"])
+def test_what_an_engine_cannot_take_is_refused_before_training(tmp_path, monkeypatch,
+                                                               engine: str, penalty,
                                                                match: str) -> None:
+    """The engine stated as the trainer states it (DeepSpeed's ZeRO stage, FSDP's version);
+    DeepSpeed itself in tests/test_hf_deepspeed.py."""
+    from gradreg import hf_trainer
+
     trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path))
-    setattr(trainer, engine, True)
-    trainer.args.fsdp_config = {"version": 1}
+    if engine == "fsdp1":
+        trainer.is_fsdp_enabled = True
+        trainer.args.fsdp_config = {"version": 1}
+    else:
+        monkeypatch.setattr(hf_trainer, "_zero_stage", lambda _trainer: int(engine[-1]))
     with pytest.raises(GradientError, match=match):
         trainer._check("p", penalty, trainer.model)
 
