@@ -141,9 +141,11 @@ class PenaltyConfig:
     @classmethod
     def from_flat(cls, **options: Any) -> PenaltyConfig:
         r"""The configuration of flat ``options`` (:data:`FLAT`; those left out at their
-        defaults): the one adapter from the presets' and the Hydra configs' keywords.
+        defaults): the one adapter from the presets' and the Hydra configs' keywords. Each
+        chosen class (the norm, the ``method``'s, the ``kind``'s) takes its fields; an option
+        none of them takes is refused unless it is at its default.
 
-            Args:
+        Args:
             target: the norm's target c >= 0 (0 for R1/R2/double backprop, 1 for WGAN-GP), or
                 ``"ema"`` for StyleGAN2's running mean of the norms (path length).
             one_sided: penalize only norms above the target (WGAN-LP).
