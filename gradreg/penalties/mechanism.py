@@ -383,6 +383,8 @@ class _ConfigOption:
         self.name = name
 
     def __get__(self, penalty: object, owner: type | None = None) -> Any:
+        if penalty is None:
+            return self  # on the class: the descriptor, for introspection
         raise AttributeError(self.name)
 
     def __set__(self, penalty: object, value: object) -> None:
