@@ -318,7 +318,6 @@ class PenaltyConfig:
         return self.norm.squared
 
 
-
 #: The options of the penalty as a whole, with their defaults (the configuration's own fields).
 _CONFIG_KEYS: dict[str, Any] = {
     f.name: f.default for f in dataclasses.fields(PenaltyConfig)
@@ -329,7 +328,7 @@ def _defaults(*types: type[Option]) -> dict[str, Any]:
     """The fields of ``types`` and their defaults, the first class's where two share a name."""
     found: dict[str, Any] = {}
     for option in types:
-        for f in dataclasses.fields(option):  # type: ignore[arg-type]
+        for f in dataclasses.fields(option):
             found.setdefault(f.name, f.default)
     return found
 
@@ -351,7 +350,7 @@ _STEP_FIELDS = {option.step_field({**FLAT, "shift": shift}) for option in _OPTIO
 def _typed(word: str) -> tuple[str, ...]:
     """The flat options whose fields are annotated with ``word`` (``"float"``, ``"bool"``)."""
     fields = [f for option in (PenaltyConfig, *_OPTION_TYPES)
-              for f in dataclasses.fields(option)]  # type: ignore[arg-type]
+              for f in dataclasses.fields(option)]
     return tuple(dict.fromkeys(f.name for f in fields if word in str(f.type).split(" | ")))
 
 
@@ -372,7 +371,7 @@ def _chosen(types: tuple[type[Option], ...], option: str, name: object) -> type[
     """The class of ``types`` named ``name``, the value of the flat ``option``."""
     named = _named(types)
     require(name in named, f"{option} must be one of {tuple(named)}, got {name!r}")
-    return named[name]  # type: ignore[index]
+    return named[name]
 
 
 def _convert_numbers(flat: dict[str, Any]) -> None:
@@ -419,7 +418,7 @@ def _refuse(key: str, flat: dict[str, Any], parts: dict[str, type[Option]]) -> N
                                       ("kind", kinds.KIND_TYPES))
               for option in types
               if key in _defaults(option) or (key == "step" and option.step_field(flat))]
-    if key == "count":
+    if key in _defaults(Norm):  # the norm's count, taken with projection="orthonormal" only
         takers.append("projection='orthonormal'")
     require(False, f"{key}={flat[key]!r} is not an option of {choice}, which take"
                    f" {', '.join(own) or 'none of their own'} besides the norm's and the "

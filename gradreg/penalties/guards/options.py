@@ -32,7 +32,7 @@ class Option:
     @classmethod
     def flat_keys(cls, flat: dict[str, Any]) -> tuple[str, ...]:
         """The flat options this class takes, given the others (``flat``): its fields."""
-        return tuple(field.name for field in dataclasses.fields(cls))  # type: ignore[arg-type]
+        return tuple(field.name for field in dataclasses.fields(cls))
 
     @classmethod
     def form(cls, flat: dict[str, Any]) -> type[Option]:
@@ -57,7 +57,7 @@ class Option:
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.values() == self.values()  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.values() == self.values()
 
     def __hash__(self) -> int:
         return hash((type(self), self.values()))
