@@ -5,9 +5,10 @@ dispatches (``TorchDispatchMode``; views and detaches left out, as they launch n
 second call (the first call's checks run once), beside its hand-written twin on the same model,
 the same points and the same data: WGAN-GP at interpolates of an MLP critic, R1 at the reals
 (forward shared with the loss), double backprop on a classifier's per-sample losses, SAM's two
-passes (``penalized_backward``) and StyleGAN2's path length at W+ latents. The guards stay on: a
-norm whose gradient is 0 at 0, the finite check and a running mean that a non-finite batch
-leaves as it was. Each step also computes its twin's parameter gradients (float64).
+passes (``penalized_backward``), GR's (the same, shifted along the gradient) and StyleGAN2's path
+length at W+ latents. The guards stay on: a norm whose gradient is 0 at 0, the finite check and a
+running mean that a non-finite batch leaves as it was. Each step also computes its twin's
+parameter gradients (float64).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from gradreg.penalties import (
     LossAt,
     as_points,
     double_backprop,
+    gr,
     interpolate,
     path_length,
     penalized_backward,
@@ -38,6 +40,11 @@ from gradreg.torch_compat import TorchDispatchMode
 
 #: Steps whose kernel count may exceed the hand-written one's by this factor at most.
 LIMIT = 1.02
+#: Ops over the factor for what a twin does not compute. GR's (gradientregularization_trl's
+#: step) takes no value of the penalty: gradreg's value (the parameters' norms, one stack and
+#: a dot: 3 ops), its weighting (1), the finite check (2) and, on the CPU, the read of the norm
+#: that makes the shift's amount and factor Python numbers (1).
+NOT_IN_THE_TWIN = {"gr": 7}
 
 
 class _Ops(TorchDispatchMode):
@@ -187,6 +194,37 @@ def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
     return Steps(library, hand, (x,), model, penalty)
 
 
+def gr_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, lam, eps = classifier(device, dtype), 1e-3, 1e-3
+    penalty = gr(lam, scale=eps)
+    params = list(model.parameters())
+    x = torch.randn(8, 16, device=device, dtype=dtype)
+    y = torch.randint(0, 4, (8,), device=device)
+
+    def loss() -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def library() -> None:
+        model.zero_grad()
+        penalized_backward(penalty, LossAt.run(loss, x), params)
+
+    def hand() -> None:  # g + (lam / eps) (grad L(theta + eps g) - g), g = grad L(theta)
+        model.zero_grad()
+        loss().backward()
+        g = [p.grad.clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_add_(params, g, alpha=eps)
+        model.zero_grad()
+        loss().backward()
+        with torch.no_grad():
+            torch._foreach_sub_(params, g, alpha=eps)
+            torch._foreach_lerp_(g, [p.grad for p in params], lam / eps)
+        for p, t in zip(params, g, strict=True):
+            p.grad = t
+
+    return Steps(library, hand, (x,), model, penalty)
+
+
 def path_length_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
     torch.manual_seed(0)
     model, penalty = WPlusGenerator().to(device, dtype), path_length()
@@ -209,7 +247,7 @@ def path_length_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -
 
 
 STEPS = {"wgan_gp": wgan_gp_steps, "r1": r1_steps, "double_backprop": double_backprop_steps,
-         "sam": sam_steps, "path_length": path_length_steps}
+         "sam": sam_steps, "gr": gr_steps, "path_length": path_length_steps}
 
 
 #: The releases counted: the ops a step dispatches are torch's decompositions, which an older
@@ -223,7 +261,8 @@ def test_no_more_ops_than_by_hand(name: str) -> None:
     step = STEPS[name]()
     ours, theirs = counted(step.library), counted(step.hand)
     extra = ours - theirs
-    assert sum(ours.values()) <= LIMIT * sum(theirs.values()), (
+    allowed = LIMIT * sum(theirs.values()) + NOT_IN_THE_TWIN.get(name, 0)
+    assert sum(ours.values()) <= allowed, (
         f"{name}: {sum(ours.values())} ops, by hand {sum(theirs.values())}; extra: {dict(extra)}")
 
 

@@ -193,8 +193,8 @@ def trainable(params: Sequence[Tensor], what: str) -> tuple[Tensor, ...]:
     return tuple(params)
 
 
-def shift_length(shift: str, step: float, length: Tensor, gain: float
-                 ) -> tuple[Tensor, Tensor]:
+def shift_length(shift: str, step: float, length: Tensor | float, gain: float
+                 ) -> tuple[Tensor | float, Tensor | float]:
     r"""The length :math:`h` of the shift along :math:`\hat v` (module docstring) and the
     difference quotient's factor :math:`\lVert v \rVert / h` (:math:`H v \approx` factor
     times the difference of gradients), ``length`` :math:`\lVert v \rVert` without the
@@ -202,8 +202,8 @@ def shift_length(shift: str, step: float, length: Tensor, gain: float
     ``"gradient"``, :math:`h` = ``step`` times ``gain`` times ``length``, the factor
     :math:`1/(\epsilon\,\mathrm{gain})` (0 where :math:`v = 0`: a difference of two
     gradients at the same point, which a nondeterministic kernel need not make 0, is not
-    amplified). No host sync."""
-    moving = (length > 0).to(length.dtype)
+    amplified). No host sync; Python numbers for a ``length`` given as one."""
+    moving = (length > 0).to(length.dtype) if isinstance(length, Tensor) else float(length > 0)
     if shift == "gradient":
         return length * (step * gain), moving / (step * gain)
     return moving * step, length / step
@@ -436,25 +436,39 @@ class ParameterFiniteDifference:
                ) -> tuple[Tensor, list[Tensor], Tensor | float, Tensor | float]:
         r"""The penalty :math:`P(g)`, the shift :math:`h \hat v = a\,d` as vectors :math:`d_j`
         and an amount :math:`a` (a scalar), and the difference quotient's factor
-        :math:`\lVert v \rVert / h` (:func:`shift_length`). For the plain 2-norm shifted by
-        ``"normalized"`` (``param_grad_norm``, ``sam``): :math:`P = n = \lVert g \rVert`,
-        :math:`d = g`, :math:`a = r / n` and the factor :math:`1/r` (:math:`a` = 0 and the
-        factor 0 where :math:`g = 0`: no shift), without the penalty function; on the CPU,
-        where reading :math:`n` stalls no stream, as Python numbers (no 0-dim operations)."""
+        :math:`\lVert v \rVert / h` (:func:`shift_length`); in closed form for the 2-norm and
+        its square (:meth:`_of_the_norm`)."""
         step = self.step if self.step is not None else parameter_step(
             None, self.shift, unit_roundoff(loss))
-        if self.linear and self.p == 2 and not self.adaptive and self.shift == "normalized":
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
-            if norm.device.type == "cpu":
-                n = norm.item()  # not > 0 where g = 0 or NaN: no shift (the value is checked)
-                return (norm, g, step / n, 1 / step) if n > 0 else (norm, g, 0.0, 0.0)
-            moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
-            # P(n) = n itself: of_norms of one norm with target 0 and power 1 is the identity
-            return (norm, g, torch.where(moving, norm, math.inf).reciprocal_().mul_(step),
-                    moving.to(norm.dtype).div_(step))
+        if self.p == 2 and not self.adaptive and (self.linear or self.squared):
+            return self._of_the_norm(g, step)
         value, length, vectors, coefficient = self._direction(g, params)
         shift, scale = shift_length(self.shift, step, length, self.gain)
         return value, vectors, coefficient * shift, scale
+
+    def _of_the_norm(self, g: list[Tensor], step: float
+                     ) -> tuple[Tensor, list[Tensor], Tensor | float, Tensor | float]:
+        r""":meth:`_shift` for :math:`P = n = \lVert g \rVert` (``param_grad_norm``, ``sam``:
+        target 0, power 1) and :math:`P = n^2` (``gr``'s before its gain: the squared norm),
+        without the penalty function (of one norm it is the identity): :math:`v = g / n` or
+        :math:`2g`, so :math:`d = g`, :math:`\lVert v \rVert` = 1 or :math:`2n` and :math:`a = h
+        / n` (:math:`a` = 0 and the factor 0 where :math:`g = 0`: no shift). On the CPU, where
+        reading :math:`n` stalls no stream, :math:`a` and the factor are Python numbers (no
+        0-dim operations)."""
+        norms = torch.stack(torch._foreach_norm(g))
+        value = torch.dot(norms, norms) if self.squared else torch.linalg.vector_norm(norms)
+        if value.device.type == "cpu":
+            n = math.sqrt(value.item()) if self.squared else value.item()
+            if not n > 0:  # g = 0, or NaN (the value is checked): no shift
+                return value, g, 0.0, 0.0
+            shift, scale = shift_length(self.shift, step, 2 * n if self.squared else 1.0,
+                                        self.gain)
+            return value, g, shift / n, scale
+        norm = value.sqrt() if self.squared else value
+        moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
+        length = 2 * norm if self.squared else moving.to(norm.dtype)
+        shift, scale = shift_length(self.shift, step, length, self.gain)
+        return value, g, shift * torch.where(moving, norm, math.inf).reciprocal(), scale
 
     def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
                    ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
@@ -464,19 +478,16 @@ class ParameterFiniteDifference:
         \lVert v \rVert` otherwise; 0 where :math:`v = 0`). For
         the 2-norm, :math:`P` is a function of :math:`n = \lVert g \rVert` alone, so
         :math:`v = P'(n)\, g / n` is along :math:`g` (no parameter-sized tensor besides
-        :math:`g`; one scalar derivative, none for the plain norm :math:`P(n) = n`); other
-        norms and ASAM's (``adaptive``: of :math:`\lvert\theta\rvert \odot g`) differentiate
-        :math:`P` w.r.t. each :math:`g_j`."""
-        if self.p == 2 and not self.adaptive:  # P(n), n = ‖g‖ (squared: P(n²)): v = P'(n) g / n
+        :math:`g`; one scalar derivative; the norm and its square, :meth:`_of_the_norm`, need
+        none); other norms and ASAM's (``adaptive``: of :math:`\lvert\theta\rvert \odot g`)
+        differentiate :math:`P` w.r.t. each :math:`g_j`."""
+        if self.p == 2 and not self.adaptive:  # P(n), n = ‖g‖: v = P'(n) g / n
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))
             moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
-            if self.linear:  # the plain norm (param_grad_norm, sam): P' = 1, no derivative
-                return norm, moving.to(norm.dtype), g, torch.where(moving, 1 / norm, 0.0)
-            leaf = (norm.square() if self.squared else norm).requires_grad_()
+            leaf = norm.requires_grad_()
             with torch.enable_grad():
                 value = self.penalty.of_norms(leaf)
                 (slope,) = torch.autograd.grad(value, leaf)
-            slope = 2 * norm * slope if self.squared else slope
             length = torch.where(moving, slope.abs(), 0.0)
             coefficient = torch.where(moving, torch.sign(slope) / torch.where(moving, norm, 1.0),
                                       0.0)
