@@ -16,6 +16,7 @@ from gradreg.penalties import (
     jacobian,
     path_length,
 )
+from gradreg.penalties.formulas.projections import latent_length, latent_sq_length
 
 B, NUM_WS, W_DIM, SIDE = 3, 4, 5, 4
 
@@ -197,3 +198,25 @@ def test_a_nan_batch_leaves_the_path_length_mean_as_it_was(check_finite: bool) -
         assert torch.isfinite(value) and torch.equal(value, expected)
     assert torch.equal(penalty.ema, oracle.ema) and penalty.ema.item() != 0.0
     assert torch.isfinite(penalty.state_dict()["ema"])
+
+
+def test_the_latent_length_is_the_root_of_the_squared_one_with_gradient_zero_at_zero() -> None:
+    """W+ and plain latents together (float64): the length equals sqrt(latent_sq_length), its
+    gradient equals that of the root away from 0, and a sample whose gradient vanishes has
+    length 0 and gradient 0 (the root's would be NaN), second order included."""
+    torch.manual_seed(0)
+    w_plus = torch.randn(3, NUM_WS, W_DIM, dtype=torch.float64)
+    plain = torch.randn(3, W_DIM, dtype=torch.float64)
+    w_plus[1], plain[1] = 0.0, 0.0
+    grads = (w_plus.requires_grad_(), plain.requires_grad_())
+    length, sq = latent_length(grads), latent_sq_length(grads)
+    torch.testing.assert_close(length, sq.sqrt(), rtol=1e-14, atol=0)
+    assert length[1] == 0
+    weights = torch.tensor([0.3, 0.7, -1.1], dtype=torch.float64)
+    ours = grad((length * weights).sum(), grads, create_graph=True)
+    root = grad((sq[[0, 2]].sqrt() * weights[[0, 2]]).sum(), grads)
+    for got, want in zip(ours, root, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+        assert torch.all(got[1] == 0)
+    second = grad(sum(g.square().sum() for g in ours), grads)
+    assert all(torch.isfinite(s).all() for s in second)
