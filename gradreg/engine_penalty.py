@@ -1,0 +1,119 @@
+r"""A parameter penalty in a loop that trains with DeepSpeed's engine (``engine.backward``,
+``engine.step``): :class:`EnginePenalty`.
+
+The penalty (``sam``, ``asam``, ``gr``, ``param_grad_norm``, by either method) is that of the
+whole optimizer step's gradient :math:`\bar g`, all the micro-batches of the engine's
+``gradient_accumulation_steps`` :math:`N` on all the ranks :math:`W`, as DeepSpeed averages
+them (each micro-batch's mean loss, equally weighted). Each call of :meth:`EnginePenalty.backward`
+takes one micro-batch: a first phase on the engine's unwrapped module (a forward and a
+gradient, :math:`g_k`), kept with its random state; on the step's last micro-batch
+(``engine.is_gradient_accumulation_boundary()``) one all-reduce of the ranks' sums gives
+:math:`\bar g`, the penalty's value and direction :math:`v`, the same on every rank, and the
+second phase over the kept micro-batches gives this rank's :math:`c\,\bar H_r v` (by finite
+difference at :math:`\theta + h\hat v`, or by double backward); then the micro-batch's
+forward through the engine (the first phase's random numbers replayed: dropout's masks) and
+``engine.backward`` of its loss, plus on the last micro-batch a zero carrying :math:`N c\,\bar
+H_r v` (the engine divides by :math:`N`). ZeRO's reduction averages the ranks, which completes
+:math:`\bar g + c\,\bar H v`.
+
+Why the penalty's passes run on the unwrapped module: DeepSpeed hooks the outputs of its
+engine's forward, and any backward through them, ``torch.autograd.grad`` included, starts its
+backward and, when that graph ends, its gradient reduction (DeepSpeed 0.19: an ``IndexError``
+in its buckets). The first phase's forward is one more per micro-batch than the step's own.
+
+Taken: ZeRO stages 0, 1 and 2 (the parameters whole on every rank). Refused in one line:
+ZeRO-3 (its parameters are partitioned between forwards, and the penalty shifts them or
+differentiates them twice; FSDP2 with :func:`gradreg.sharding.penalty_step` takes it), and
+penalties at other points (their inner gradient would run through the engine's outputs).
+Every rank must call :meth:`~EnginePenalty.backward` on the same micro-batches of the same
+steps (the penalty due on all or none): ranks whose penalized parameters differ are refused
+in one line (:func:`~gradreg.penalties.accumulation.agreed_over_ranks`).
+
+Nothing here imports DeepSpeed: the engine is used through ``module``, ``backward``,
+``gradient_accumulation_steps()``, ``is_gradient_accumulation_boundary()`` and
+``zero_optimization_stage()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradreg.autograd import GradientError
+from gradreg.penalties.accumulation import Accumulation
+from gradreg.penalties.mechanism import GradientPenalty
+from gradreg.penalties.state.randomness import GeneratorState
+from gradreg.penalties.two_pass import Carried
+
+__all__ = ["EnginePenalty"]
+
+LossOf = Callable[[nn.Module], Tensor]
+
+
+class EnginePenalty:
+    """``penalty`` (on ``points="parameters"``) of the whole step's gradient in a loop over
+    DeepSpeed's ``engine`` (module docstring)::
+
+        sharpness = EnginePenalty(engine, sam(0.05))
+        for batch in batches:
+            sharpness.backward(lambda module: loss_fn(module(batch.x), batch.y), on=(batch.x,))
+            engine.step()
+
+    ``params``: the parameters the penalty is of (the trainable parameters of
+    ``engine.module`` where not given; the others take the task's gradient alone).
+    ``last_value``: the weighted penalty of the latest finished step."""
+
+    def __init__(self, engine: Any, penalty: GradientPenalty,
+                 params: Sequence[Tensor] | None = None) -> None:
+        config = penalty.config
+        if config.points != "parameters":
+            raise GradientError(
+                f"EnginePenalty takes penalties on points='parameters' (sam, asam, gr, "
+                f"param_grad_norm), got points={config.points!r}: its inner gradient would run "
+                "through the DeepSpeed engine's outputs, whose hooks start the engine's "
+                "backward; train with DDP or FSDP2 (gradreg.sharding.penalty_step), which take "
+                "every penalty.")
+        stage = int(engine.zero_optimization_stage())
+        if stage == 3:
+            raise GradientError(
+                "EnginePenalty does not take DeepSpeed ZeRO-3, whose parameters are "
+                "partitioned between forwards (the penalty shifts them or differentiates them "
+                "twice): use ZeRO-2, or FSDP2 with gradreg.sharding.penalty_step, which shards "
+                "the parameters as ZeRO-3 does and takes the penalty exactly.")
+        module = engine.module
+        chosen = [p for p in module.parameters() if p.requires_grad] if params is None \
+            else list(params)
+        over_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        self.engine, self.penalty = engine, penalty
+        self.accumulation = Accumulation(penalty, chosen, over_ranks=over_ranks)
+        self.last_value: Tensor | None = None
+
+    def backward(self, loss_of: LossOf, *, on: Sequence[Tensor] = ()) -> Tensor:
+        r"""One micro-batch: ``loss_of(module)`` is its mean loss computed by calling
+        ``module`` (the unwrapped module for the penalty's passes, the engine for its
+        backward), ``on`` the batch's tensors whose devices' random states are replayed.
+        Runs ``engine.backward`` (the user then calls ``engine.step()``, as after any
+        backward) and returns the detached loss. Call it on every micro-batch of a step where
+        the penalty is due (``penalty.due()``, once per step), else ``engine.backward``."""
+        self.penalty._check_due()
+        engine, accumulation = self.engine, self.accumulation
+        state = GeneratorState.capture(*on, *accumulation.params)
+        module = engine.module
+        accumulation.add(lambda: loss_of(module), state)  # the task's g_k: from the engine
+        carried = None
+        if engine.is_gradient_accumulation_boundary():
+            self.last_value, hv = accumulation.finish()
+            count = float(engine.gradient_accumulation_steps())
+            given = [t for t in hv if t is not None]
+            torch._foreach_mul_(given, count)  # the engine divides the backward's loss by N
+            if given:
+                carried = Carried.apply(given[0].new_zeros(()), list(hv), True,
+                                        *accumulation.params)
+        with state.replayed():
+            loss = loss_of(engine)
+        engine.backward(loss if carried is None else loss + carried.to(loss.dtype))
+        return loss.detach()

@@ -1,0 +1,75 @@
+"""One rank of :class:`gradreg.engine_penalty.EnginePenalty` on DeepSpeed's engine (``python -m
+tests.penalties.ranks_engine OUT`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` and
+``DS_ACCELERATOR=cpu`` set): the float32 MLP of :func:`~tests.penalties.ranks_problem.problem`
+under ZeRO-2 with SGD (lr 0.1), each rank's share of the batch of 16 in two micro-batches
+(``gradient_accumulation_steps=2``), one step per penalty; saves the parameters after it and
+the penalty's value. :func:`reference` is one process's step with the whole batch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gradreg.penalties import GradientPenalty, accumulated_backward, param_grad_norm, sam
+from tests.penalties.ranks_problem import problem
+
+LR = 0.1
+PENALTIES = {"sam": lambda: sam(0.05), "gnp": lambda: param_grad_norm(0.5)}
+
+
+def float_problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    model, x, y = problem()
+    return model.float(), x.float(), y
+
+
+def engine_step(name: str, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import deepspeed
+
+    from gradreg.engine_penalty import EnginePenalty
+
+    model, x, y = float_problem()
+    share = len(x) // world
+    xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    half = share // 2
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": half, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    penalty = EnginePenalty(engine, PENALTIES[name]())
+    penalty.penalty.due()
+    for rows in (slice(0, half), slice(half, share)):
+        penalty.backward(lambda module, rows=rows: F.cross_entropy(module(xs[rows]), ys[rows]),
+                         on=(xs,))
+        engine.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), penalty.last_value
+
+
+def reference(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parameters after one SGD step of one process with the whole batch in 4
+    micro-batches (``accumulated_backward``), and the penalty's value."""
+    model, x, y = float_problem()
+    params = list(model.parameters())
+    penalty: GradientPenalty = PENALTIES[name]()
+    penalty.due()
+    parts = [lambda rows=slice(k, k + 4): F.cross_entropy(model(x[rows]), y[rows])
+             for k in range(0, 16, 4)]
+    _, value = accumulated_backward(penalty, parts, params, rows=[4] * 4, on=(x,))
+    return torch.cat([(p - LR * p.grad).detach().flatten() for p in params]), value
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = {name: engine_step(name, rank, world) for name in PENALTIES}
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
