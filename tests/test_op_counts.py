@@ -2,12 +2,12 @@
 
 On a GPU a fixed cost per step is kernel launches. Each step below is counted as the aten ops it
 dispatches (``TorchDispatchMode``; views and detaches left out, as they launch nothing), on its
-second call (the first call's checks run once), beside its hand-written twin on the same model,
-the same points and the same data: WGAN-GP at interpolates of an MLP critic, R1 at the reals
-(forward shared with the loss), double backprop on a classifier's per-sample losses, SAM's two
-passes (``penalized_backward``), GR's (the same, shifted along the gradient) and StyleGAN2's path
-length at W+ latents. The guards stay on: a norm whose gradient is 0 at 0, the finite check and a
-running mean that a non-finite batch leaves as it was. Each step also computes its twin's
+second call (the first call's checks run once), beside its hand-written twin on the same model, the
+same points and the same data: WGAN-GP at interpolates of an MLP critic, R1 at the reals (forward
+shared with the loss), double backprop on a classifier's per-sample losses, SAM's two passes
+(``penalized_backward``), ASAM's and GR's (the same, shifted along the gradient) and StyleGAN2's
+path length at W+ latents. The guards stay on: a norm whose gradient is 0 at 0, the finite check and
+a running mean that a non-finite batch leaves as it was. Each step also computes its twin's
 parameter gradients (float64).
 """
 
@@ -27,6 +27,7 @@ from gradreg import NonFiniteError
 from gradreg.penalties import (
     LossAt,
     as_points,
+    asam,
     double_backprop,
     gr,
     interpolate,
@@ -194,6 +195,38 @@ def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
     return Steps(library, hand, (x,), model, penalty)
 
 
+def asam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    model, rho = classifier(device, dtype), 0.5
+    penalty = asam(rho)
+    params = list(model.parameters())
+    x = torch.randn(8, 16, device=device, dtype=dtype)
+    y = torch.randint(0, 4, (8,), device=device)
+
+    def loss() -> Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def library() -> None:
+        model.zero_grad()
+        penalized_backward(penalty, LossAt.run(loss, x), params)
+
+    def hand() -> None:  # davda54/sam's two steps with adaptive=True
+        model.zero_grad()
+        loss().backward()
+        norm = torch.norm(torch.stack([(p.abs() * p.grad).norm(2) for p in params]), 2)
+        scale = rho / (norm + 1e-12)
+        shifts = [p.pow(2) * p.grad * scale for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, shifts, strict=True):
+                p.add_(e)
+        model.zero_grad()
+        loss().backward()
+        with torch.no_grad():
+            for p, e in zip(params, shifts, strict=True):
+                p.sub_(e)
+
+    return Steps(library, hand, (x,), model, penalty)
+
+
 def gr_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
     model, lam, eps = classifier(device, dtype), 1e-3, 1e-3
     penalty = gr(lam, scale=eps)
@@ -247,7 +280,7 @@ def path_length_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -
 
 
 STEPS = {"wgan_gp": wgan_gp_steps, "r1": r1_steps, "double_backprop": double_backprop_steps,
-         "sam": sam_steps, "gr": gr_steps, "path_length": path_length_steps}
+         "sam": sam_steps, "asam": asam_steps, "gr": gr_steps, "path_length": path_length_steps}
 
 
 #: The releases counted: the ops a step dispatches are torch's decompositions, which an older

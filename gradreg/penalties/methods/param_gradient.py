@@ -193,8 +193,8 @@ def trainable(params: Sequence[Tensor], what: str) -> tuple[Tensor, ...]:
     return tuple(params)
 
 
-def shift_length(shift: str, step: float, length: Tensor | float, gain: float
-                 ) -> tuple[Tensor | float, Tensor | float]:
+def shift_length(shift: str, step: float, length: Tensor, gain: float
+                 ) -> tuple[Tensor, Tensor]:
     r"""The length :math:`h` of the shift along :math:`\hat v` (module docstring) and the
     difference quotient's factor :math:`\lVert v \rVert / h` (:math:`H v \approx` factor
     times the difference of gradients), ``length`` :math:`\lVert v \rVert` without the
@@ -202,8 +202,8 @@ def shift_length(shift: str, step: float, length: Tensor | float, gain: float
     ``"gradient"``, :math:`h` = ``step`` times ``gain`` times ``length``, the factor
     :math:`1/(\epsilon\,\mathrm{gain})` (0 where :math:`v = 0`: a difference of two
     gradients at the same point, which a nondeterministic kernel need not make 0, is not
-    amplified). No host sync; Python numbers for a ``length`` given as one."""
-    moving = (length > 0).to(length.dtype) if isinstance(length, Tensor) else float(length > 0)
+    amplified). No host sync."""
+    moving = (length > 0).to(length.dtype)
     if shift == "gradient":
         return length * (step * gain), moving / (step * gain)
     return moving * step, length / step
@@ -440,35 +440,49 @@ class ParameterFiniteDifference:
         its square (:meth:`_of_the_norm`)."""
         step = self.step if self.step is not None else parameter_step(
             None, self.shift, unit_roundoff(loss))
-        if self.p == 2 and not self.adaptive and (self.linear or self.squared):
-            return self._of_the_norm(g, step)
+        if (self.p == 2 and (self.linear or self.squared)
+                and (not self.adaptive or self.shift == "gradient")):
+            return self._of_the_norm(g, params, step)
         value, length, vectors, coefficient = self._direction(g, params)
         shift, scale = shift_length(self.shift, step, length, self.gain)
         return value, vectors, coefficient * shift, scale
 
-    def _of_the_norm(self, g: list[Tensor], step: float
+    def _of_the_norm(self, g: list[Tensor], params: tuple[Tensor, ...], step: float
                      ) -> tuple[Tensor, list[Tensor], Tensor | float, Tensor | float]:
-        r""":meth:`_shift` for :math:`P = n = \lVert g \rVert` (``param_grad_norm``, ``sam``:
-        target 0, power 1) and :math:`P = n^2` (``gr``'s before its gain: the squared norm),
-        without the penalty function (of one norm it is the identity): :math:`v = g / n` or
-        :math:`2g`, so :math:`d = g`, :math:`\lVert v \rVert` = 1 or :math:`2n` and :math:`a = h
-        / n` (:math:`a` = 0 and the factor 0 where :math:`g = 0`: no shift). On the CPU, where
-        reading :math:`n` stalls no stream, :math:`a` and the factor are Python numbers (no
-        0-dim operations)."""
-        norms = torch.stack(torch._foreach_norm(g))
+        r""":meth:`_shift` for :math:`P = n` (``param_grad_norm``, ``sam``, ``asam``: target 0,
+        power 1) and :math:`P = n^2` (``gr``'s before its gain: the squared norm) of
+        :math:`n = \lVert t \rVert`, :math:`t = g` (``adaptive``, ASAM's: :math:`t =
+        \lvert\theta\rvert \odot g`), without the penalty function (of one norm it is the
+        identity): :math:`v = c\,d` with :math:`d = g` (ASAM's: :math:`\lvert\theta\rvert \odot
+        t`) and :math:`c = 1/n` or 2. Shifted by ``"gradient"``, :math:`h \hat v = \epsilon\,
+        \mathrm{gain}\, v`: :math:`a = \epsilon\, \mathrm{gain}\, c` and the factor
+        :math:`1/(\epsilon\,\mathrm{gain})`; by ``"normalized"`` (not adaptive, so
+        :math:`\lVert v \rVert = c\,n`), :math:`h \hat v = r\, g / n`: :math:`a = r / n` and the
+        factor :math:`c\,n / r`; :math:`a` = 0 and the factor 0 where :math:`n = 0` (no
+        shift). On the CPU, where reading :math:`n` stalls no stream, :math:`a` and the factor
+        are Python numbers (no 0-dim operations)."""
+        magnitudes = torch._foreach_abs([p.detach() for p in params]) if self.adaptive else None
+        t = torch._foreach_mul(g, magnitudes) if self.adaptive else g
+        norms = torch.stack(torch._foreach_norm(t))
         value = torch.dot(norms, norms) if self.squared else torch.linalg.vector_norm(norms)
+        d = torch._foreach_mul(t, magnitudes) if self.adaptive else g
+        by_gradient = self.shift == "gradient"
         if value.device.type == "cpu":
             n = math.sqrt(value.item()) if self.squared else value.item()
             if not n > 0:  # g = 0, or NaN (the value is checked): no shift
-                return value, g, 0.0, 0.0
-            shift, scale = shift_length(self.shift, step, 2 * n if self.squared else 1.0,
-                                        self.gain)
-            return value, g, shift / n, scale
+                return value, d, 0.0, 0.0
+            c = 2.0 if self.squared else 1 / n
+            if by_gradient:
+                return value, d, step * self.gain * c, 1 / (step * self.gain)
+            return value, d, step / n, c * n / step
         norm = value.sqrt() if self.squared else value
         moving = norm > 0  # at g = 0 the direction is the subgradient 0 (no shift)
-        length = 2 * norm if self.squared else moving.to(norm.dtype)
-        shift, scale = shift_length(self.shift, step, length, self.gain)
-        return value, g, shift * torch.where(moving, norm, math.inf).reciprocal(), scale
+        inverse = torch.where(moving, norm, math.inf).reciprocal_()  # 1/n, 0 where n = 0
+        if by_gradient:  # squared: a = 2 eps gain, d = 0 where n = 0
+            amount = 2.0 * step * self.gain if self.squared else inverse.mul_(step * self.gain)
+            return value, d, amount, moving.to(norm.dtype).div_(step * self.gain)
+        return value, d, inverse.mul_(step), (
+            norm * (2.0 / step) if self.squared else moving.to(norm.dtype).div_(step))
 
     def _direction(self, g: list[Tensor], params: tuple[Tensor, ...]
                    ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
