@@ -157,7 +157,7 @@ def test_gr_in_grpo_is_the_hand_written_recipe(tmp_path) -> None:
     length: the step's gradient is gradientregularization_trl's ``g + (λ/ε)(∇L(θ + ε g) - g)``
     of GRPO's own loss on the generated batch (the plain trainer's ``compute_loss``), to 1e-6
     of its largest entry (GRPO's fused head computes its log-probabilities in float32;
-    measured 2e-19). One process; not yet on several."""
+    measured 2e-19). One process; two in test_gr_in_grpo_on_two_processes_steps_as_one."""
     args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
                           num_generations=4, max_completion_length=4, learning_rate=0.1,
                           optim="sgd", max_grad_norm=0.0, report_to=[], save_strategy="no",
@@ -190,3 +190,30 @@ def test_gr_in_grpo_is_the_hand_written_recipe(tmp_path) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
     assert max((a - b).abs().max() for a, b in zip(record.grads[0], g, strict=True)) \
         > 1e-3 * largest  # the penalty moves the step (2.4e-2 here)
+
+
+@pytest.mark.slow
+def test_gr_in_grpo_on_two_processes_steps_as_one(tmp_path) -> None:
+    """``gr`` in GRPOTrainer on 2 gloo processes with 4 completions each (one prompt's group)
+    against one process with all 8: the completions fixed by a ``rollout_func``, so both see the
+    same generated batch; the step's gradient (DDP's mean) equal to 1e-6 of its largest entry
+    (GRPO's fused head computes its log-probabilities in float32; measured 8e-8), the
+    penalty's value too, and the penalty moves the step."""
+    import sys
+    from pathlib import Path
+
+    from tests.distributed import run_processes
+    from tests.penalties.ranks_grpo import grpo_step
+
+    root = Path(__file__).resolve().parents[1]
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_grpo", str(tmp_path)],
+                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=root, timeout=300)
+    two, two_value = torch.load(tmp_path / "grpo.pt", weights_only=True)
+    one, one_value = grpo_step(1, str(tmp_path / "one"))
+    plain, _ = grpo_step(1, str(tmp_path / "plain"), penalized=False)
+    largest = max(t.abs().max() for t in one)
+    for got, want in zip(two, one, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
+    torch.testing.assert_close(two_value, one_value, rtol=1e-6, atol=0)
+    assert max((a - b).abs().max() for a, b in zip(one, plain, strict=True)) > 1e-3 * largest
