@@ -37,6 +37,18 @@ VISIBLE_TEXT = """(() => {
 })()"""
 
 
+# the images on the page, through shadow roots: [src, natural width, natural height] of each
+IMAGES = """(() => {
+  const found = [];
+  const walk = (node) => {
+    if (node.tagName === 'IMG') found.push([node.src, node.naturalWidth, node.naturalHeight]);
+    if (node.shadowRoot) walk(node.shadowRoot);
+    for (const child of node.childNodes) walk(child);
+  };
+  walk(document.body);
+  return found;
+})()"""
+
 # click the checkbox (Polymer's paper-checkbox, Angular's mat-checkbox) labelled LABEL (a JSON
 # string), through shadow roots; true where one was found
 CLICK_CHECKBOX = """(() => {
@@ -87,8 +99,7 @@ class Chromium:
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target,
                                  flatten=True)["sessionId"]
-        self.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
-                  height=height, deviceScaleFactor=1, mobile=False)
+        self.resize(width, height)
 
     def call(self, method: str, *, session: bool = False, timeout: float = 30.0,
              **params: Any) -> dict[str, Any]:
@@ -119,6 +130,11 @@ class Chromium:
         message, self._buffer = self._buffer.split(b"\0", 1)
         return json.loads(message)
 
+    def resize(self, width: int, height: int) -> None:
+        """The page's size in CSS pixels (a screenshot's size)."""
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=width,
+                  height=height, deviceScaleFactor=1, mobile=False)
+
     def open(self, url: str) -> None:
         """Load ``url`` afresh (through a blank page, so a change of ``#fragment`` alone loads
         the page again rather than staying in the same document)."""
@@ -141,6 +157,13 @@ class Chromium:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the page never showed {missing}; it shows: {text[:2000]}")
             time.sleep(0.5)
+
+    def images(self) -> list[tuple[str, int, int]]:
+        """Each image on the page (shadow roots included): its address and natural width and
+        height in pixels (0 x 0 while it has not loaded)."""
+        result = self.call("Runtime.evaluate", session=True, expression=IMAGES,
+                           returnByValue=True)
+        return [tuple(image) for image in result["result"].get("value", [])]
 
     def click_checkbox(self, label: str) -> None:
         """Click the checkbox labelled ``label`` (e.g. a column of the HParams table)."""

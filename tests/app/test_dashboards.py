@@ -7,14 +7,17 @@ them. With ``GRADREG_SCREENSHOTS=<folder>`` the browser also saves each tab ther
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator as ea
 
 from tests.app.browser import Chromium, executable
@@ -155,7 +158,8 @@ def test_the_sweep_writes_its_summary(logs: Path) -> None:
     assert rows == [["| none", "0", "1/1"], ["| double_backprop", "0.1", "1/1"]]
     assert (logs / "metric_vs_weight.png").is_file()
     run = event_file(logs, SUMMARY)
-    assert run.Tags()["images"] == ["Sweep/metric_vs_weight"]
+    assert run.Tags()["images"] == ["Sweep/metric_vs_weight", "Sweep/validation_curves"]
+    assert (logs / "validation_curves.png").is_file()
 
 
 def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, serve) -> None:
@@ -200,11 +204,32 @@ def test_tensorboard_serves_every_dashboard_and_one_hparams_table(logs: Path, se
         assert 0 < session["startTimeSecs"] < session["endTimeSecs"]
 
 
+def drawn_images(browser: Chromium, wanted: set[tuple[str, str]],
+                 timeout: float = 30.0) -> dict[tuple[str, str], tuple[int, int]]:
+    """(run, tag) -> the natural size of each image of TensorBoard's images plugin that the page
+    has loaded (its address names them: ``blob_key``, base64 JSON of [experiment, plugin, run,
+    tag, step, index]), once every ``wanted`` one has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        drawn = {}
+        for src, width, height in browser.images():
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(src).query)
+            if "blob_key" in query and width:
+                key = query["blob_key"][0]
+                padded = key + "=" * (-len(key) % 4)
+                _, _, run, tag, *_ = json.loads(base64.urlsafe_b64decode(padded))
+                drawn[run, tag] = (width, height)
+        if wanted <= set(drawn) or time.monotonic() > deadline:
+            return drawn
+        time.sleep(0.5)
+
+
 # what each tab must show once rendered
 TABS = {
-    # Time Series opens on the sweep's figure, its card open (then the first group of the runs'
+    # Time Series opens on the sweep's figures, their cards open (then the first group of the runs'
     # own, here the GAN's critic landscape), not on an epoch chart
-    "timeseries": [*SWEEP, "Sweep /metric_vs_weight summary Step 0", "grad_norm 3 cards",
+    "timeseries": [*SWEEP, "Sweep /metric_vs_weight summary Step 0",
+                   "Sweep /validation_curves summary Step 0", "grad_norm 3 cards",
                    "graph 4 cards"],
     # one outcome metric per chart, each saying where its final values are; one chart per
     # layer of the gradient split
@@ -221,10 +246,11 @@ TABS = {
     "hparams": ["TABLE VIEW", *SWEEP, "batch_size", "lr", "lr_log10", "weight",
                 "penalty", "none", "double_backprop", "wgan_gp", "val/acc",
                 "val/energy_distance", "Number of matching session groups: 3"],
-    # the sweep's figure first, open; then the runs' groups
-    "images": [*SWEEP, SUMMARY, "Sweep Sweep/metric_vs_weight summary",
-               "critic_landscape/grad_norm", "graph 4", "saliency"],
-    "images&tagFilter=Sweep/": [SUMMARY, "Sweep/metric_vs_weight"],
+    # the sweep's figures first, open; then the runs' groups
+    "images": [*SWEEP, SUMMARY, "Sweep 2 Sweep/metric_vs_weight summary",
+               "Sweep/validation_curves summary", "critic_landscape/grad_norm", "graph 4",
+               "saliency"],
+    "images&tagFilter=Sweep/": [SUMMARY, "Sweep/metric_vs_weight", "Sweep/validation_curves"],
     # one card per layer: 3 for each classifier, 4 for each of the GAN's networks
     "histograms": [*SWEEP, "param_grad 14", "interpolates/grad_norm", "input_grad/norm"],
     "histograms&tagFilter=param_grad/": ["param_grad/backbone.fc1", "param_grad/critic.fc1"],
@@ -234,9 +260,9 @@ TABS = {
     "text": [*SWEEP, "autograd_graph/text/text_summary", "NllLossBackward0",
              "Sweep/summary/text_summary", "Δ vs baseline (95% CI)"],
 }
-# the tabs whose screenshots are the documentation's pictures
+# the tabs whose screenshots are the documentation's pictures (those of the Images tab are of a
+# larger sweep: scripts/dashboard_screenshots.py)
 SCREENSHOTS = {"custom_scalars": "dashboard.png", "hparams": "dashboard_hparams.png",
-               "images": "dashboard_images.png", "images&tagFilter=Sweep/": "dashboard_sweep.png",
                "histograms&tagFilter=param_grad/": "dashboard_histograms.png",
                "?tagFilter=penalty_share#timeseries": "dashboard_grad_split.png"}
 
@@ -253,15 +279,21 @@ def test_the_tabs_render_in_a_browser(logs: Path, serve, tmp_path: Path) -> None
             text = browser.wait_for_text(*needles)
             if tab == "timeseries":
                 assert "epoch" not in text.split()
-                # where TensorBoard opens: the sweep's figure (its title: the chosen λ) is the
-                # first group below the pinned cards
-                assert text.split("Pin cards for a quick view and comparison")[1].split()[:2] == [
-                    "Sweep", "Sweep"]
+                # where TensorBoard opens: the sweep's two figures (the first's title: the
+                # chosen λ) are the first group below the pinned cards
+                assert text.split("Pin cards for a quick view and comparison")[1].split()[:5] == [
+                    "Sweep", "2", "cards", "Sweep", "/metric_vs_weight"]
             if tab == "hparams":
                 # no column blank for some run (weight_log10 of penalty=none: the parallel
                 # coordinates would leave the run out), none equal in every run (seed)
                 assert not {"weight_log10", "seed", "n_critic"} & set(text.split())
                 browser.click_checkbox("weight")
+            if tab == "images&tagFilter=Sweep/":
+                # the sweep's two figures, drawn whole: each card's image as large as its file
+                figures = {(SUMMARY, f"Sweep/{name}"): Image.open(logs / f"{name}.png").size
+                           for name in ("metric_vs_weight", "validation_curves")}
+                drawn = drawn_images(browser, set(figures))
+                assert {key: drawn.get(key) for key in figures} == figures
             if tab in SCREENSHOTS:
                 time.sleep(2)  # the charts' drawing animations
                 browser.screenshot(shots / SCREENSHOTS[tab])

@@ -566,6 +566,55 @@ def test_a_sweep_of_baselines_only_draws_no_figure(tmp_path: Path) -> None:
     assert sweep_table.better("test/wasserstein", "test/wasserstein", "maximize") == "max"
 
 
+#: (penalty, λ, seed) -> the val/acc_pgd a job logged at steps 9 and 19 (0.97 and 0.05: values
+#: that TensorBoard's "ignore outliers" scaling would leave outside its chart)
+CURVES = {("none", 0.0, "0"): (0.40, 0.45), ("none", 0.0, "1"): (0.42, 0.48),
+          ("double_backprop", 0.1, "0"): (0.50, 0.60), ("double_backprop", 0.1, "1"): (0.52, 0.97),
+          ("double_backprop", 1.0, "0"): (0.30, 0.05)}
+
+
+def test_the_validation_curves_draw_every_run_by_its_lambda_within_the_axes(
+        tmp_path: Path) -> None:
+    """Each job's logged val/acc_pgd as written to its event files, one colour per setting (the
+    seeds of a setting alike), the legend naming each setting by its λ, and a vertical axis
+    holding every value: 6% of their range (0.05 to 0.97) around them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from gradreg.app.sweeps.curves import validation_curves_figure
+
+    jobs = []
+    for k, ((penalty, weight, seed), values) in enumerate(CURVES.items()):
+        folder = tmp_path / f"{k:03d}"
+        writer = SummaryWriter(str(folder))
+        for step, value in zip((9, 19), values, strict=True):
+            writer.add_scalar("val/acc_pgd", value, step)
+        writer.close()
+        jobs.append(sweep_results.Job(penalty, weight, seed, {"seed": seed},
+                                      {"val/acc_pgd": values[1], "test/acc_pgd": 0.5}, folder))
+    jobs.append(sweep_results.Job("double_backprop", 1.0, "1", {"seed": "1"}, None,
+                                  tmp_path / "no_events"))  # failed: nothing drawn
+    figure = validation_curves_figure(jobs, "val/acc_pgd", title="sweep x")
+    (ax,) = [ax for ax in figure.axes if ax.get_visible()]
+    assert ax.get_title() == "val/acc_pgd" and ax.get_xlabel() == "training step"
+    curves = [line for line in ax.get_lines() if line.get_linestyle() != "None"]
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in curves] == [
+        ([9, 19], pytest.approx(list(values))) for values in CURVES.values()]
+    colours = [line.get_color() for line in curves]
+    assert colours[0] == colours[1] and colours[2] == colours[3]
+    assert len({str(colour) for colour in (colours[0], colours[2], colours[4])}) == 3
+    assert [line.get_linestyle() for line in curves] == ["--", "--", "-", "-", "-"]
+    dots = [line for line in ax.get_lines() if line.get_linestyle() == "None"]
+    assert [float(dot.get_ydata()[0]) for dot in dots] == pytest.approx(
+        [values[1] for values in CURVES.values()])
+    assert ax.get_ylim() == pytest.approx((0.05 - 0.06 * 0.92, 0.97 + 0.06 * 0.92), rel=1e-6)
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "none (λ = 0)", "double_backprop λ = 0.1", "double_backprop λ = 1"]
+    assert figure._suptitle.get_text().splitlines()[1] == "sweep x"
+    # no event files: nothing to draw
+    assert validation_curves_figure([sweep_results.Job("none", 0.0, "0", {}, {"val/acc": 1.0},
+                                                       tmp_path / "no_events")]) is None
+
+
 def test_a_grid_sweep_runs_the_baseline_once_and_writes_its_summary_figure_and_hparams(
         tmp_path: Path) -> None:
     """``-m penalty=none,double_backprop penalty.weight=0.3,1 callbacks=hparams``: three jobs,
@@ -591,7 +640,7 @@ def test_a_grid_sweep_runs_the_baseline_once_and_writes_its_summary_figure_and_h
     assert not any(name.startswith("penalty/weight/") for row in rows.values() for name in row)
     assert not list(tmp_path.glob("events.out.tfevents.*"))  # no run "."
     summary_run = EventAccumulator(str(tmp_path / "summary")).Reload()
-    assert summary_run.Tags()["images"] == ["Sweep/metric_vs_weight"]
+    assert summary_run.Tags()["images"] == ["Sweep/metric_vs_weight", "Sweep/validation_curves"]
     content = summary_run.PluginTagToContent("hparams")
     experiment = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/experiment"]).experiment

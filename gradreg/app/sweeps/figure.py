@@ -21,6 +21,9 @@ from .results import Job, Setting, outcome_metrics, settings
 from .table import headline
 
 COLUMNS = 3
+#: a panel's width in inches (100 pixels each): three panels, 1,170 pixels, fit TensorBoard's
+#: image cards at their own size beside its side bar in a 1600-pixel window
+PANEL_WIDTH = 3.9
 #: a sweep of at most this many λ values gets them as the ticks of the λ axis
 MAX_TICKS = 8
 BASELINE_COLOUR = "0.35"
@@ -54,7 +57,7 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
     swept = sorted({setting.weight for setting in penalized})
     columns = min(COLUMNS, len(metrics))
     rows_of_panels = -(-len(metrics) // columns)
-    fig = Figure(figsize=(4.6 * columns, 3.6 * rows_of_panels + 0.9), dpi=100,
+    fig = Figure(figsize=(PANEL_WIDTH * columns, 3.6 * rows_of_panels + 0.9), dpi=100,
                  layout="constrained")
     axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
     for ax, metric in zip(axes, metrics, strict=False):  # axes past the metrics: hidden

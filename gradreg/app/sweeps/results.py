@@ -51,6 +51,8 @@ class Job:
     seed: str
     overrides: Mapping[str, str]
     metrics: Mapping[str, float] | None
+    #: the job's folder (its event files: :mod:`gradreg.app.sweeps.curves`)
+    folder: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,8 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
         metrics_file = folder / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.is_file() else None
         jobs.append(Job(penalty, effective_weight(penalty, weight),
-                        str(OmegaConf.select(config, "seed", default="")), overrides, metrics))
+                        str(OmegaConf.select(config, "seed", default="")), overrides, metrics,
+                        folder))
     return jobs
 
 

@@ -8,11 +8,14 @@ reads the sweep's jobs (:mod:`gradreg.app.sweeps.results`) and writes in the swe
   marked where the difference exceeds the noise (:mod:`gradreg.app.sweeps.table`);
 * ``metric_vs_weight.png``: each outcome metric against λ on a log axis, mean and band over
   seeds, the baseline as a horizontal band (:mod:`gradreg.app.sweeps.figure`);
+* ``validation_curves.png``, where the jobs logged to TensorBoard: each outcome metric's
+  validation values over training, every run, one colour per setting named by its λ in the
+  legend, axes that hold every value (:mod:`gradreg.app.sweeps.curves`);
 
 and where the jobs logged to TensorBoard, a run of its own, ``summary/``, holding the figure
 (tag ``Sweep/metric_vs_weight``: first in Time Series, where TensorBoard opens, its title saying
-which setting was chosen), ``summary.md`` (Text tab, ``Sweep/summary``) and
-the HParams declaration of the sweep folder
+which setting was chosen) and the validation curves (``Sweep/validation_curves``),
+``summary.md`` (Text tab, ``Sweep/summary``) and the HParams declaration of the sweep folder
 (:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
 jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it; where they
 logged to MLflow or W&B (``logger=mlflow``, ``logger=wandb``), a run ``summary`` of the sweep
@@ -28,17 +31,20 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ..console import say
+from .curves import validation_curves_figure
 from .figure import metric_vs_weight_figure
 from .results import read_jobs
 from .table import summary_markdown
 
 FIGURE = "metric_vs_weight.png"
+CURVES = "validation_curves.png"
 SUMMARY = "summary.md"
 #: the TensorBoard run of the sweep folder that holds the summary and the HParams declaration
 SUMMARY_RUN = "summary"
 # capitalized, the tags sort before the runs' own (all lower case): TensorBoard's Time Series,
 # where it opens, shows the figure first, expanded, and the Text tab the summary
-FIGURE_TAG, TEXT_TAG = "Sweep/metric_vs_weight", "Sweep/summary"
+FIGURE_TAG, CURVES_TAG, TEXT_TAG = ("Sweep/metric_vs_weight", "Sweep/validation_curves",
+                                    "Sweep/summary")
 #: the loggers whose sweeps get a run ``summary`` of their own (gradreg/app/trackers.py)
 TRACKERS = "gradreg.app.trackers."
 
@@ -65,7 +71,12 @@ class SweepSummary(Callback):
             figure.savefig(sweep_dir / FIGURE)
             say(f"metric vs λ: {sweep_dir / FIGURE}")
         if any(sweep_dir.glob("*/**/events.out.tfevents.*")):
-            log_summary(sweep_dir, body, figure, optimized)
+            curves = validation_curves_figure(
+                jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}")
+            if curves is not None:
+                curves.savefig(sweep_dir / CURVES)
+                say(f"validation curves: {sweep_dir / CURVES}")
+            log_summary(sweep_dir, body, figure, optimized, curves)
         if any(str(node.get("_target_", "")).startswith(TRACKERS)
                for node in (config.get("logger") or {}).values() if node is not None):
             from ..trackers import log_sweep_summary  # Lightning, MLflow, W&B: only here
@@ -74,9 +85,10 @@ class SweepSummary(Callback):
                               sweep_dir / FIGURE if figure is not None else None)
 
 
-def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None) -> None:
+def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None,
+                curves: Any = None) -> None:
     """The ``summary`` run of the sweep folder (module docstring), replacing an earlier one's
-    figure and text."""
+    figures and text."""
     from torch.utils.tensorboard import SummaryWriter
 
     from gradreg.lightning.callbacks.hparams import declare_folder
@@ -88,5 +100,7 @@ def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None) 
     writer.add_text(TEXT_TAG, body)
     if figure is not None:
         writer.add_figure(FIGURE_TAG, figure, close=False)
+    if curves is not None:
+        writer.add_figure(CURVES_TAG, curves, close=False)
     writer.close()
     declare_folder(sweep_dir, first=optimized, run=SUMMARY_RUN)
