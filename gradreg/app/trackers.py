@@ -24,7 +24,7 @@ import html
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +160,16 @@ def log_config(loggers: Iterable[Logger], cfg: DictConfig) -> None:
 
 
 def log_sweep_summary(config: DictConfig, sweep_dir: Path, summary: Path,
-                      figure: Path | None) -> None:
+                      figures: Sequence[Path]) -> None:
     """A run ``summary`` of the sweep in each tracker its jobs logged to (``config.logger``,
     the sweep's own config): MLflow, in the sweep's experiment, with ``summary.md`` and the
-    figure as artifacts; W&B (offline, in the sweep's group, its files in ``<sweep
-    folder>/wandb/``), with the summary as text and the figure as an image."""
+    ``figures`` (PNG files) as artifacts; W&B (offline, in the sweep's group, its files in
+    ``<sweep folder>/wandb/``), with the summary as text and each figure as an image
+    (``sweep/<file name without .png>``)."""
     kinds = {str(node.get("_target_", "")).rpartition(".")[2]
              for node in (config.get("logger") or {}).values() if node is not None}
     sweep = "/".join(sweep_dir.parts[-2:])
-    files = [path for path in (summary, figure) if path is not None]
+    files = [summary, *figures]
     if MLflowRun.__name__ in kinds:
         node = next(n for n in config.logger.values() if str(n.get("_target_", "")).endswith(
             MLflowRun.__name__))
@@ -195,7 +196,7 @@ def log_sweep_summary(config: DictConfig, sweep_dir: Path, summary: Path,
                          mode="offline" if node.get("offline", True) else "online")
         logged: dict[str, Any] = {"sweep/summary": wandb.Html(
             f"<pre>{html.escape(summary.read_text())}</pre>")}
-        if figure is not None:
-            logged["sweep/metric_vs_weight"] = wandb.Image(str(figure))
+        for figure in figures:
+            logged[f"sweep/{figure.stem}"] = wandb.Image(str(figure))
         run.log(logged)
         run.finish()

@@ -81,14 +81,15 @@ def test_an_unreachable_wandb_server_is_refused_before_training(tmp_path: Path) 
 @pytest.mark.slow
 def test_logger_mlflow_keeps_each_jobs_config_metrics_figures_and_the_sweeps_summary(
         tmp_path: Path) -> None:
-    """``-m logger=mlflow penalty=none,double_backprop``: the local store (mlflow.db in the
-    working folder) has the sweep's experiment with a run per job, named after its folder, whose
-    parameters are the job's config, whose metrics are its metrics.json and whose artifacts are
-    its saliency figures; and a run ``summary`` holding summary.md and the figure."""
+    """``-m 'logger=[mlflow,tensorboard]' penalty=none,double_backprop``: the local store
+    (mlflow.db in the working folder) has the sweep's experiment with a run per job, named after
+    its folder, whose parameters are the job's config, whose metrics are its metrics.json and
+    whose artifacts are its saliency figures; and a run ``summary`` holding summary.md and the
+    two figures (the validation curves from the TensorBoard logs)."""
     mlflow = pytest.importorskip("mlflow")
     sweep = tmp_path / "multirun" / "sweep"
-    result = run_in(tmp_path, "-m", "logger=mlflow", "penalty=none,double_backprop", *FIGURES,
-                    *TRIAL, f"hydra.sweep.dir={sweep}")
+    result = run_in(tmp_path, "-m", "logger=[mlflow,tensorboard]", "penalty=none,double_backprop",
+                    *FIGURES, *TRIAL, f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr[-3000:]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("gradreg multirun/sweep")
@@ -107,7 +108,7 @@ def test_logger_mlflow_keeps_each_jobs_config_metrics_figures_and_the_sweeps_sum
             "figures/saliency/step_000001.png", "figures/saliency/step_000002.png"]
     summary = runs["summary"]
     assert sorted(item.path for item in client.list_artifacts(summary.info.run_id)) == [
-        "metric_vs_weight.png", "summary.md"]
+        "metric_vs_weight.png", "summary.md", "validation_curves.png"]
     copied = client.download_artifacts(summary.info.run_id, "summary.md", str(tmp_path))
     assert Path(copied).read_text() == (sweep / "summary.md").read_text()
 

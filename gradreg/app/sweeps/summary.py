@@ -19,7 +19,7 @@ which setting was chosen) and the validation curves (``Sweep/validation_curves``
 (:func:`gradreg.lightning.callbacks.hparams.declare_folder`: the columns that vary between the
 jobs and their metrics, the optimized one first), so that no stray run ``.`` holds it; where they
 logged to MLflow or W&B (``logger=mlflow``, ``logger=wandb``), a run ``summary`` of the sweep
-there with both (:func:`gradreg.app.trackers.log_sweep_summary`).
+there with the summary and the figures (:func:`gradreg.app.trackers.log_sweep_summary`).
 """
 
 from __future__ import annotations
@@ -67,22 +67,24 @@ class SweepSummary(Callback):
         figure = metric_vs_weight_figure(
             jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
             direction=direction)
+        drawn = []
         if figure is not None:
             figure.savefig(sweep_dir / FIGURE)
             say(f"metric vs λ: {sweep_dir / FIGURE}")
+            drawn.append(sweep_dir / FIGURE)
         if any(sweep_dir.glob("*/**/events.out.tfevents.*")):
             curves = validation_curves_figure(
                 jobs, optimized, title=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}")
             if curves is not None:
                 curves.savefig(sweep_dir / CURVES)
                 say(f"validation curves: {sweep_dir / CURVES}")
+                drawn.append(sweep_dir / CURVES)
             log_summary(sweep_dir, body, figure, optimized, curves)
         if any(str(node.get("_target_", "")).startswith(TRACKERS)
                for node in (config.get("logger") or {}).values() if node is not None):
             from ..trackers import log_sweep_summary  # Lightning, MLflow, W&B: only here
 
-            log_sweep_summary(config, sweep_dir, sweep_dir / SUMMARY,
-                              sweep_dir / FIGURE if figure is not None else None)
+            log_sweep_summary(config, sweep_dir, sweep_dir / SUMMARY, drawn)
 
 
 def log_summary(sweep_dir: Path, body: str, figure: Any, optimized: str | None,
