@@ -576,24 +576,28 @@ CURVES = {("none", 0.0, "0"): (0.40, 0.45), ("none", 0.0, "1"): (0.42, 0.48),
           ("double_backprop", 1.0, "0"): (0.30, 0.05)}
 
 
+def curve_job(folder: Path, penalty: str, weight: float, overrides: dict[str, str],
+              values: tuple[float, float]) -> sweep_results.Job:
+    """A finished job whose event files hold ``values`` of val/acc_pgd at steps 9 and 19."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for step, value in zip((9, 19), values, strict=True):
+        writer.add_scalar("val/acc_pgd", value, step)
+    writer.close()
+    return sweep_results.Job(penalty, weight, overrides.get("seed", "0"), overrides,
+                             {"val/acc_pgd": values[1], "test/acc_pgd": 0.5}, folder)
+
+
 def test_the_validation_curves_draw_every_run_by_its_lambda_within_the_axes(
         tmp_path: Path) -> None:
     """Each job's logged val/acc_pgd as written to its event files, one colour per setting (the
     seeds of a setting alike), the legend naming each setting by its λ, and a vertical axis
     holding every value: 6% of their range (0.05 to 0.97) around them."""
-    from torch.utils.tensorboard import SummaryWriter
-
     from gradreg.app.sweeps.curves import validation_curves_figure
 
-    jobs = []
-    for k, ((penalty, weight, seed), values) in enumerate(CURVES.items()):
-        folder = tmp_path / f"{k:03d}"
-        writer = SummaryWriter(str(folder))
-        for step, value in zip((9, 19), values, strict=True):
-            writer.add_scalar("val/acc_pgd", value, step)
-        writer.close()
-        jobs.append(sweep_results.Job(penalty, weight, seed, {"seed": seed},
-                                      {"val/acc_pgd": values[1], "test/acc_pgd": 0.5}, folder))
+    jobs = [curve_job(tmp_path / f"{k:03d}", penalty, weight, {"seed": seed}, values)
+            for k, ((penalty, weight, seed), values) in enumerate(CURVES.items())]
     jobs.append(sweep_results.Job("double_backprop", 1.0, "1", {"seed": "1"}, None,
                                   tmp_path / "no_events"))  # failed: nothing drawn
     figure = validation_curves_figure(jobs, "val/acc_pgd", title="sweep x")
@@ -616,6 +620,35 @@ def test_the_validation_curves_draw_every_run_by_its_lambda_within_the_axes(
     # no event files: nothing to draw
     assert validation_curves_figure([sweep_results.Job("none", 0.0, "0", {}, {"val/acc": 1.0},
                                                        tmp_path / "no_events")]) is None
+
+
+def test_the_validation_curves_of_a_search_colour_each_run_by_its_lambda_on_a_colour_bar(
+        tmp_path: Path) -> None:
+    """A search of 12 trials (each its own λ and lr, more than a legend names): each run's
+    colour is the colour map's at its λ on a log scale from the smallest λ to the largest, one
+    colour bar says so, and the legend names only the baseline."""
+    from matplotlib.colors import LogNorm, to_rgba
+
+    from gradreg.app.sweeps.curves import colour_map, validation_curves_figure
+
+    weights = [0.001 * 2**k for k in range(12)]
+    jobs = [curve_job(tmp_path / f"{k:03d}", "double_backprop", weight,
+                      {"seed": "0", "model.optimizer.lr": f"{0.001 + k * 1e-4:.4g}"},
+                      (0.3, 0.4 + 0.01 * k)) for k, weight in enumerate(weights)]
+    jobs.append(curve_job(tmp_path / "baseline", "none", 0.0,
+                          {"seed": "0", "model.optimizer.lr": "0.001"}, (0.3, 0.35)))
+    figure = validation_curves_figure(jobs, "val/acc_pgd")
+    ax = figure.axes[0]
+    curves = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+    scale = LogNorm(weights[0], weights[-1])
+    assert [to_rgba(line.get_color()) for line in curves] == [
+        to_rgba(colour_map()(scale(weight))) for weight in weights]
+    (bar,) = [axes for axes in figure.axes if axes.get_ylabel() == "penalty weight λ (log scale)"]
+    assert bar.get_ylim() == pytest.approx((weights[0], weights[-1]))
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "none (λ = 0) model.optimizer.lr=0.001"]
+    assert figure._suptitle.get_text().startswith(
+        "validation metrics over training, every run: coloured by λ")
 
 
 def test_a_grid_sweep_runs_the_baseline_once_and_writes_its_summary_figure_and_hparams(

@@ -11,7 +11,9 @@ each job logged of the validation counterpart of each outcome metric
 * one colour per setting: the baseline (``penalty=none``) grey and dashed, the penalized
   settings from a sequential colour map in the order of λ (no two settings share a colour);
   each seed a line of its setting's colour, each run's last value a dot;
-* one legend for all panels, naming each setting by its λ (and its other swept overrides);
+* one legend for all panels, naming each setting by its λ (and its other swept overrides); a
+  search of more than :data:`MAX_LEGEND` settings (each trial its own λ and learning rate)
+  colours each run by its λ on a log scale instead, read on a colour bar;
 * each panel's vertical axis spans every value drawn (:func:`value_range`), unsmoothed.
 
 The values are read from the jobs' TensorBoard event files (a job without them draws nothing).
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Colormap, ListedColormap, LogNorm
 from matplotlib.figure import Figure
 
 from .figure import BASELINE_COLOUR, COLUMNS, PANEL_WIDTH
@@ -33,6 +37,10 @@ from .results import Job, Setting, logged_metrics, outcome_metrics, selection_me
 COLOUR_SPAN = (0.0, 0.85)
 #: the margin around the values of a panel, as a share of their range
 MARGIN = 0.06
+#: the most penalized settings named in a legend; more are coloured by λ with a colour bar
+MAX_LEGEND = 10
+#: the sequential colour map of the penalized settings
+COLOUR_MAP = "viridis"
 
 Curve = list[tuple[int, float]]
 
@@ -61,19 +69,39 @@ def curve_metrics(jobs: Sequence[Job], optimized: str | None = None) -> list[str
 
 def setting_label(setting: Setting) -> str:
     """``none (λ = 0)``, ``double_backprop λ = 0.1``, ``r1 λ = 10 model.optimizer.lr=0.001``."""
-    head = "none (λ = 0)" if setting.is_baseline else f"{setting.penalty} λ = {setting.weight:g}"
+    head = ("none (λ = 0)" if setting.is_baseline
+            else f"{setting.penalty} λ = {setting.weight:.3g}")
     return " ".join([head, *(f"{key}={value}" for key, value in setting.others)])
 
 
-def setting_colours(rows: Sequence[Setting]) -> dict[int, str | tuple]:
-    """index in ``rows`` -> colour: grey for a baseline, else evenly spaced along the colour
-    map in the settings' order (by penalty, then λ)."""
+def weight_scale(rows: Sequence[Setting]) -> LogNorm | None:
+    """The log scale of λ that colours the runs of more than :data:`MAX_LEGEND` penalized
+    settings (λ > 0); None for fewer (each setting its own colour and legend entry)."""
+    weights = [setting.weight for setting in rows if not setting.is_baseline and setting.weight > 0]
+    if len(weights) <= MAX_LEGEND:
+        return None
+    return LogNorm(min(weights), max(weights) if max(weights) > min(weights) else min(weights) * 10)
+
+
+def colour_map() -> Colormap:
+    """:data:`COLOUR_MAP` over :data:`COLOUR_SPAN`."""
+    return ListedColormap(colormaps[COLOUR_MAP](np.linspace(*COLOUR_SPAN, 256)))
+
+
+def setting_colours(rows: Sequence[Setting], scale: LogNorm | None = None
+                    ) -> dict[int, str | tuple]:
+    """index in ``rows`` -> colour: grey for a baseline, else evenly spaced along
+    :func:`colour_map` in the settings' order (by penalty, then λ), or where its λ falls on
+    ``scale`` (:func:`weight_scale`)."""
     penalized = [k for k, setting in enumerate(rows) if not setting.is_baseline]
-    shades = np.linspace(*COLOUR_SPAN, max(len(penalized), 1))
+    if scale is None:
+        shades = np.linspace(0, 1, max(len(penalized), 1))
+    else:
+        shades = [float(np.clip(scale(max(rows[k].weight, scale.vmin)), 0, 1))
+                  for k in penalized]
     colours: dict[int, str | tuple] = {k: BASELINE_COLOUR for k, s in enumerate(rows)
                                        if s.is_baseline}
-    colours.update({k: colormaps["viridis"](shade) for k, shade in zip(penalized, shades,
-                                                                        strict=True)})
+    colours.update({k: colour_map()(shade) for k, shade in zip(penalized, shades, strict=True)})
     return colours
 
 
@@ -96,10 +124,12 @@ def validation_curves_figure(jobs: Sequence[Job], optimized: str | None = None,
     metrics = [metric for metric in metrics if any(metric in c for c in curves.values())]
     if not metrics:
         return None
-    colours = setting_colours(rows)
+    scale = weight_scale(rows)
+    colours = setting_colours(rows, scale)
     columns = min(COLUMNS, len(metrics))
     rows_of_panels = -(-len(metrics) // columns)
-    fig = Figure(figsize=(PANEL_WIDTH * columns, 3.4 * rows_of_panels + 1.2), dpi=100,
+    # three panels' width however many: the legend's room
+    fig = Figure(figsize=(PANEL_WIDTH * COLUMNS, 3.4 * rows_of_panels + 1.2), dpi=100,
                  layout="constrained")
     axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
     for ax, metric in zip(axes, metrics, strict=False):  # axes past the metrics: hidden
@@ -111,8 +141,9 @@ def validation_curves_figure(jobs: Sequence[Job], optimized: str | None = None,
                 if not curve:
                     continue
                 steps, values = zip(*curve, strict=True)
+                named = scale is None or setting.is_baseline  # else: the colour bar's
                 ax.plot(steps, values, style, color=colours[k], linewidth=1.4,
-                        label=setting_label(setting))
+                        label=setting_label(setting) if named else "_on the colour bar")
                 ax.plot(steps[-1:], values[-1:], "o", color=colours[k], markersize=4)
                 drawn += values
         ax.set_ylim(*value_range(drawn))
@@ -125,11 +156,16 @@ def validation_curves_figure(jobs: Sequence[Job], optimized: str | None = None,
     for ax in axes[:len(metrics)]:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             labels.setdefault(label, handle)
-    fig.legend(labels.values(), labels.keys(), loc="outside lower center",
-               ncols=min(5, len(labels)))
+    if labels:
+        fig.legend(labels.values(), labels.keys(), loc="outside lower center",
+                   ncols=min(5, len(labels)))
+    if scale is not None:
+        fig.colorbar(ScalarMappable(scale, colour_map()), ax=axes[:len(metrics)].tolist(),
+                     label="penalty weight λ (log scale)")
     seeds = len({job.seed for job in jobs})
     fig.suptitle("\n".join(line for line in (
-        "validation metrics over training, every run: one colour per setting",
+        "validation metrics over training, every run: "
+        + ("coloured by λ" if scale is not None else "one colour per setting"),
         title, f"{seeds} seed{'s' * (seeds != 1)}, a line each; dot: the last value; "
                "grey dashed: no penalty") if line))
     return fig
