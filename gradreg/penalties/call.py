@@ -15,7 +15,7 @@ from torch import Tensor
 from gradreg.penalties.state.loss_scale import LossScale
 from gradreg.penalties.state.randomness import Replaying, SharedForward
 
-__all__ = ["Configuration", "Method", "PenaltyCall", "PenaltyFunctions"]
+__all__ = ["Configuration", "Method", "PenaltyCall", "PenaltyFunctions", "TaskGradient"]
 
 
 class Configuration(Protocol):
@@ -37,6 +37,21 @@ class Configuration(Protocol):
 
 
 @dataclass(frozen=True)
+class TaskGradient:
+    r"""A request to a method that takes the task loss's gradient :math:`g` on its way (the
+    two-pass finite difference of the parameter gradient,
+    :func:`~gradreg.penalties.two_pass.penalized_loss`): take :math:`g` for the caller too
+    (the loss's graph freed unless ``retain_graph``) and return, beside the penalty's value,
+    either :math:`g + c\,Hv` (``factor`` :math:`c`: the penalty's
+    :attr:`~gradreg.penalties.GradientPenalty.factor`; the value then carries no gradient) or,
+    with ``split``, :math:`g` alone (the value carrying :math:`Hv`, weighted with it)."""
+
+    factor: float
+    retain_graph: bool = False
+    split: bool = False
+
+
+@dataclass(frozen=True)
 class PenaltyCall:
     """One call of a penalty as a method sees it: the points (already subsampled), and either
     the per-sample ``outputs`` at them or a callable ``fn(*inputs, *fn_args)`` that computes
@@ -46,7 +61,8 @@ class PenaltyCall:
     real, one row per sample, one loss per sample for a penalty of losses), the one check of the
     outputs of a call, which every method runs once on them (through :meth:`evaluate`,
     :meth:`forward`, or itself on given outputs; ``check(outputs, inputs=part)`` for the
-    outputs of a part of the points)."""
+    outputs of a part of the points). ``task``: where given (:class:`TaskGradient`), the method
+    returns ``(value, task gradient)`` (:data:`Method`)."""
 
     inputs: tuple[Tensor, ...]
     check: Callable[..., None]
@@ -54,6 +70,7 @@ class PenaltyCall:
     fn: Callable[..., Tensor] | None = None
     fn_args: tuple[Tensor, ...] = ()
     loss_scale: LossScale = None
+    task: TaskGradient | None = None
 
     def evaluate(self) -> Tensor:
         """The per-sample outputs at the points, checked: those given, or the callable's."""
@@ -92,5 +109,12 @@ class PenaltyFunctions:
     of_norms: Callable[[Tensor], Tensor]
 
 
-#: A method: one call in, the unweighted penalty out (carrying the parameter gradient).
-Method = Callable[[PenaltyCall], Tensor]
+#: The task loss's gradient a method hands back for a :class:`TaskGradient` request, one entry
+#: per parameter (None for a parameter the loss does not use).
+Gradients = list[Tensor | None]
+
+#: A method: one call in, the unweighted penalty out (carrying the parameter gradient); for a
+#: call with a :attr:`~PenaltyCall.task` request, a method that takes the task's gradient returns
+#: ``(value, gradients)`` instead (one that does not returns the value alone, which then carries
+#: its gradient as usual).
+Method = Callable[[PenaltyCall], Tensor | tuple[Tensor, Gradients]]

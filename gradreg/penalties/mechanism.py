@@ -61,7 +61,7 @@ import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError, as_tuple
-from gradreg.penalties.call import PenaltyCall, PenaltyFunctions
+from gradreg.penalties.call import Gradients, PenaltyCall, PenaltyFunctions, TaskGradient
 from gradreg.penalties.config import FLAT, POINTS, RENAMED, PenaltyConfig
 from gradreg.penalties.formulas.norms import (
     NormPenalty,
@@ -181,7 +181,7 @@ class GradientPenalty(nn.Module):
         self._scalable = (config.method.name == "double_backward"
                           and config.kind.name == "gradient_norm")
         self._sum_of_subsample = config.subsample < 1 and norm.reduction == "sum"
-        self._factor, self._check_finite = config.every * config.gain, config.check_finite
+        self._gains, self._check_finite = config.every * config.gain, config.check_finite
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -202,6 +202,19 @@ class GradientPenalty(nn.Module):
     @property
     def weight(self) -> float:
         return self._weight
+
+    @property
+    def factor(self) -> float:
+        """What the unweighted penalty is multiplied by: ``weight * every * gain`` (the lazy
+        ``every`` standing for the steps it skips, the ``gain`` a formula's constant), so that a
+        call returns ``factor * last_value``.
+
+        Examples:
+            >>> from gradreg.penalties import r1
+            >>> r1(10.0, every=4).factor  # 10 * 4 * gain 0.5 (R1 is gamma/2 ||grad||^2)
+            20.0
+        """
+        return self._weight * self._gains
 
     @weight.setter
     def weight(self, value: float | Tensor) -> None:
@@ -289,8 +302,9 @@ class GradientPenalty(nn.Module):
         *,
         loss_scale: float | Tensor | None = None,
         fn_args: Sequence[Tensor] = (),
-    ) -> Tensor:
-        """The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``.
+        task: TaskGradient | None = None,
+    ) -> Tensor | tuple[Tensor, Gradients | None]:
+        r"""The weighted penalty of ``outputs`` (per sample, batch first) w.r.t. ``inputs``.
 
         ``outputs`` is what the caller has of the model at the points, and the penalty's method
         decides what to run:
@@ -315,20 +329,30 @@ class GradientPenalty(nn.Module):
         ``loss_scale``: with fp16 autocast and a ``GradScaler``, pass ``scaler.get_scale()``: the
         gradients are taken of ``outputs * scale`` and multiplied by ``1/scale`` (PyTorch's
         gradient-penalty recipe) so that small fp16 gradients do not underflow.
+
+        ``task``: a :class:`~gradreg.penalties.call.TaskGradient` request (on
+        ``points="parameters"``, ``outputs`` a :class:`~gradreg.penalties.LossAt`): the call
+        returns ``(weighted penalty, task gradient)``, the gradient of the task loss the method
+        took on its way (:math:`g + c\,Hv`, or :math:`g` with ``split``), or None where the
+        method takes none (double backward: the value carries its gradient); what
+        :func:`~gradreg.penalties.penalized_loss` asks for.
         """
         if self._lazy:
             self._check_due()
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-        call = self._call(outputs, inputs, loss_scale, tuple(fn_args))
-        value = self._method(call)
+        call = self._call(outputs, inputs, loss_scale, tuple(fn_args), task)
+        value, gradient = self._method(call), None
+        if isinstance(value, tuple):  # a method that took the task's gradient (task given)
+            value, gradient = value
         kept = call.inputs[0]
         if self._sum_of_subsample and kept.ndim > 0 and kept.shape[0] < inputs[0].shape[0]:
             value = value * (inputs[0].shape[0] / kept.shape[0])  # to the whole batch's sum
-        return self._weighted(value, call)
+        weighted = self._weighted(value, call)
+        return weighted if task is None else (weighted, gradient)
 
     def _call(self, outputs: Tensor | Callable[..., Tensor], inputs: tuple[Tensor, ...],
-              loss_scale: float | Tensor | None,
-              fn_args: tuple[Tensor, ...]) -> PenaltyCall:
+              loss_scale: float | Tensor | None, fn_args: tuple[Tensor, ...],
+              task: TaskGradient | None = None) -> PenaltyCall:
         """The call, its points checked, with the points (and ``fn_args``) subsampled and the
         check of its outputs bound to them."""
         if (isinstance(outputs, SharedForward) and not self._needs_callable
@@ -349,7 +373,7 @@ class GradientPenalty(nn.Module):
         check = partial(check_outputs, inputs=inputs, per_sample=self._per_sample,
                         losses=self._losses)
         return PenaltyCall(inputs, check, outputs=None if fn else outputs, fn=fn,
-                           fn_args=fn_args, loss_scale=loss_scale)
+                           fn_args=fn_args, loss_scale=loss_scale, task=task)
 
     def _refuse_tensor(self, fn_args: tuple[Tensor, ...]) -> None:
         """Refuse outputs given as a tensor where the call needs the callable."""
@@ -362,7 +386,7 @@ class GradientPenalty(nn.Module):
 
     def _weighted(self, value: Tensor, call: PenaltyCall) -> Tensor:
         """weight * every * gain * value; the value kept, and checked finite where asked."""
-        factor = self._weight * self._factor
+        factor = self.factor
         weighted = value * factor
         self.last_value = value.detach()
         if self._check_finite and call.loss_scale is None:

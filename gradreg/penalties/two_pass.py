@@ -45,8 +45,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from gradreg.autograd import GradientError
+from gradreg.penalties.call import TaskGradient
 from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.methods.param_gradient import LossAt, TaskGradient, in_dtypes
+from gradreg.penalties.methods.param_gradient import LossAt, in_dtypes
 
 __all__ = ["Carried", "add_to_grad", "penalized_backward", "penalized_loss"]
 
@@ -250,12 +251,6 @@ def _two_passes(what: str, penalty: GradientPenalty, at: LossAt, params: list[Te
     if not penalty.needs_callable:
         at.spent = what == "penalized_backward"  # whose backward frees the graph here
         return at, None, penalty(at.loss, params)
-    config = penalty.config
-    at.task = TaskGradient(penalty.weight * config.every * config.gain, retain_graph, split)
-    try:
-        value = penalty(at, params)
-        gradient = at.task.gradient
-    finally:
-        at.task = None
+    value, gradient = penalty(at, params, task=TaskGradient(penalty.factor, retain_graph, split))
     at.spent = not retain_graph
     return at, gradient, value

@@ -117,6 +117,22 @@ def test_lazy_every_k_scales_by_k_and_builds_nothing_off_step() -> None:
         torch.testing.assert_close(acc, 3 * g, rtol=1e-12, atol=1e-14)
 
 
+def test_factor_is_weight_times_every_times_gain_and_weights_the_value() -> None:
+    """``factor`` = weight * every * gain (R1's gain 1/2), the weighted value ``factor *
+    last_value``; a weight set later changes it."""
+    torch.manual_seed(0)
+    critic = mlp(3, 1)
+    penalty = r1(10.0, every=4)
+    assert penalty.factor == 10.0 * 4 * 0.5
+    penalty.weight = 2.0
+    assert penalty.factor == 2.0 * 4 * 0.5
+    points = as_points(torch.randn(5, 3, dtype=torch.float64))
+    assert penalty.due()
+    value = penalty(critic(points), points)
+    torch.testing.assert_close(value.detach(), penalty.factor * penalty.last_value,
+                               rtol=0, atol=0)
+
+
 def test_constant_critic_gives_zero_penalty_and_finite_gradient() -> None:
     weight = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
     x = as_points(torch.randn(4, 3, dtype=torch.float64))

@@ -17,6 +17,7 @@ from torch import nn
 from gradreg import GradientError
 from gradreg.penalties import asam, gr, param_grad_norm, sam
 from gradreg.penalties.accumulation import accumulated_backward
+from gradreg.penalties.call import TaskGradient
 from gradreg.penalties.methods.param_gradient import LossAt
 from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
@@ -90,6 +91,45 @@ def test_penalized_loss_is_the_plain_form_in_two_passes(split: bool) -> None:
         task.backward()
         expected = flat(torch.autograd.grad(loss_fn(), params))
         torch.testing.assert_close(grads(model), expected, rtol=1e-14, atol=1e-16)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_task_gradient_is_returned_and_the_loss_at_is_left_as_given(split: bool) -> None:
+    """``penalty(at, params, task=TaskGradient(...))`` returns ``(weighted value, gradient)``:
+    :math:`g + c\\,Hv` (by hand: the plain form's gradient), or :math:`g` with ``split``;
+    nothing is written on the :class:`LossAt`."""
+    model, x, y = problem()
+    params = list(model.parameters())
+
+    def loss_fn() -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    gnp = param_grad_norm(WEIGHT, method="finite_difference", step=STEP)
+    at = LossAt.run(loss_fn, x)
+    plain = flat(torch.autograd.grad(at.loss + gnp(at, params), params))
+    at = LossAt.run(loss_fn, x)
+    before = dict(vars(at))
+    value, gradient = gnp(at, params, task=TaskGradient(gnp.factor, split=split))
+    assert vars(at).keys() == before.keys()
+    if split:  # g alone; the value carries c H v
+        torch.testing.assert_close(flat(gradient), flat(torch.autograd.grad(loss_fn(), params)),
+                                   rtol=1e-14, atol=1e-16)
+        assert value.requires_grad
+    else:
+        torch.testing.assert_close(flat(gradient), plain, rtol=1e-12, atol=1e-15)
+        assert not value.requires_grad
+    exact = param_grad_norm(WEIGHT)
+    torch.testing.assert_close(value.detach(), exact(loss_fn(), params).detach(),
+                               rtol=1e-12, atol=0)
+
+
+def test_a_task_request_to_double_backward_returns_no_gradient() -> None:
+    """Double backward takes no task gradient: None, the value carrying its own."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    loss = F.cross_entropy(model(x), y)
+    value, gradient = param_grad_norm(WEIGHT)(loss, params, task=TaskGradient(WEIGHT))
+    assert gradient is None and value.requires_grad
 
 
 def test_penalized_loss_by_double_backward_is_the_exact_penalty() -> None:

@@ -23,12 +23,11 @@ def penalty_weights(module: nn.Module) -> dict[str, float]:
 def penalty_scalars(module: nn.Module) -> dict[str, Tensor | float]:
     """``penalty/weight/<path>`` of every penalty and, once it has been called,
     ``penalty/unweighted/<path>`` (``last_value``) and ``penalty/weighted/<path>``
-    (``weight * every * gain * last_value``, the term the loss got at that call)."""
+    (``penalty.factor * last_value``, the term the loss got at that call)."""
     scalars: dict[str, Tensor | float] = {}
     for name, penalty in named_penalties(module).items():
         scalars[f"{PENALTY_WEIGHT}/{name}"] = float(penalty.weight)
         if penalty.last_value is not None:
-            factor = penalty.weight * penalty.config.every * penalty.config.gain
             scalars[f"{PENALTY_UNWEIGHTED}/{name}"] = penalty.last_value
-            scalars[f"{PENALTY_WEIGHTED}/{name}"] = penalty.last_value * factor
+            scalars[f"{PENALTY_WEIGHTED}/{name}"] = penalty.last_value * penalty.factor
     return scalars

@@ -79,7 +79,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,12 +95,11 @@ from gradreg.penalties.state.randomness import GeneratorState, UnreplayedDraws
 from gradreg.sharding import held_unsharded
 
 if TYPE_CHECKING:
-    from gradreg.penalties.call import Configuration, PenaltyCall, PenaltyFunctions
+    from gradreg.penalties.call import Configuration, Gradients, PenaltyCall, PenaltyFunctions
 
-__all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "TaskGradient",
-           "adaptive_norm_terms", "check_default_step_is_smooth", "difference_quotient",
-           "in_dtypes", "parameter_step", "shift_length", "shifted_parameters", "trainable",
-           "without_unused"]
+__all__ = ["GRADIENT_SHIFT_FACTOR", "LossAt", "ParameterFiniteDifference", "adaptive_norm_terms",
+           "check_default_step_is_smooth", "difference_quotient", "in_dtypes", "parameter_step",
+           "shift_length", "shifted_parameters", "trainable", "without_unused"]
 
 WHAT = "param_grad_norm by method='finite_difference'"
 #: The default ε of ``shift="gradient"`` (the shift :math:`\epsilon v`, :math:`\lVert \epsilon
@@ -109,21 +107,6 @@ WHAT = "param_grad_norm by method='finite_difference'"
 #: the same arithmetic (:data:`~gradreg.penalties.guards.precision.PARAMETER_STEPS`): 3e-4 in
 #: float32, below 1% error on the digits MLP and on the transformer (module docstring).
 GRADIENT_SHIFT_FACTOR = 0.3
-
-
-@dataclass
-class TaskGradient:
-    r"""A request to the method, set on a :class:`LossAt` by
-    :func:`~gradreg.penalties.two_pass.penalized_loss`: take the task loss's gradient :math:`g`
-    for the caller too (the loss's graph freed unless ``retain_graph``), and hand back in
-    ``gradient`` either :math:`g + c\,Hv` (``factor`` :math:`c`: the penalty's weight times its
-    gains; the penalty's value then carries no gradient) or, with ``split``, :math:`g` alone
-    (the value carrying :math:`Hv`, as in the plain form)."""
-
-    factor: float
-    retain_graph: bool = False
-    split: bool = False
-    gradient: list[Tensor] | None = None
 
 
 class LossAt:
@@ -165,7 +148,6 @@ class LossAt:
     def __init__(self, fn: Callable[[], Tensor], loss: Tensor | None = None,
                  state: GeneratorState | None = None) -> None:
         self.fn, self.loss, self.state = fn, loss, state
-        self.task: TaskGradient | None = None
         #: whether a two-pass call differentiated ``loss`` and freed its graph
         self.spent = False
 
@@ -388,12 +370,16 @@ class ParameterFiniteDifference:
         self._checked = False
         self._buffers = KeptBuffers(WHAT)
 
-    def __call__(self, call: PenaltyCall) -> Tensor:
+    def __call__(self, call: PenaltyCall) -> Tensor | tuple[Tensor, Gradients]:
+        r"""The unweighted penalty, carrying its parameter gradient; for a call with a
+        :class:`~gradreg.penalties.call.TaskGradient` request, ``(value, the task loss's
+        gradient)``: :math:`g + c\,Hv` (the value detached), or :math:`g` with ``split`` (the
+        value carrying :math:`Hv`)."""
         # FSDP2-sharded parameters: the unsharded ones penalty_step holds (their gradients are
         # reduced when the step ends)
         params = trainable(held_unsharded(call.inputs, WHAT), WHAT)
         given = getattr(call.fn, "loss", None)
-        task: TaskGradient | None = getattr(call.fn, "task", None)
+        task = call.task
         if task is not None and params is not call.inputs and any(
                 a is not b for a, b in zip(params, call.inputs, strict=True)):
             raise GradientError(f"{WHAT} on FSDP2-sharded parameters takes the task loss's "
@@ -422,15 +408,14 @@ class ParameterFiniteDifference:
             shifted = _shifted_gradient(fn, state, known, params, self._buffers, watch=watch)
         self._checked = True
         if task is None or task.split:
-            if task is not None:
-                task.gradient = without_unused(g, unused)
+            taken = None if task is None else without_unused(list(g), unused)
             used = [j for j in range(len(params)) if j not in unused]  # .grad None stays None
             quotient = difference_quotient(shifted, g, scale)
-            return with_gradients(value, [params[j] for j in used], [quotient[j] for j in used])
+            value = with_gradients(value, [params[j] for j in used], [quotient[j] for j in used])
+            return value if taken is None else (value, taken)
         factor = scale * task.factor  # g + c H v = g + factor (g' - g), in g's memory
         torch._foreach_lerp_(g, shifted, in_dtypes(factor, g))
-        task.gradient = without_unused(g, unused)
-        return value.detach()
+        return value.detach(), without_unused(g, unused)
 
     def _shift(self, g: list[Tensor], params: tuple[Tensor, ...], loss: Tensor
                ) -> tuple[Tensor, list[Tensor], Tensor | float, Tensor | float]:
