@@ -18,14 +18,14 @@ Plain PyTorch, WGAN-GP:
 
 from gradreg.penalties.accumulation import accumulated_backward
 from gradreg.penalties.config import METHODS, PenaltyConfig
-from gradreg.penalties.formulas.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.formulas.norms import per_sample_norm
 from gradreg.penalties.formulas.options import Norm
-from gradreg.penalties.formulas.points import as_points, interpolate, perturb_dragan
 from gradreg.penalties.kinds import GradientNorm, Hessian, Spectral
+from gradreg.penalties.lazy import lazy_optimizer_kwargs
 from gradreg.penalties.mechanism import POINTS, GradientPenalty, gradient_penalty
 from gradreg.penalties.methods import DoubleBackward, FiniteDifference, ParameterShift, Perturbation
 from gradreg.penalties.methods.param_gradient import LossAt
+from gradreg.penalties.points import as_points, interpolate, perturb_dragan
 from gradreg.penalties.presets import (
     PRESETS,
     approx_r1,

@@ -1,12 +1,12 @@
-"""The folders of ``gradreg.penalties`` are its layers, and imports point down only.
+"""The folders of ``gradreg.penalties`` are its floors, and imports point down only.
 
 Presets (``presets``, the package's ``__init__``) -> the mechanism (``mechanism``, ``config``,
-``two_pass``, ``accumulation``) -> how a penalty is computed (``methods/``) and what it
-penalizes (``kinds/``) -> one call of a penalty as they see it (``call``) -> the formulas
-(``formulas/``), the checks (``guards/``) and the state a call carries (``state/``). Every
-import of one module of the package by another is read from the source (``ast``, the imports
-under ``TYPE_CHECKING`` included): none points to a higher layer, and the modules form no
-cycle.
+``two_pass``, ``accumulation``; when a penalty runs, ``lazy``, and where, ``points``) -> how a
+penalty is computed (``methods/``) and what it penalizes (``kinds/``) -> one call of a penalty as
+they see it (``call``) -> the formulas (``formulas/``) -> the checks (``guards/``) -> the state a
+call carries (``state/``). Every import of one module of the package by another is read from the
+source (``ast``, the imports under ``TYPE_CHECKING`` included): none points to a higher floor,
+the modules form no cycle, and each sub-package's docstring names its floor.
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ import gradreg.penalties
 
 ROOT = Path(gradreg.penalties.__file__).parent
 PACKAGE = "gradreg.penalties"
-#: Each top-level module or sub-package of gradreg.penalties and its layer (higher imports lower).
+#: Each top-level module or sub-package of gradreg.penalties and its floor (higher imports lower).
 LAYERS = {
-    "__init__": 4, "presets": 4,
-    "mechanism": 3, "config": 3, "two_pass": 3, "accumulation": 3,
-    "methods": 2, "kinds": 2,
-    "call": 1,
-    "formulas": 0, "guards": 0, "state": 0,
+    "__init__": 6, "presets": 6,
+    "mechanism": 5, "config": 5, "two_pass": 5, "accumulation": 5, "lazy": 5, "points": 5,
+    "methods": 4, "kinds": 4,
+    "call": 3,
+    "formulas": 2,
+    "guards": 1,
+    "state": 0,
 }
 
 
@@ -105,3 +107,11 @@ def test_the_methods_and_the_kinds_do_not_import_each_other() -> None:
     crossing = sorted(f"{name} -> {t}" for name, targets in graph.items() for t in targets
                       if {unit(name), unit(t)} == {"methods", "kinds"})
     assert crossing == []
+
+
+def test_each_sub_package_names_its_floor() -> None:
+    """The floor a sub-package's docstring states is the one these tests hold it to."""
+    for name, floor in LAYERS.items():
+        if (ROOT / name).is_dir():
+            doc = (ROOT / name / "__init__.py").read_text()
+            assert f"Floor {floor} of ``gradreg.penalties``" in doc, name

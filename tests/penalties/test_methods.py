@@ -19,6 +19,7 @@ from gradreg.penalties import (
     make_penalty,
     methods,
 )
+from gradreg.penalties.guards import precision
 from tests.penalties.parameter_gradients import value_and_grad
 from tests.residual_net import ResidualNet
 from tests.tf32 import EmulatedTF32
@@ -154,27 +155,27 @@ def test_step_follows_the_precision_the_arithmetic_ran_in() -> None:
     conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8, 1))
     dense = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
     conv_out, dense_out = conv(torch.randn(2, 1, 4, 4)), dense(torch.randn(2, 4))
-    step = methods.default_step
-    assert step(methods.unit_roundoff(nn.Linear(4, 1).double()(torch.randn(2, 4).double()))) == 1e-6
-    assert step(methods.unit_roundoff(conv_out)) == 1e-2  # the CPU runs float32 as float32
+    step, roundoff = precision.default_step, precision.unit_roundoff
+    assert step(roundoff(nn.Linear(4, 1).double()(torch.randn(2, 4).double()))) == 1e-6
+    assert step(precision.unit_roundoff(conv_out)) == 1e-2  # the CPU runs float32 as float32
     conv_names = gradreg.graph.graph_node_names([conv_out])
     dense_names = gradreg.graph.graph_node_names([dense_out])
-    tf32 = partial(methods.cuda_float32_roundoff, conv_tf32=True, matmul_precision="highest")
-    assert step(tf32(conv_names)) == 0.5 and methods.TF32_ROUNDOFF == 2.0**-11
+    tf32 = partial(precision.cuda_float32_roundoff, conv_tf32=True, matmul_precision="highest")
+    assert step(tf32(conv_names)) == 0.5 and precision.TF32_ROUNDOFF == 2.0**-11
     assert step(tf32(dense_names)) == 1e-2  # torch's default: float32 matmuls stay float32
-    assert step(methods.cuda_float32_roundoff(conv_names, conv_tf32=False,
+    assert step(precision.cuda_float32_roundoff(conv_names, conv_tf32=False,
                                               matmul_precision="highest")) == 1e-2
-    assert step(methods.cuda_float32_roundoff(dense_names, conv_tf32=False,
+    assert step(precision.cuda_float32_roundoff(dense_names, conv_tf32=False,
                                               matmul_precision="high")) == 0.5
     with pytest.raises(GradientError, match="float32 or float64"):
-        step(methods.cuda_float32_roundoff(dense_names, conv_tf32=False,
+        step(precision.cuda_float32_roundoff(dense_names, conv_tf32=False,
                                            matmul_precision="medium"))
     with pytest.raises(GradientError, match="float32 or float64"):
         step(torch.finfo(torch.bfloat16).eps / 2)
     head, labels = nn.Linear(4, 2), torch.tensor([0, 1] * 2)
     x = torch.randn(4, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a float32 loss of bf16 arithmetic
-        assert methods.unit_roundoff(F.cross_entropy(head(x), labels)) == 2.0**-8
+        assert precision.unit_roundoff(F.cross_entropy(head(x), labels)) == 2.0**-8
         with pytest.raises(GradientError, match="disable autocast around it"):
             make_penalty("double_backprop", method="finite_difference")(
                 lambda q: F.cross_entropy(head(q), labels, reduction="none"), x)
@@ -194,7 +195,7 @@ def test_finite_difference_error_in_tf32_with_its_step(activation: type[nn.Modul
     p64 = points.detach().double().requires_grad_()
     _, exact = value_and_grad(make_penalty("wgan_gp"), exact64, exact64(p64), p64)
     errors = {}
-    for step in (methods.STEPS[methods.TF32_ROUNDOFF], 1e-2):
+    for step in (precision.STEPS[precision.TF32_ROUNDOFF], 1e-2):
         penalty = make_penalty("wgan_gp", method="finite_difference", step=step)
         with EmulatedTF32():
             _, estimate = value_and_grad(penalty, critic, critic, points.detach().requires_grad_())

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.autograd import grad
 
 from gradreg.penalties import PRESETS, asam, make_penalty, sam
-from gradreg.penalties.methods import PenaltyFunctions
+from gradreg.penalties.call import PenaltyFunctions
 from gradreg.penalties.methods.param_gradient import LossAt
 
 from .conftest import ALL_PRESETS, CATALOGUE_PRESETS, preset_case, preset_kwargs

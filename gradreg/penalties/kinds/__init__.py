@@ -23,6 +23,9 @@ Batch splitting: per-sample values with a ``"mean"`` (or ``"sum"``) reduction do
 how a batch is split into micro-batches or DDP ranks (``"spectral"``, and ``"hessian"`` with
 ``reduction="mean"`` over equal splits); a ``"max"`` reduction (Max-GP, the Hessian penalty's
 default) is the maximum over the batch at hand, which averaging over ranks does not give.
+
+Floor 4 of ``gradreg.penalties``, beside ``methods/``: the kinds hand the gradient norm to the
+configuration's method through the protocol of one call (``call``, floor 3), not by importing it.
 """
 
 from __future__ import annotations

@@ -39,24 +39,22 @@ one :class:`~gradreg.penalties.call.PenaltyCall` to the unweighted penalty in
 ``build(config, penalty)``); :data:`METHODS`, the names of the flat option ``method``, are theirs.
 Measured ratios are in ``docs/benchmarks.md`` (``scripts/benchmark.py``).
 
-The helpers of the methods live in their own modules and are importable from here too:
-:mod:`~gradreg.penalties.guards.precision` (the unit roundoff and the finite-difference step),
-:mod:`~gradreg.penalties.methods.finite_difference` and
-:mod:`~gradreg.penalties.methods.chunks` (micro-batches, subsample, the gradient surrogate).
+The helpers of the methods live in their own modules:
+:mod:`~gradreg.penalties.methods.finite_difference` (the difference, the check of smoothness),
+:mod:`~gradreg.penalties.methods.chunks` (micro-batches, subsample) and
+:mod:`~gradreg.penalties.methods.surrogate` (a value carrying gradients computed ahead of the
+caller's backward); the unit roundoff and the finite-difference step are
+:mod:`~gradreg.penalties.guards.precision`'s, the protocol of one call
+:mod:`~gradreg.penalties.call`'s.
+
+Floor 4 of ``gradreg.penalties``, beside ``kinds/``: the two do not import each other; both
+stand on the protocol of one call (``call``, floor 3).
 """
 
 from __future__ import annotations
 
-from gradreg.penalties.call import Method, PenaltyCall, PenaltyFunctions
 from gradreg.penalties.guards.options import Option
-from gradreg.penalties.guards.precision import (
-    STEPS,
-    TF32_ROUNDOFF,
-    cuda_float32_roundoff,
-    default_step,
-    unit_roundoff,
-)
-from gradreg.penalties.methods.chunks import InChunks, in_chunks, subsample, with_gradients
+from gradreg.penalties.methods.chunks import InChunks, in_chunks, subsample
 from gradreg.penalties.methods.double_backward import DoubleBackward, ExactPenalty
 from gradreg.penalties.methods.finite_difference import (
     PIECEWISE_LINEAR,
@@ -72,27 +70,18 @@ __all__ = [
     "METHODS",
     "METHOD_TYPES",
     "PIECEWISE_LINEAR",
-    "STEPS",
-    "TF32_ROUNDOFF",
     "DoubleBackward",
     "ExactPenalty",
     "FiniteDifference",
     "InChunks",
-    "Method",
     "ParameterFiniteDifference",
     "ParameterShift",
-    "PenaltyCall",
-    "PenaltyFunctions",
     "Perturbation",
     "check_smooth",
-    "cuda_float32_roundoff",
-    "default_step",
     "finite_difference",
     "in_chunks",
     "perturbation_sq_norms",
     "subsample",
-    "unit_roundoff",
-    "with_gradients",
 ]
 
 

@@ -1,6 +1,5 @@
 """The cost levers that keep the exact gradient or its expectation: the penalty in micro-batches
-(:func:`in_chunks`), on a subsample (:func:`subsample`), and the surrogate that hands gradients
-computed ahead of time to the caller's one backward (:func:`with_gradients`)."""
+(:func:`in_chunks`) and on a subsample (:func:`subsample`)."""
 
 from __future__ import annotations
 
@@ -16,26 +15,13 @@ from gradreg.autograd import GradientError
 from gradreg.graph import graph_leaves
 from gradreg.penalties.call import PenaltyCall, PenaltyFunctions
 from gradreg.penalties.guards.compiled import check_not_compiled
+from gradreg.penalties.methods.surrogate import with_gradients
 from gradreg.penalties.state.loss_scale import unscaled
 from gradreg.penalties.state.randomness import GeneratorState
 
-__all__ = ["InChunks", "in_chunks", "subsample", "with_gradients"]
+__all__ = ["InChunks", "in_chunks", "subsample"]
 
 PenaltyOfPoints = Callable[[tuple[Tensor, ...], tuple[Tensor, ...]], Tensor]
-
-
-def with_gradients(value: Tensor, tensors: list[Tensor], gradients: list[Tensor]) -> Tensor:
-    r"""``value`` (detached) plus a zero whose gradient w.r.t. each ``tensors[j]`` is
-    ``gradients[j]``: :math:`v + S - \operatorname{detach}(S)`,
-    :math:`S = \sum_j \langle t_j, \operatorname{detach}(G_j) \rangle`.
-
-    Hands gradients computed ahead of time to the caller's one ``backward`` (scaled by whatever
-    multiplies the value there). First order only: its own gradient is constant.
-    """
-    surrogate = sum((t * g.detach()).sum() for t, g in zip(tensors, gradients, strict=True))
-    if not isinstance(surrogate, Tensor):  # nothing to carry
-        return value.detach()
-    return value.detach() + (surrogate - surrogate.detach())
 
 
 def in_chunks(
@@ -63,9 +49,10 @@ def in_chunks(
     ``torch.autograd.grad`` w.r.t. every leaf it depends on (the parameters) and, where the points
     come from upstream computation (a generator), w.r.t. the points; then its graph is freed. The
     sums of these exact gradients reach the caller's single ``backward`` through
-    :func:`with_gradients`. So ``.grad`` is that of the unchunked penalty, to float rounding,
-    while at most one micro-batch's double-backward graph is alive: the memory of the penalty's
-    graph falls by about ``chunks``, for the price of up to two parameter-sized buffers (the
+    :func:`~gradreg.penalties.methods.surrogate.with_gradients`. So ``.grad`` is that of the
+    unchunked penalty, to float rounding, while at most one micro-batch's double-backward graph
+    is alive: the memory of the penalty's graph falls by about ``chunks``, for the price of up
+    to two parameter-sized buffers (the
     running sum and one micro-batch's gradient). The products computed are those of the same
     penalty run unchunked on its own forward (WGAN-GP's interpolates), in smaller kernels; a
     penalty that could have shared the task's forward (R1 on the reals, double backprop) pays
