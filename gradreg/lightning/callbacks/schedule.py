@@ -81,7 +81,7 @@ class WeightSchedule:
 
 
 class PenaltyWeightSchedule(pl.Callback):
-    """Set ``.weight`` of the module's :class:`GradientPenalty` submodules to :math:`w(t)`.
+    r"""Set ``.weight`` of the module's :class:`GradientPenalty` submodules to :math:`w(t)`.
 
     What :math:`t` counts: the optimizer steps taken so far by the optimizer the penalty belongs
     to, before the batch about to run.
@@ -107,7 +107,7 @@ class PenaltyWeightSchedule(pl.Callback):
     its configuration: a penalty that shifts the parameters (``sam(rho)``, ``asam``, ``gr``,
     ``param_grad_norm`` by finite difference) keeps the shift it was built with. For SAM, whose
     :math:`\rho` is both the weight and the radius, a weight :math:`w` gives the gradient
-    :math:`\nabla L(\theta) + (w/\rho)(\nabla L(\theta + \rho\\hat g) - \nabla L(\theta))`:
+    :math:`\nabla L(\theta) + (w/\rho)(\nabla L(\theta + \rho \hat g) - \nabla L(\theta))`:
     a ramp of :math:`w` from 0 to :math:`\rho` goes from plain training to SAM at the fixed
     radius :math:`\rho`, never SAM at radius :math:`w`. Each such penalty is named in one info
     line when the fit starts.
