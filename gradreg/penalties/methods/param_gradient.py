@@ -89,7 +89,7 @@ from gradreg.penalties.formulas.norms import per_sample_norm
 from gradreg.penalties.guards.compiled import runs_compiled
 from gradreg.penalties.guards.precision import default_step, unit_roundoff
 from gradreg.penalties.guards.smoothness import piecewise_linear_ops
-from gradreg.penalties.methods.chunks import with_gradients
+from gradreg.penalties.methods.surrogate import with_gradients
 from gradreg.penalties.state.buffers import KeptBuffers
 from gradreg.penalties.state.randomness import GeneratorState, UnreplayedDraws
 from gradreg.sharding import held_unsharded
