@@ -18,8 +18,8 @@ CLASSIFIER_PRESETS = ("double_backprop", "intermediate", "jacobian", "param_grad
                       "derivative")
 ALL_PRESETS = (*CRITIC_PRESETS, *CLASSIFIER_PRESETS, "path_length")
 #: Presets with their own tests (test_catalogue_presets.py; sam, asam: test_two_pass.py; gr:
-#: test_param_grad_norm.py): they run the model themselves or reduce by a maximum, so the shared
-#: cases above (tensor outputs, micro-batch means) do not fit.
+#: methods/test_param_grad_norm.py): they run the model themselves or reduce by a maximum, so
+#: the shared cases above (tensor outputs, micro-batch means) do not fit.
 CATALOGUE_PRESETS = ("approx_r1", "approx_r2", "max_gp", "spectral", "hessian", "sam", "asam",
                      "gr")
 

@@ -302,7 +302,7 @@ def generator() -> nn.Sequential:
 def test_hessian_preset_is_the_authors_penalty() -> None:
     """weight · max over samples and units of the unbiased variance over k Rademacher draws of
     (G(z + εv) − 2G(z) + G(z − εv))/ε², the directions drawn by torch.randint(0, 2) after the
-    same seed (the authors' formula, written out in test_hessian.py)."""
+    same seed (the authors' formula, written out in kinds/test_hessian.py)."""
     g, z = generator(), torch.randn(5, 3, dtype=F64)
     torch.manual_seed(4)
     got = hessian(0.3, count=3)(g, as_points(z))

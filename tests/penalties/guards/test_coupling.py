@@ -134,7 +134,7 @@ def test_per_sample_layers_are_not_mistaken_for_coupling(method: str, layer: nn.
     model, x = critic(layer), reals().requires_grad_()
     model.train(not isinstance(layer, nn.BatchNorm1d))
     if method == "chunks" and isinstance(layer, nn.Dropout):
-        layer.eval()  # chunks refuse models that draw (tests/penalties/test_random_layers.py)
+        layer.eval()  # chunks refuse models that draw (tests/penalties/state/test_random_layers.py)
     value = REFUSING[method]()(model, x)
     assert torch.isfinite(value) and value > 0
 
