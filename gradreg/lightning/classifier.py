@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -55,7 +54,7 @@ from lightning import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 
-from gradreg import capture, differentiable_attention, gradient
+from gradreg import gradient
 from gradreg.evaluation.metrics import accuracy, fgsm, pgd
 from gradreg.lightning.compat import accumulating, attached_trainer
 from gradreg.lightning.global_batch import slice_rows
@@ -68,11 +67,7 @@ from gradreg.lightning.penalized import (
 )
 from gradreg.lightning.precision import loss_scale
 from gradreg.lightning.sharded import ShardedPenaltyStrategy
-from gradreg.penalties import GeneratorState, GradientPenalty, SharedForward, as_points
-from gradreg.penalties.accumulation import Accumulation, combined
-from gradreg.penalties.methods.param_gradient import LossAt
-from gradreg.penalties.two_pass import Carried, penalized_loss
-from gradreg.sharding import held_unsharded
+from gradreg.penalties import GradientPenalty, Window, as_points, step_terms
 
 CLASSIFIER_POINTS = ("inputs", "activations", "parameters")
 
@@ -131,7 +126,7 @@ class Classifier(PenalizedModule):
         self.save_hyperparameters(ignore=["backbone", "penalties", "optimizer"])
         self.backbone = backbone
         self.penalties = nn.ModuleDict(penalties)
-        self._accumulations: dict[str, Accumulation] = {}  # under accumulate_grad_batches
+        self._window: Window | None = None  # under accumulate_grad_batches and DDP
         self.optimizer = optimizer or partial(torch.optim.Adam, lr=1e-3)
         if not (isinstance(pgd_steps, int) and pgd_steps >= 0):
             raise ValueError(f"pgd_steps must be an integer >= 0 (0: no PGD), got {pgd_steps!r}")
@@ -158,103 +153,41 @@ class Classifier(PenalizedModule):
         return self.backbone(x)
 
     def losses(self, x: Tensor, y: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The mean task loss and the weighted penalties due at this step (``gp.due()``).
+        r"""The mean task loss and the weighted penalties due at this step (``gp.due()``), by
+        :func:`~gradreg.penalties.step_terms`.
 
         A parameter-gradient penalty by finite difference (``param_grad_norm``, ``sam``) takes
-        the task loss's gradient for it (:func:`~gradreg.penalties.two_pass.penalized_loss`):
+        the task loss's gradient for it (:func:`~gradreg.penalties.penalized_loss`):
         the returned task loss then carries the whole step's gradient of the two (two passes,
         the hand-written recipe's cost) and the penalty only its value, unless a callback asked
         for the terms (:func:`~gradreg.lightning.loss_terms.request_terms`: each term carries
-        its own gradient)."""
-        due = {name: gp for name, gp in self.penalties.items() if gp.due()}
-        if any(gp.config.points == "inputs" for gp in due.values()):
-            x = as_points(x)
-        layers = sorted({layer for gp in due.values() for layer in gp.config.layers})
-        # a penalty that differentiates this forward's graph twice needs attention with a
-        # double backward; without one due, the task loss keeps the fused kernels
-        shared = any(not gp.needs_callable for gp in due.values())
-        state = GeneratorState.capture(x)  # replayed where a penalty runs the model at other points
-        with (differentiable_attention() if shared else nullcontext(),
-              capture(self.backbone, *layers) if layers else nullcontext({}) as activations):
-            logits = self.backbone(x)
-        per_sample = F.cross_entropy(logits, y, reduction="none")
-        loss = per_sample.mean()
-        penalties = {}
+        its own gradient). Under ``accumulate_grad_batches`` and DDP (the ranks' mean) a
+        parameter penalty is that of the accumulated batch's gradient, in two phases
+        (:class:`~gradreg.penalties.Window`): each micro-batch's task term carries its loss's
+        gradient :math:`g_k` (Lightning divides it by the count :math:`N`, so ``.grad`` sums
+        :math:`\bar g`); on the micro-batch after which the optimizer steps, the penalty
+        :math:`c\,P(\bar g)` is returned and the task term also carries :math:`N c\,\bar H
+        v`, from the second phase over the window's micro-batches (kept with their random
+        states until then)."""
         trainer = attached_trainer(self)
-        scale = loss_scale(trainer)  # fp16 GradScaler: PyTorch's penalty recipe
-        accumulated = 1 if trainer is None else trainer.accumulate_grad_batches
-        task = loss  # carries the penalty's gradient too where one takes the task's (two passes)
-        for name, gp in due.items():
-            if gp.config.points == "inputs":
-                outputs, fn_args = self._outputs(gp, x, logits, per_sample, y, state)
-                penalties[name] = gp(outputs, x, loss_scale=scale, fn_args=fn_args)
-            elif gp.config.points == "activations":
-                penalties[name] = gp(per_sample, [activations[layer] for layer in gp.config.layers],
-                                     loss_scale=scale)
-            elif accumulated > 1 or over_ranks(trainer):  # "parameters", of the batch split
-                # into micro-batches or over ranks: two phases
-                task, value = self._accumulated(name, gp, loss, state, x, y, trainer,
-                                                retain_graph=len(due) > 1)
-                if value is not None:  # on the micro-batch after which the optimizer steps
-                    penalties[name] = value
-            elif gp.needs_callable and task is loss:  # "parameters" in two passes
-                at = LossAt(partial(self._mean_loss, x, y), loss, state)
-                task, penalties[name] = penalized_loss(gp, at, self._trainable(),
-                                                       retain_graph=len(due) > 1,
-                                                       split=terms_requested(self))
-            else:  # "parameters"
-                at = LossAt(partial(self._mean_loss, x, y), loss, state) if gp.needs_callable \
-                    else loss
-                penalties[name] = gp(at, self._trainable(), loss_scale=scale)
-            if gp.config.reduction == "sum" and gp.config.per_sample and accumulated > 1:
-                # a sum over the accumulated batch, as a mean is the mean over it
-                penalties[name] = penalties[name] * accumulated
-        return task, penalties
+        window = self._window_of(trainer)
+        terms = step_terms(
+            self.penalties, self.backbone, partial(F.cross_entropy, reduction="none"), x, y,
+            params=self._trainable(), accumulation=window,
+            last=trainer is None or not accumulating(trainer),
+            rows=slice_rows(trainer, len(x)) if window is not None else None,  # global batches:
+            loss_scale=loss_scale(trainer), split=terms_requested(self))  # slices by samples
+        return terms.task, terms.penalties
 
-    def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor, state: GeneratorState,
-                     x: Tensor, y: Tensor, trainer: Trainer, *, retain_graph: bool
-                     ) -> tuple[Tensor, Tensor | None]:
-        r"""A parameter penalty of the accumulated batch's gradient under
-        ``accumulate_grad_batches`` and DDP (the ranks' mean:
-        :class:`~gradreg.penalties.accumulation.Accumulation`, ``over_ranks``):
-        each micro-batch's task term carries its loss's gradient :math:`g_k` (Lightning divides
-        it by the count :math:`N`, so ``.grad`` sums :math:`\bar g`); on the micro-batch after
-        which the optimizer steps, the penalty :math:`c\,P(\bar g)` is returned and the task
-        term also carries :math:`N c\,\bar H v`, from the second phase over the window's
-        micro-batches (kept with their random states until then)."""
-        accumulation = self._accumulations.get(name)
-        if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(  # FSDP2: held gathered
-                gp, held_unsharded(tuple(self._trainable()), "a parameter penalty"),
-                over_ranks=over_ranks(trainer))
-        g = accumulation.add(partial(self._mean_loss, x, y), state, loss,  # global batches:
-                             rows=slice_rows(trainer, len(x)),  # the slices by their samples
-                             retain_graph=retain_graph)
-        value = None
-        if not accumulating(trainer):
-            value, hv = accumulation.finish()
-            count = trainer.accumulate_grad_batches
-            g = combined(g, hv, count)
-        hand_over = not terms_requested(self)  # a gradient split differentiates it again
-        return Carried.apply(loss.detach(), g, hand_over, *accumulation.params), value
-
-    def _outputs(
-        self, gp: GradientPenalty, x: Tensor, logits: Tensor, per_sample: Tensor, y: Tensor,
-        state: GeneratorState,
-    ) -> tuple[SharedForward, tuple[Tensor, ...]]:
-        """The task's forward for an ``"inputs"`` penalty (``gp.config.of``: the logits or the
-        per-sample losses), as one :class:`~gradreg.penalties.SharedForward`, and the callable's
-        per-sample arguments besides the inputs (the labels): the penalty's method decides what
-        it takes of it (double backward differentiates the task's outputs; the finite difference
-        and the perturbation estimate take them at ``x`` and replay ``state``, the random state
-        the task's forward began with, at the other points; ``subsample``, ``chunks`` and the
-        kinds other than the gradient norm run the forward again)."""
-        if gp.config.of == "outputs":
-            return SharedForward(self.backbone, x, logits, state), ()
-        return SharedForward(self._per_sample_loss, x, per_sample, state), (y,)
-
-    def _per_sample_loss(self, x: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(self.backbone(x), y, reduction="none")
+    def _window_of(self, trainer: Trainer | None) -> Window | None:
+        """The micro-batches and ranks of the trainer's optimizer step, kept from step to step
+        (their first phases); None where the step's batch is not split."""
+        if trainer is None:
+            return None
+        size, ranks = trainer.accumulate_grad_batches, over_ranks(trainer)
+        if self._window is None or (self._window.size, self._window.over_ranks) != (size, ranks):
+            self._window = Window(size, over_ranks=ranks)
+        return self._window if self._window.split else None
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, penalties = self.losses(*batch)
@@ -286,7 +219,8 @@ class Classifier(PenalizedModule):
                 f"penalties {sorted(parameter)} with {split}: the penalty of the whole batch's "
                 "gradient is taken for one parameter penalty (computed at every step under "
                 "accumulation, every=1); use one, or a batch of the whole size in one process")
-        self._accumulations.clear()
+        if self._window is not None:
+            self._window.clear()
         summed = sorted(name for name, gp in self.penalties.items()
                         if gp.config.reduction == "sum" and gp.config.per_sample)
         if summed and self.trainer.world_size > 1:
@@ -327,9 +261,6 @@ class Classifier(PenalizedModule):
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.backbone.parameters() if p.requires_grad]
-
-    def _mean_loss(self, x: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(self.backbone(x), y)
 
     def _summed_loss(self, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(self.backbone(x), y, reduction="sum")

@@ -50,6 +50,7 @@ from gradreg.penalties.presets import (
     wgan_lp,
 )
 from gradreg.penalties.state.randomness import GeneratorState, SharedForward
+from gradreg.penalties.terms import StepTerms, Window, step_terms
 from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
 __all__ = [
@@ -69,6 +70,8 @@ __all__ = [
     "Perturbation",
     "SharedForward",
     "Spectral",
+    "StepTerms",
+    "Window",
     "accumulated_backward",
     "approx_r1",
     "approx_r2",
@@ -96,6 +99,7 @@ __all__ = [
     "r2",
     "sam",
     "spectral",
+    "step_terms",
     "wgan_gp",
     "wgan_lp",
 ]

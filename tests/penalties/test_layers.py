@@ -1,12 +1,13 @@
 """The folders of ``gradreg.penalties`` are its floors, and imports point down only.
 
 Presets (``presets``, the package's ``__init__``) -> the mechanism (``mechanism``, ``config``,
-``two_pass``, ``accumulation``; when a penalty runs, ``lazy``, and where, ``points``) -> how a
-penalty is computed (``methods/``) and what it penalizes (``kinds/``) -> one call of a penalty as
-they see it (``call``) -> the formulas (``formulas/``) -> the checks (``guards/``) -> the state a
-call carries (``state/``). Every import of one module of the package by another is read from the
-source (``ast``, the imports under ``TYPE_CHECKING`` included): none points to a higher floor,
-the modules form no cycle, and each sub-package's docstring names its floor.
+``two_pass``, ``accumulation``, a step's ``terms``; when a penalty runs, ``lazy``, and where,
+``points``) -> how a penalty is computed (``methods/``) and what it penalizes (``kinds/``) -> one
+call of a penalty as they see it (``call``) -> the formulas (``formulas/``) -> the checks
+(``guards/``) -> the state a call carries (``state/``). Every import of one module of the package
+by another is read from the source (``ast``, the imports under ``TYPE_CHECKING`` included): none
+points to a higher floor, the modules form no cycle, and each sub-package's docstring names its
+floor.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ PACKAGE = "gradreg.penalties"
 LAYERS = {
     "__init__": 6, "presets": 6,
     "mechanism": 5, "config": 5, "two_pass": 5, "accumulation": 5, "lazy": 5, "points": 5,
+    "terms": 5,
     "methods": 4, "kinds": 4,
     "call": 3,
     "formulas": 2,
