@@ -235,17 +235,21 @@ def test_schedule_warns_when_resumed_with_another_schedule(tmp_path: Path) -> No
 
 
 def test_a_schedule_scales_sams_correction_and_keeps_its_radius(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """sam(0.05) under a constant schedule of weight 0.1 (float64 Classifier, SGD, 2 steps): the
     applied gradient is grad L + (0.1/0.05)(grad L(theta + 0.05 g_hat) - grad L), by hand at
     each step's parameters: the radius stays 0.05 (the schedule sets the weight only), and the
-    fit's start names the penalty's shift in one info line."""
+    fit's start names the penalty's shift in one info line (Lightning's records reach caplog's
+    root handler even after an in-process app run stopped their propagation)."""
+    for name in ("lightning", "lightning.pytorch"):
+        monkeypatch.setattr(logging.getLogger(name), "propagate", True)
     torch.manual_seed(0)
     module = Classifier(MLP(6, 3, hidden=[5]).double(), {"sam": sam(0.05)}, pgd_steps=0,
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
     recorder = Recorder()
     schedule = PenaltyWeightSchedule("constant", end=0.1)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         trainer(tmp_path, [schedule, recorder], max_steps=2).fit(module, digits_like())
     assert "'penalties.sam' shifts the parameters by radius=0.05" in caplog.text
     assert module.penalties["sam"].config.method.radius == 0.05
