@@ -3,7 +3,9 @@
 Each preset is a dict of :class:`GradientPenalty` options (:data:`PRESETS`) and a function of the
 same name that builds it, taking the weight as its only positional argument:
 ``wgan_gp(0.1)`` is ``wgan_gp(weight=0.1)`` is ``make_penalty("wgan_gp", weight=0.1)``; every
-other option is a keyword (``r1(1.0, every=16)``).
+other option is a keyword (``r1(1.0, every=16)``). Each function's docstring is its formula, its
+reference and an example; the options each preset sets, and why, are in the penalties guide
+(``docs/penalties.md``, "The presets in detail").
 """
 
 from __future__ import annotations
@@ -87,9 +89,6 @@ def wgan_gp(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""WGAN-GP (Gulrajani et al. 2017): :math:`\lambda\, \mathrm{mean}_i (\lVert \nabla D(\hat
     x_i) \rVert - 1)^2` at interpolates :math:`\hat x` (:func:`~gradreg.penalties.interpolate`).
 
-    Preset options: ``target=1.0`` (the norm's target: a 1-Lipschitz critic),
-    ``points="interpolates"`` (between real and fake samples).
-
     Args:
         weight: :math:`\lambda`.
         **options: any other option of :class:`GradientPenalty`, by keyword.
@@ -110,9 +109,6 @@ def wgan_gp(weight: float = 10.0, **options: Any) -> GradientPenalty:
 def wgan_lp(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""WGAN-LP (Petzka et al. 2018): :math:`\lambda\, \mathrm{mean}_i \max(0, \lVert \nabla
     D(\hat x_i) \rVert - 1)^2` at interpolates :math:`\hat x`: only norms above 1 are penalized.
-
-    Preset options: ``target=1.0``, ``one_sided=True`` (norms below the target cost nothing),
-    ``points="interpolates"``.
 
     Args:
         weight: :math:`\lambda`.
@@ -135,13 +131,9 @@ def r1(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""R1 (Mescheder et al. 2018): :math:`\frac{\gamma}{2}\, \mathrm{mean}_i \lVert \nabla
     D(x_i) \rVert^2` at the real samples.
 
-    Preset options: ``gain=0.5`` (the 1/2 of :math:`\gamma/2`), ``points="real"``; the target is
-    0, so the squared norm is taken without a root.
-
     Args:
         weight: :math:`\gamma`.
-        **options: any other option of :class:`GradientPenalty`, by keyword (StyleGAN2's lazy
-            R1 is ``r1(10.0, every=16)``).
+        **options: any other option of :class:`GradientPenalty`, by keyword.
 
     Examples:
         A linear critic with :math:`\lVert w \rVert^2 = 25`:
@@ -159,8 +151,6 @@ def r1(weight: float = 10.0, **options: Any) -> GradientPenalty:
 def r2(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""R2 (Mescheder et al. 2018): :math:`\frac{\gamma}{2}\, \mathrm{mean}_i \lVert \nabla
     D(\tilde x_i) \rVert^2` at the fake samples :math:`\tilde x`.
-
-    Preset options: ``gain=0.5`` (the 1/2 of :math:`\gamma/2`), ``points="fake"``.
 
     Args:
         weight: :math:`\gamma`.
@@ -184,8 +174,6 @@ def dragan(weight: float = 10.0, **options: Any) -> GradientPenalty:
     x_i) \rVert - 1)^2` at perturbed reals :math:`\tilde x`
     (:func:`~gradreg.penalties.perturb_dragan`).
 
-    Preset options: ``target=1.0``, ``points="perturbed"``.
-
     Args:
         weight: :math:`\lambda`.
         **options: any other option of :class:`GradientPenalty`, by keyword.
@@ -206,9 +194,6 @@ def dragan(weight: float = 10.0, **options: Any) -> GradientPenalty:
 def double_backprop(weight: float = 0.1, **options: Any) -> GradientPenalty:
     r"""Double backpropagation (Drucker & LeCun 1992): :math:`\lambda\, \mathrm{mean}_i \lVert
     \nabla_x \ell_i \rVert^2` of the per-sample task losses :math:`\ell_i` at the inputs.
-
-    Preset options: ``points="inputs"``, ``of="loss"`` (the caller passes per-sample losses,
-    ``reduction="none"``, not the model's outputs).
 
     Args:
         weight: :math:`\lambda`.
@@ -232,15 +217,11 @@ def double_backprop(weight: float = 0.1, **options: Any) -> GradientPenalty:
 def intermediate(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""The input-gradient penalty at hidden layers: :math:`\lambda\, \mathrm{mean}_i \lVert
     \nabla_h \ell_i \rVert^2` of the per-sample losses at the activations :math:`h` of the
-    submodules named by ``layers=[...]`` (recorded by :func:`gradreg.capture`).
-
-    Preset options: ``points="activations"``, ``of="loss"``; ``layers`` has no default (the
-    submodules' dotted names, as in ``model.named_modules()``).
+    submodules named by ``layers=[...]`` (needed; recorded by :func:`gradreg.capture`).
 
     Args:
         weight: :math:`\lambda`.
-        **options: any other option of :class:`GradientPenalty`, by keyword; ``layers`` is
-            needed.
+        **options: any other option of :class:`GradientPenalty`, by keyword; ``layers``.
 
     Examples:
         A loss linear in the first layer's activations, :math:`\ell_i = (3, 4) \cdot h_i`:
@@ -263,11 +244,7 @@ def intermediate(weight: float = 0.01, **options: Any) -> GradientPenalty:
 def jacobian(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""The Jacobian's squared Frobenius norm (Hoffman, Roberts & Yaida 2019): :math:`\lambda\,
     \mathrm{mean}_i \lVert J_i \rVert_F^2`, :math:`J_i = \partial f(x_i) / \partial x_i`,
-    estimated by ``count`` random orthonormal projections per sample (unbiased; exact when
-    ``count`` is the number of outputs per sample).
-
-    Preset options: ``points="inputs"``, ``projection="orthonormal"``; ``count`` left at its
-    default, one projection.
+    estimated by ``count`` random orthonormal projections per sample.
 
     Args:
         weight: :math:`\lambda`.
@@ -291,9 +268,6 @@ def param_grad_norm(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""The parameter-gradient norm (Zhao, Zhang & Hu 2022): :math:`\lambda\, \lVert \nabla_\theta
     L \rVert` of the task loss :math:`L` over all parameters together (one norm, no samples).
 
-    Preset options: ``power=1.0`` (the norm, not its square), ``points="parameters"`` (the
-    caller passes the parameters as the points), ``of="loss"`` (the mean task loss).
-
     Args:
         weight: :math:`\lambda`.
         **options: any other option of :class:`GradientPenalty`, by keyword.
@@ -311,31 +285,13 @@ def param_grad_norm(weight: float = 0.01, **options: Any) -> GradientPenalty:
 
 
 def sam(rho: float = 0.05, **options: Any) -> GradientPenalty:
-    r"""Sharpness-aware minimization (Foret et al. 2021) as a penalty: ``param_grad_norm`` with
-    weight and shift radius both :math:`\rho`.
-
-    ``loss + sam(rho)(LossAt(fn, loss), params)``, one backward, gives SAM's gradient
-    :math:`\nabla L(\theta + \rho\,g/\lVert g \rVert)`, :math:`g = \nabla L(\theta)`: the
-    penalty's gradient is :math:`\rho\,\lVert v\rVert(\nabla L(\theta + \rho \hat g) -
-    \nabla L(\theta))/\rho` with :math:`v = \hat g`, so the task's :math:`\nabla L(\theta)`
-    cancels (the paper's :math:`\alpha = \lambda/r = 1`). Its value is :math:`\rho \lVert g
-    \rVert`, the first-order sharpness :math:`L(\theta + \rho\hat g) - L(\theta)`.
-    :func:`~gradreg.penalties.two_pass.penalized_loss` (and the Lightning modules) take it in
-    SAM's two passes. The shifted forward replays the random state of the one at :math:`\theta`
-    (the same dropout mask) and leaves BatchNorm's running statistics as one forward does
-    (davda54/sam's recipe leaves that to the user).
-
-    :math:`\rho` is set once, here: the weight and ``radius`` (``make_penalty("sam",
-    weight=0.1)`` sets both too). The radius is part of the configuration and does not change;
-    a weight set later (a :class:`~gradreg.lightning.callbacks.PenaltyWeightSchedule`) scales
-    the correction instead: weight :math:`w` gives :math:`\nabla L(\theta) + (w/\rho)
-    (\nabla L(\theta + \rho\hat g) - \nabla L(\theta))`, SAM's gradient at :math:`w =
-    \rho` only (:math:`\alpha = w/\rho`). For a weight apart from the radius, build
-    ``param_grad_norm(weight, method="finite_difference", radius=r)``.
+    r"""Sharpness-aware minimization (Foret et al. 2021) as a penalty: :math:`\rho\, \lVert
+    \nabla_\theta L \rVert` by finite difference with radius :math:`\rho`, so that ``loss +
+    sam(rho)(LossAt(fn, loss), params)`` has SAM's gradient :math:`\nabla L(\theta + \rho\,g /
+    \lVert g \rVert)`, :math:`g = \nabla L(\theta)`.
 
     Args:
-        rho: the neighbourhood radius :math:`\rho` (0.05 in the paper for CIFAR), the weight
-            and the radius.
+        rho: the neighbourhood radius :math:`\rho`, the weight and the radius.
         **options: any other option of :class:`GradientPenalty` but the weight and the radius,
             by keyword.
 
@@ -357,25 +313,12 @@ def sam(rho: float = 0.05, **options: Any) -> GradientPenalty:
 
 def asam(rho: float = 0.5, **options: Any) -> GradientPenalty:
     r"""Adaptive SAM (Kwon et al. 2021) as a penalty: :math:`\rho\,\lVert \lvert\theta\rvert
-    \odot g \rVert` with ``shift="gradient"`` and scale :math:`\rho`.
-
-    ``loss + asam(rho)(LossAt(fn, loss), params)``, one backward, gives ASAM's gradient
-    :math:`\nabla L(\theta + \epsilon)`, :math:`\epsilon = \rho\, T^2 g / \lVert T g
-    \rVert`, :math:`T = \lvert\theta\rvert` elementwise, :math:`g = \nabla L(\theta)`
-    (davda54/sam with ``adaptive=True``; no :math:`\eta` offset for biases, as there): the
-    penalty's :math:`v = \partial P/\partial g = T^2 g/\lVert T g\rVert` (:math:`T` held
-    constant, as ASAM's update does), the shift is :math:`\rho v = \epsilon`, and the task's
-    :math:`\nabla L(\theta)` cancels (:mod:`~gradreg.penalties.methods.param_gradient`). Its value
-    is the first-order adaptive sharpness :math:`\rho \lVert T g \rVert`. Taken in two passes by
-    :func:`~gradreg.penalties.two_pass.penalized_loss` and the Lightning modules, the shifted
-    forward replaying the random state, as for :func:`sam`.
-
-    Preset options: those of :func:`sam`, ``shift="gradient"``, ``adaptive=True``; :math:`\rho`
-    is the weight and the shift's ``scale``, set once as :func:`sam`'s.
+    \odot g \rVert`, :math:`g = \nabla L(\theta)`, so that ``loss + asam(rho)(LossAt(fn, loss),
+    params)`` has ASAM's gradient :math:`\nabla L(\theta + \rho\, T^2 g / \lVert T g \rVert)`,
+    :math:`T = \lvert\theta\rvert`.
 
     Args:
-        rho: the neighbourhood radius :math:`\rho` (ten times SAM's, as the ASAM authors
-            suggest for the adaptive norm), the weight and the scale.
+        rho: the neighbourhood radius :math:`\rho`, the weight and the scale.
         **options: any other option of :class:`GradientPenalty` but the weight and the scale,
             by keyword.
 
@@ -411,29 +354,12 @@ def _of_rho(name: str, rho: float, options: dict[str, Any]) -> GradientPenalty:
 def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
     r"""Gradient regularization as in gradientregularization_trl (Ackermann et al. 2026):
     :math:`\tfrac{\lambda}{2} \lVert \nabla_\theta L \rVert^2` by finite difference over the
-    shift :math:`\epsilon g` (``shift="gradient"``).
-
-    ``loss + gr(lam, scale=eps)(LossAt(fn, loss), params)``, one backward, gives their step's
-    gradient :math:`g + (\lambda/\epsilon)(\nabla L(\theta + \epsilon g) - g)`, :math:`g =
-    \nabla L(\theta)`: :math:`\nabla L + \lambda H g` up to :math:`O(\epsilon)`
-    (:mod:`~gradreg.penalties.methods.param_gradient`). Their clipping of both gradients to norm 10
-    and their unshifted embeddings and output layer are not part of it (pass the parameters to
-    penalize). In two passes by :func:`~gradreg.penalties.two_pass.penalized_loss`, the
-    Lightning modules and :mod:`gradreg.hf_trainer`.
-
-    Preset options: ``power=2.0``, ``gain=0.5`` (the squared norm's :math:`\tfrac12`),
-    ``points="parameters"``, ``of="loss"``, ``method="finite_difference"``,
-    ``shift="gradient"``, and :math:`\epsilon` = ``scale`` (the flat alias ``step``) by default
-    3e-4 in float32 (3e-7 in float64;
-    :data:`~gradreg.penalties.methods.param_gradient.GRADIENT_SHIFT_FACTOR`), below 1% error on
-    the docs' MLP and transformer where their ``grad_reg_eps`` = 1e-3 leaves 1.6% on the
-    transformer. ``scale=1e-3`` runs their recipe exactly; at :math:`\lambda = \epsilon` its
-    gradient is :math:`\nabla L(\theta + \epsilon g)` with no difference to amplify rounding, so
-    it also runs under bfloat16 autocast, as theirs does (the default step refuses arithmetic
-    coarser than TF32: pass ``scale`` there).
+    shift :math:`\epsilon g` (``scale``), :math:`g = \nabla L(\theta)`, so that ``loss +
+    gr(lam)(LossAt(fn, loss), params)`` has the gradient :math:`g + (\lambda/\epsilon)(\nabla
+    L(\theta + \epsilon g) - g)`.
 
     Args:
-        weight: :math:`\lambda` (their ``grad_reg_strength``, default 1e-3).
+        weight: :math:`\lambda` (their ``grad_reg_strength``).
         **options: any other option of :class:`GradientPenalty`, by keyword.
 
     Examples:
@@ -455,12 +381,7 @@ def gr(weight: float = 1e-3, **options: Any) -> GradientPenalty:
 def path_length(weight: float = 2.0, **options: Any) -> GradientPenalty:
     r"""StyleGAN2's path-length regularization (Karras et al. 2020): :math:`w\, \mathrm{mean}_i
     (\lVert J_i^\top y_i \rVert - a)^2` of the generator's Jacobian :math:`J_i` at the latents,
-    :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`, :math:`a` the running mean of the norms
-    (updated before use: :math:`a \leftarrow a + \text{decay}\,(\mathrm{mean}_i \lVert J_i^\top
-    y_i \rVert - a)`, from 0).
-
-    Preset options: ``target="ema"`` (the running mean :math:`a`), ``ema_decay=0.01``,
-    ``projection="gaussian"`` (the random image :math:`y_i`), ``points="latents"``.
+    :math:`y_i \sim N(0, I)/\sqrt{\text{pixels}}`, :math:`a` the running mean of the norms.
 
     Args:
         weight: :math:`w`.
@@ -485,10 +406,7 @@ def path_length(weight: float = 2.0, **options: Any) -> GradientPenalty:
 
 def derivative(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""A higher derivative's norm: :math:`\lambda\, \mathrm{mean}_i \lVert \partial^n (\sum f) /
-    \partial x_i^n \rVert^2` at the inputs, :math:`n` = ``order`` (each derivative after the
-    first is that of the sum of the previous one's entries).
-
-    Preset options: ``order=2``, ``points="inputs"``.
+    \partial x_i^n \rVert^2` at the inputs, :math:`n` = ``order``.
 
     Args:
         weight: :math:`\lambda`.
@@ -512,12 +430,8 @@ def derivative(weight: float = 0.01, **options: Any) -> GradientPenalty:
 def approx_r1(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""R1 without a double backward (Lin et al. 2025, rescaled to R1's :math:`\gamma`):
     :math:`\frac{\gamma}{2}\, \mathrm{mean}_i \lVert D(x_i + \sigma\epsilon_i) - D(x_i)
-    \rVert^2 / \sigma^2` at the reals, :math:`\epsilon_i \sim N(0, I)`, whose expectation is R1
-    up to :math:`O(\sigma^2)`. Call it with the critic itself, ``penalty(D, x)``.
-
-    Preset options: ``gain=0.5``, ``points="real"``, ``method="perturbation"``; ``sigma`` (the
-    flat alias ``step``) is :math:`\sigma` (default 0.01), ``count`` the probes per sample,
-    averaged (default 1).
+    \rVert^2 / \sigma^2` at the reals, :math:`\epsilon_i \sim N(0, I)`. Call it with the critic
+    itself, ``penalty(D, x)``.
 
     Args:
         weight: :math:`\gamma`.
@@ -541,11 +455,7 @@ def approx_r1(weight: float = 10.0, **options: Any) -> GradientPenalty:
 def approx_r2(weight: float = 10.0, **options: Any) -> GradientPenalty:
     r"""R2 without a double backward: :math:`\frac{\gamma}{2}\, \mathrm{mean}_i \lVert
     D(\tilde x_i + \sigma\epsilon_i) - D(\tilde x_i) \rVert^2 / \sigma^2` at the fakes
-    :math:`\tilde x`, :math:`\epsilon_i \sim N(0, I)`, the same :math:`\gamma` as R2; call it as
-    ``penalty(D, fake)``.
-
-    Preset options: ``gain=0.5``, ``points="fake"``, ``method="perturbation"``; ``sigma`` and
-    ``count`` as for :func:`approx_r1`.
+    :math:`\tilde x`, :math:`\epsilon_i \sim N(0, I)`. Call it as ``penalty(D, fake)``.
 
     Args:
         weight: :math:`\gamma`.
@@ -570,9 +480,6 @@ def max_gp(weight: float = 1.0, **options: Any) -> GradientPenalty:
     r"""Max-GP (StudioGAN): :math:`\lambda\, \max_i \lVert \nabla D(\hat x_i) \rVert^2` at
     interpolates :math:`\hat x`: the largest per-sample value of the batch.
 
-    Preset options: ``points="interpolates"``, ``reduction="max"`` (not split over
-    micro-batches or DDP ranks: the maximum is over the batch at hand).
-
     Args:
         weight: :math:`\lambda`.
         **options: any other option of :class:`GradientPenalty`, by keyword.
@@ -593,11 +500,7 @@ def max_gp(weight: float = 1.0, **options: Any) -> GradientPenalty:
 def spectral(weight: float = 0.01, **options: Any) -> GradientPenalty:
     r"""The Jacobian's spectral norm: :math:`\lambda\, \mathrm{mean}_i
     \sigma_{\max}(\partial f(x_i) / \partial x_i)^2` by power iteration
-    (:mod:`~gradreg.penalties.kinds.spectral`), or a Lipschitz bound c with ``target=c,
-    one_sided=True``. Call it with the model itself, ``penalty(f, x)``.
-
-    Preset options: ``points="inputs"``, ``kind="spectral"``, ``iterations=10`` (the power
-    iteration's steps).
+    (:mod:`~gradreg.penalties.kinds.spectral`). Call it with the model itself, ``penalty(f, x)``.
 
     Args:
         weight: :math:`\lambda`.
@@ -619,14 +522,8 @@ def spectral(weight: float = 0.01, **options: Any) -> GradientPenalty:
 def hessian(weight: float = 0.1, **options: Any) -> GradientPenalty:
     r"""The Hessian penalty (Peebles et al. 2020): :math:`\lambda` times the maximum over samples
     and output units :math:`j` of :math:`\operatorname{Var}_v(v^\top H_j v)`, :math:`v`
-    Rademacher (``count`` directions per sample, default 2), by the authors' central difference
-    (:mod:`~gradreg.penalties.kinds.hessian`); zero where each latent acts on the output
-    independently of the others. Call it with the generator itself, ``penalty(G, z)``.
-
-    Preset options: ``points="latents"``, ``kind="hessian"``, ``reduction="max"`` (the
-    authors' default; ``"mean"`` also), ``method="finite_difference"`` (``"double_backward"``:
-    the exact second directional derivatives); ``epsilon`` (the flat alias ``step``) is the
-    difference's :math:`\epsilon` (default 0.1).
+    Rademacher, by the authors' central difference (:mod:`~gradreg.penalties.kinds.hessian`).
+    Call it with the generator itself, ``penalty(G, z)``.
 
     Args:
         weight: :math:`\lambda`.
