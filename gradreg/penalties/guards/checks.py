@@ -81,7 +81,7 @@ def check_outputs(outputs: Tensor, inputs: tuple[Tensor, ...], *, per_sample: bo
     with ``losses`` (a penalty of per-sample losses, ``of="loss"``), more than one value per
     sample, such as logits ``[B, C]`` (the penalty would differentiate their sum over the
     classes, not the loss). The one check of the outputs of a penalty call, run once per call
-    (:meth:`~gradreg.penalties.call.PenaltyCall.checked`)."""
+    (:attr:`~gradreg.penalties.call.PenaltyCall.check`)."""
     if outputs.is_complex():
         raise GradientError(
             f"the outputs are complex ({outputs.dtype}): a penalty differentiates real "
