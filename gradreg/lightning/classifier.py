@@ -187,7 +187,7 @@ class Classifier(PenalizedModule):
         size, ranks = trainer.accumulate_grad_batches, over_ranks(trainer)
         if self._window is None or (self._window.size, self._window.over_ranks) != (size, ranks):
             self._window = Window(size, over_ranks=ranks)
-        return self._window if self._window.split else None
+        return self._window if self._window.divided else None
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, penalties = self.losses(*batch)

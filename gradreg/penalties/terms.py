@@ -90,9 +90,26 @@ class Window:
         self._phases: dict[str, Accumulation] = {}
 
     @property
-    def split(self) -> bool:
-        """Whether the step's batch is split at all (into micro-batches or over ranks)."""
+    def divided(self) -> bool:
+        """Whether the step's batch is divided at all (into micro-batches or over ranks)."""
         return self.size > 1 or self.over_ranks
+
+    def _check(self, penalties: Mapping[str, GradientPenalty], last: bool | None) -> None:
+        """Refuse what a divided window cannot take: more than one parameter penalty, a lazy one
+        (``every > 1``) over micro-batches (each would count a step), a micro-batch not saying
+        whether it is the last."""
+        parameter = sorted(name for name, gp in penalties.items()
+                           if gp.config.points == "parameters")
+        lazy = self.size > 1 and any(penalties[name].config.every > 1 for name in parameter)
+        if len(parameter) > 1 or lazy:
+            raise GradientError(
+                f"penalties {parameter} in a Window of {self.size} micro-batch(es)"
+                f"{' over ranks' if self.over_ranks else ''}: the penalty of the whole window's "
+                "gradient is taken for one parameter penalty (computed at every step, every=1, "
+                "over micro-batches); use one, or a batch of the whole size.")
+        if last is None:
+            raise GradientError("step_terms in a Window needs last=True on the micro-batch after "
+                                "which the optimizer steps, last=False on the others.")
 
     def clear(self) -> None:
         """Forget the micro-batches kept (a run starting again)."""
@@ -152,7 +169,7 @@ class StepTerms:
 def step_terms(penalties: Mapping[str, GradientPenalty], model: Callable[[Tensor], Tensor],
                loss: Callable[..., Tensor], x: Tensor, *targets: Tensor,
                params: Sequence[Tensor] | None = None, accumulation: Window | None = None,
-               last: bool = True, rows: int | None = None,
+               last: bool | None = None, rows: int | None = None,
                loss_scale: float | Tensor | None = None, split: bool = False) -> StepTerms:
     r"""One training step's forward and its terms (module docstring): :math:`L` and each
     penalty due (``penalty.due()``, called once here for each), as :class:`StepTerms`; one
@@ -162,9 +179,10 @@ def step_terms(penalties: Mapping[str, GradientPenalty], model: Callable[[Tensor
     ``[B]`` (``partial(F.cross_entropy, reduction="none")``); ``params``: the trainable
     parameters the parameter penalties are of (the model's where it is a module and they are not
     given). ``accumulation``: the :class:`Window` the step is a micro-batch of, ``last``
-    whether the optimizer steps after it, ``rows`` its number of samples where the window's
-    shares differ (each backward then of :math:`\frac1N` of the total; a per-sample penalty with
-    ``reduction="sum"`` is multiplied by :math:`N`, a sum over the window). ``loss_scale``: a
+    (required there) whether the optimizer steps after it, ``rows`` its number of samples where
+    the window's shares differ (each backward then of :math:`\frac1N` of the total; a
+    per-sample penalty with ``reduction="sum"`` is multiplied by :math:`N`, a sum over the
+    window). ``loss_scale``: a
     ``GradScaler``'s scale under fp16 autocast, for the penalties at points. ``split``: each term
     carries its own gradient (a per-term gradient split: one parameter-sized buffer more), not
     the task term the parameter penalties' too.
@@ -193,6 +211,9 @@ def step_terms(penalties: Mapping[str, GradientPenalty], model: Callable[[Tensor
         ['sam']
         ['db', 'sam']
     """
+    divided = accumulation is not None and accumulation.divided
+    if divided:
+        accumulation._check(penalties, last)
     due = {name: gp for name, gp in penalties.items() if gp.due()}
     refused = sorted(name for name, gp in due.items() if gp.config.points not in STEP_POINTS)
     if refused:
@@ -240,9 +261,9 @@ def step_terms(penalties: Mapping[str, GradientPenalty], model: Callable[[Tensor
                        loss_scale=loss_scale)
         else:
             chosen = list(params)
-            if accumulation is not None and accumulation.split:  # of the window's gradient
+            if divided:  # of the window's gradient
                 terms.task, value = accumulation._micro_batch(
-                    name, gp, mean, mean_loss, state, chosen, last=last, rows=rows,
+                    name, gp, mean, mean_loss, state, chosen, last=bool(last), rows=rows,
                     retain_graph=retain, hand_over=not split)
                 if value is None:  # not the last micro-batch: the penalty is still to come
                     continue
@@ -258,8 +279,8 @@ def step_terms(penalties: Mapping[str, GradientPenalty], model: Callable[[Tensor
     return terms
 
 
-def _per_sample_loss(model: Callable[[Tensor], Tensor], loss: Callable[..., Tensor]
-                 ) -> Callable[..., Tensor]:
+def _per_sample_loss(model: Callable[[Tensor], Tensor],
+                     loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """``(x, *targets) -> loss(model(x), *targets)``: the per-sample losses as a function of the
     inputs, for a penalty of them that runs the model again."""
 

@@ -153,6 +153,14 @@ def test_a_gan_penalty_is_refused_in_one_line() -> None:
         step_terms({"r1": r1()}, model, CE, x, y)
 
 
-def test_a_window_of_no_micro_batches_is_refused() -> None:
+def test_what_a_window_cannot_take_is_refused_in_one_line() -> None:
+    """No micro-batches; two parameter penalties, or a lazy one over micro-batches (each would
+    count a step); a micro-batch that does not say whether it is the last."""
+    model, x, y = problem()
     with pytest.raises(GradientError, match="integer >= 1"):
         Window(0)
+    for penalties in ({"a": sam(RHO), "b": gr(LAMBDA)}, {"a": sam(RHO, every=2)}):
+        with pytest.raises(GradientError, match="for one parameter penalty"):
+            step_terms(penalties, model, CE, x, y, accumulation=Window(2), last=True)
+    with pytest.raises(GradientError, match="needs last=True"):
+        step_terms({"a": sam(RHO)}, model, CE, x, y, accumulation=Window(2))
