@@ -221,7 +221,8 @@ def intermediate(weight: float = 0.01, **options: Any) -> GradientPenalty:
 
     Args:
         weight: :math:`\lambda`.
-        **options: any other option of :class:`GradientPenalty`, by keyword; ``layers``.
+        **options: any other option of :class:`GradientPenalty`, by keyword, ``layers`` among
+            them.
 
     Examples:
         A loss linear in the first layer's activations, :math:`\ell_i = (3, 4) \cdot h_i`:
