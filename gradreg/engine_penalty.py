@@ -36,7 +36,8 @@ Nothing here imports DeepSpeed: the engine is used through ``module``, ``backwar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,9 +49,52 @@ from gradreg.penalties.mechanism import GradientPenalty
 from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.penalties.two_pass import Carried
 
-__all__ = ["EnginePenalty"]
+__all__ = ["EnginePenalty", "zero3_shifted_parameters"]
 
 LossOf = Callable[[nn.Module], Tensor]
+
+
+@contextmanager
+def zero3_shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
+                             amounts: list[Tensor]) -> Iterator[None]:
+    r"""The block runs at :math:`\theta_j + a_j d_j` on DeepSpeed ZeRO-3's partitioned
+    parameters (``vectors`` :math:`d_j` whole, the same on every rank): each rank shifts its
+    partition (``ds_tensor``, the slice of the flattened parameter that ZeRO-3 gathers from it)
+    and, where the parameter is held gathered (a persistent one), its data; ZeRO-3's own
+    gathers in the block's forwards and backwards then compute with the shifted parameters. Put
+    back bitwise after it: the partitions copied back; a parameter held gathered on entry gets
+    its values back in whatever data it holds on exit (a gather in the block may have given it
+    new data, with the shifted values, which the step's backward would read); one gathered in
+    the block is released (``partition()``: gathered again from the restored partitions)."""
+    targets, shifts, scales, gathered = [], [], [], set()
+    for param, vector, amount in zip(params, vectors, amounts, strict=True):
+        part = param.ds_tensor
+        size = int(part.ds_numel)
+        start = size * torch.distributed.get_rank(group=param.ds_process_group)
+        flat = vector.reshape(-1)
+        count = max(0, min(size, flat.numel() - start))
+        shared = param.data.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+        if count and not shared:  # one process: the partition may be the data itself
+            targets.append(part.narrow(0, 0, count))
+            shifts.append(flat.narrow(0, start, count))
+            scales.append(amount)
+        if param.data.numel() == flat.numel():  # held gathered (persistent, or not yet freed)
+            gathered.add(id(param))
+            targets.append(param.data.view(-1))
+            shifts.append(flat)
+            scales.append(amount)
+    saved = [t.clone() for t in targets]
+    saved_whole = [param.data.clone() if id(param) in gathered else None for param in params]
+    try:
+        torch._foreach_addcmul_(targets, shifts, scales)
+        yield
+    finally:
+        torch._foreach_copy_(targets, saved)
+        for param, values in zip(params, saved_whole, strict=True):
+            if values is not None:  # the block's gathers may have given it new data
+                param.data.copy_(values.view_as(param.data))
+            elif param.data.numel() > 0 and not param.ds_persist:
+                param.partition()
 
 
 class EnginePenalty:

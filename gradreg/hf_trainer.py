@@ -100,11 +100,19 @@ gradient :math:`c\,\bar H_r v`; ZeRO's reduction averages the ranks' sums as DDP
 (DeepSpeed clips gradients to ``gradient_clipping``, 1.0 where a configuration leaves it out
 and accelerate fills it; ``"auto"`` takes the trainer's ``max_grad_norm``.)
 
+Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference
+penalties (``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``) with one
+micro-batch per step: the shift is applied to each rank's partition (and to a parameter held
+gathered), so ZeRO-3's own gathers compute at the shifted point
+(:func:`gradreg.engine_penalty.zero3_shifted_parameters`), and the penalty's gradient is handed
+to the parameters gathered whole.
+
 Refused in one line when the trainer is built: under DeepSpeed the penalties at the inputs or
-activations (their inner gradient through the engine's outputs would run its reduction) and
-every penalty under ZeRO-3 (its parameters are partitioned between forwards, and a penalty
-shifts them or differentiates them twice); the parameter penalties under FSDP1, FSDP2 on a
-torch before 2.6 and ``nn.DataParallel``. DDP and FSDP2 take them all.
+activations (their inner gradient through the engine's outputs would run its reduction); under
+ZeRO-3 the exact parameter penalties (a double backward of partitioned parameters), the
+adaptive ones (ASAM reads the parameters whole) and accumulation (not verified); the parameter
+penalties under FSDP1, FSDP2 on a torch before 2.6 and ``nn.DataParallel``. DDP and FSDP2
+take them all.
 
 ``transformers`` (and ``accelerate``, which its ``Trainer`` needs) are the ``transformers``
 extra; :class:`PenalizedTrainer` imports them on first use, and names the extra in one line
@@ -125,6 +133,7 @@ from torch import Tensor, nn
 from gradreg import sharding
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
+from gradreg.engine_penalty import zero3_shifted_parameters
 from gradreg.extras import require
 from gradreg.penalties import (
     GeneratorState,
@@ -138,6 +147,7 @@ from gradreg.penalties.accumulation import (  # per micro-batch, as Lightning's
     agreed_over_ranks,
     combined,
 )
+from gradreg.penalties.methods.param_gradient import shifted_parameters
 from gradreg.penalties.two_pass import Carried
 
 __all__ = [  # noqa: F822 (PenalizedTrainer: built on use)
@@ -254,6 +264,15 @@ def _zero_stage(trainer: Any) -> int | None:
     return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def _gathered(params: list[Tensor]) -> Any:
+    """DeepSpeed ZeRO-3's ``GatheredParameters`` of those of ``params`` that it holds
+    partitioned (all whole in the block; those held gathered, by a forward whose backward is
+    to come or as persistent, are left as they are)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([p for p in params if p.data.numel() == 0])
+
+
 def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
     """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
     none); the graph is kept."""
@@ -333,26 +352,43 @@ class PenaltyMixin:
 
     def _check_engine(self, name: str, penalty: GradientPenalty) -> None:
         """Refuse in one line, before training, a penalty the trainer's engine cannot take
-        (module docstring): under DeepSpeed, those at points other than the parameters and
-        every penalty under ZeRO-3; the parameter penalties under FSDP1 and with several GPUs
-        in one process (``nn.DataParallel``); DDP and FSDP2 take all."""
+        (module docstring): under DeepSpeed, those at points other than the parameters, and
+        under ZeRO-3 the exact and the adaptive parameter penalties and accumulation; the
+        parameter penalties under FSDP1 and with several GPUs in one process
+        (``nn.DataParallel``); DDP and FSDP2 take all."""
         parameters = penalty.config.points == "parameters"
         stage = _zero_stage(self)
         works = ("train with DDP (one process per device, e.g. torchrun) or FSDP2 "
                  "(fsdp_config={'version': 2}), which take every penalty of the whole batch")
-        if stage == 3:
+        if stage == 3 and parameters and not penalty.needs_callable:
             raise GradientError(
-                f"penalty {name!r} (points={penalty.config.points!r}) is not taken under "
-                "DeepSpeed ZeRO-3, whose parameters are partitioned between forwards (a shifted "
-                f"or twice-differentiated parameter is not held whole): {works}; FSDP2 shards "
-                "the parameters as ZeRO-3 does. ZeRO-2 takes the parameter penalties.")
+                f"penalty {name!r} (method={penalty.config.method.name!r}) differentiates the "
+                "parameters twice, which DeepSpeed ZeRO-3 cannot (its parameters are "
+                "partitioned between forwards): use method='finite_difference' "
+                "(param_grad_norm(λ, method='finite_difference'); sam and gr are finite "
+                f"differences), or ZeRO-2, or {works}.")
+        if stage == 3 and parameters and getattr(penalty.config.method, "adaptive", False):
+            raise GradientError(
+                f"penalty {name!r} is adaptive (ASAM: its direction scales the gradient by the "
+                "parameters' magnitudes), which reads the parameters whole, and DeepSpeed ZeRO-3 "
+                "holds them partitioned: use sam or gr, or ZeRO-2, or FSDP2 "
+                "(fsdp_config={'version': 2}), which takes it.")
+        steps = getattr(getattr(self, "args", None), "gradient_accumulation_steps", 1)
+        if stage == 3 and parameters and steps > 1:
+            raise GradientError(
+                f"penalty {name!r} with gradient_accumulation_steps={steps} under DeepSpeed "
+                "ZeRO-3 is not verified (its steps over ranks differed from one process's): use "
+                "one micro-batch per step (a larger per_device_train_batch_size), or ZeRO-2, or "
+                "FSDP2 (fsdp_config={'version': 2}), which take it.")
         if stage is not None and not parameters:
+            taken = "sam, gr by finite difference" if stage == 3 else \
+                "sam, asam, gr, param_grad_norm"
             raise GradientError(
                 f"penalty {name!r} (points={penalty.config.points!r}) differentiates the "
                 "trainer's forward twice, and DeepSpeed's backward hooks on the engine's outputs "
                 "run its gradient reduction after the inner gradient: "
-                f"{works}; or use a parameter penalty (sam, asam, gr, param_grad_norm), which "
-                f"DeepSpeed ZeRO-{stage} takes.")
+                f"{works}; or use a parameter penalty ({taken}), which DeepSpeed "
+                f"ZeRO-{stage} takes.")
         engine = ("FSDP1" if parameters and getattr(self, "is_fsdp_enabled", False)
                   and _fsdp_version(self) != 2
                   else "FSDP2 on this torch" if parameters and getattr(self, "is_fsdp_enabled",
@@ -673,8 +709,9 @@ class PenaltyMixin:
         :math:`\nabla L_k`) plus a zero carrying the penalty's gradient alone."""
         accumulation = self._accumulations.get(name)
         if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(gp, params,
-                                                                    over_ranks=ranks)
+            accumulation = self._accumulations[name] = Accumulation(
+                gp, params, over_ranks=ranks,
+                shift=zero3_shifted_parameters if _zero_stage(self) == 3 else shifted_parameters)
 
         def scaled() -> Tensor:  # differentiated twice by double backward
             with nullcontext() if gp.needs_callable else differentiable_attention():
@@ -690,9 +727,13 @@ class PenaltyMixin:
             values[name] = value
         g = [None if t is None else t.div_(factor) for t in g]  # None: a parameter unused
         if engine:
-            zero = loss.detach().new_zeros(())
-            return loss + Carried.apply(zero, g, True, *accumulation.params) \
-                if any(t is not None for t in g) else loss
+            if all(t is None for t in g):
+                return loss
+            with _gathered(accumulation.params) if _zero_stage(self) == 3 else nullcontext():
+                # ZeRO-3: applied to the parameters whole, whose shapes its backward gives
+                carried = Carried.apply(loss.detach().new_zeros(()), g, True,
+                                        *accumulation.params)
+            return loss + carried
         return Carried.apply(loss.detach(), g, True, *accumulation.params)
 
 

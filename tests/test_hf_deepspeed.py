@@ -1,12 +1,14 @@
 """Penalties under DeepSpeed ZeRO in Hugging Face's Trainer (``DS_ACCELERATOR=cpu``).
 
-ZeRO-2 on 2 CPU processes, 2 SGD steps of a batch of 8 split 4 + 4 (in one micro-batch or two
-per rank), float32: the parameters after the steps equal those of one process without DeepSpeed
-that takes the whole batch, for sam, gr, the exact param_grad_norm (double backward) and its
-finite difference (measured 4e-9 to 3e-7 against steps that the penalty moves by 1e-3 to 2e-2).
-Refused in one line when the trainer is built (before, DeepSpeed's own errors in the double
-backward were ``IndexError: list index out of range`` under ZeRO-2 and a size mismatch under
-ZeRO-3): the penalties at the inputs under DeepSpeed, every penalty under ZeRO-3.
+On 2 CPU processes, 2 SGD steps of a batch of 8 split 4 + 4, float32: the parameters after the
+steps equal those of one process without DeepSpeed that takes the whole batch, under ZeRO-2
+for sam, gr, the exact param_grad_norm (double backward) and its finite difference, in one
+micro-batch or two per rank, and under ZeRO-3 for sam and param_grad_norm's finite difference
+in one micro-batch (measured 4e-9 to 3e-7 against steps that the penalty moves by 1e-3 to
+2e-2). Refused in one line when the trainer is built (before, DeepSpeed's own errors in the
+double backward were ``IndexError: list index out of range`` under ZeRO-2 and a size mismatch
+under ZeRO-3): the penalties at the inputs under DeepSpeed; under ZeRO-3 the exact and the
+adaptive parameter penalties, and accumulation.
 Slow: DeepSpeed's engine, and two processes."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from gradreg import GradientError
-from gradreg.penalties import double_backprop, sam
+from gradreg.penalties import asam, double_backprop, param_grad_norm, sam
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -29,25 +31,27 @@ from tests.penalties.ranks_deepspeed import CASES, train, zero
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-#: the cases run on 2 processes (keys of CASES): accumulation, exact and finite difference
-TWO_RANKS = ("sam_2", "gr_2", "gnp_1", "gnp_fd_2")
+#: the cases run on 2 processes per ZeRO stage (keys of CASES): accumulation, exact and finite
+#: difference under ZeRO-2; finite differences, one micro-batch per step, under ZeRO-3
+TWO_RANKS = {2: ("sam_2", "gr_2", "gnp_1", "gnp_fd_2"), 3: ("sam_1", "gnp_fd_1")}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("deepspeed")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_deepspeed", str(out), "2",
-                   ",".join(TWO_RANKS)],
+    plan = "/".join(f"{stage}={','.join(cases)}" for stage, cases in TWO_RANKS.items())
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_deepspeed", str(out), plan],
                   [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "LOCAL_WORLD_SIZE": "2", "DS_ACCELERATOR": "cpu"} for rank in (0, 1)],
                   cwd=ROOT, timeout=600)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 
-@pytest.mark.parametrize("case", TWO_RANKS)
-def test_zero2_on_two_ranks_steps_as_one_process_with_the_whole_batch(
-        tmp_path, ranks: list[dict], case: str) -> None:
-    first, second = ranks[0][f"zero2_{case}"], ranks[1][f"zero2_{case}"]
+@pytest.mark.parametrize(("stage", "case"), [(stage, case) for stage, cases in
+                                              TWO_RANKS.items() for case in cases])
+def test_zero_on_two_ranks_steps_as_one_process_with_the_whole_batch(
+        tmp_path, ranks: list[dict], stage: int, case: str) -> None:
+    first, second = ranks[0][f"zero{stage}_{case}"], ranks[1][f"zero{stage}_{case}"]
     name, _ = CASES[case]
     want = train(name, 1, 8, str(tmp_path))
     plain = train("none", 1, 8, str(tmp_path))
@@ -76,23 +80,27 @@ def one_process(monkeypatch) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize(("stage", "penalty", "message"), [
-    (2, lambda: double_backprop(0.01), r"penalty 'p' \(points='inputs'\) differentiates the "
+@pytest.mark.parametrize(("stage", "penalty", "steps", "message"), [
+    (2, lambda: double_backprop(0.01), 1, r"penalty 'p' \(points='inputs'\) differentiates the "
      r"trainer's forward twice, .*: train with DDP .* or FSDP2 .*; or use a parameter penalty "
      r"\(sam, asam, gr, param_grad_norm\), which DeepSpeed ZeRO-2 takes\.$"),
-    (3, lambda: double_backprop(0.01), r"not taken under DeepSpeed ZeRO-3, .*ZeRO-2 takes the "
-     r"parameter penalties\.$"),
-    (3, lambda: sam(0.05), r"penalty 'p' \(points='parameters'\) is not taken under DeepSpeed "
-     r"ZeRO-3, .*: train with DDP .* or FSDP2")],
-    ids=["zero2-inputs", "zero3-inputs", "zero3-parameters"])
+    (3, lambda: double_backprop(0.01), 1, r"\(sam, gr by finite difference\), which DeepSpeed "
+     r"ZeRO-3 takes\.$"),
+    (3, lambda: param_grad_norm(0.05), 1, r"differentiates the parameters twice, which "
+     r"DeepSpeed ZeRO-3 cannot .*: use method='finite_difference'"),
+    (3, lambda: asam(0.5), 1, r"penalty 'p' is adaptive .*: use sam or gr, or ZeRO-2, or FSDP2"),
+    (3, lambda: sam(0.05), 2, r"gradient_accumulation_steps=2 under DeepSpeed ZeRO-3 is not "
+     r"verified .*: use one micro-batch per step")],
+    ids=["zero2-inputs", "zero3-inputs", "zero3-exact", "zero3-adaptive", "zero3-accumulation"])
 def test_what_deepspeed_does_not_take_is_refused_before_training(
-        tmp_path, one_process, stage: int, penalty, message: str) -> None:
+        tmp_path, one_process, stage: int, penalty, steps: int, message: str) -> None:
     from gradreg.hf_trainer import PenalizedTrainer
     from tests.test_hf_trainer import Tokens, arguments, tiny_llama
 
     with pytest.raises(GradientError, match=message) as refused:
         PenalizedTrainer(model=tiny_llama().float(), train_dataset=Tokens(8),
                          penalties={"p": penalty()},
-                         args=arguments(tmp_path, max_steps=1, deepspeed=zero(stage)))
+                         args=arguments(tmp_path, max_steps=1, gradient_accumulation_steps=steps,
+                                        per_device_train_batch_size=4, deepspeed=zero(stage)))
     assert "\n" not in str(refused.value)
 

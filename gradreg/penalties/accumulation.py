@@ -53,6 +53,7 @@ objective, as for micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor
@@ -83,6 +84,10 @@ __all__ = ["Accumulation", "accumulated_backward", "agreed_over_ranks", "combine
            "mean_over_ranks"]
 
 WHAT = "accumulated_backward"
+#: how the finite difference shifts the parameters: ``shift(params, vectors, amounts)``, a
+#: context in which they are :math:`\theta_j + a_j d_j` (:func:`shifted_parameters`; a
+#: partitioned engine's own, :mod:`gradreg.engine_penalty`)
+Shift = Callable[[Sequence[Tensor], Sequence[Tensor], list[Tensor]], AbstractContextManager]
 
 
 def _mean(parts: Iterator[list[Tensor]], rows: list[int] | None, count: int) -> list[Tensor]:
@@ -105,10 +110,11 @@ class Accumulation:
     them. ``penalty``: on ``points="parameters"`` by ``"finite_difference"`` or
     ``"double_backward"``, weighted as it is (:math:`c`: its weight times ``every`` and
     ``gain``); ``over_ranks``: the micro-batches are this rank's share of a batch split over the
-    ranks (module docstring)."""
+    ranks (module docstring); ``shift``: how the finite difference shifts the parameters
+    (:data:`Shift`)."""
 
     def __init__(self, penalty: GradientPenalty, params: Sequence[Tensor], *,
-                 over_ranks: bool = False) -> None:
+                 over_ranks: bool = False, shift: Shift = shifted_parameters) -> None:
         config = penalty.config
         if config.points != "parameters" or config.method.name not in ("finite_difference",
                                                                     "double_backward"):
@@ -124,7 +130,7 @@ class Accumulation:
                 "torch.distributed.init_process_group first (torchrun, or Lightning's DDP), or "
                 "leave over_ranks=False in one process.")
         self.penalty, self.params = penalty, trainable(list(params), WHAT)
-        self.over_ranks = over_ranks
+        self.over_ranks, self.shift = over_ranks, shift
         #: this rank's share N_r / N of the samples, set by finish() over ranks with rows given
         self.share: Tensor | None = None
         # whether the first window's checks ran: the default step on a smooth loss, a shifted
@@ -215,7 +221,7 @@ class Accumulation:
         step = parameter_step(config.step, config.shift, roundoff)
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
-        with shifted_parameters(params, v, in_dtypes(along, v)):
+        with self.shift(params, v, in_dtypes(along, v)):
             shifted = _mean((_shifted_gradient(fn, state, True, params, self._buffers,
                                                watch=not self._checked and k == 0)
                              for k, (fn, state) in enumerate(stored)), rows, count)

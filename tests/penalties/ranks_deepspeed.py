@@ -1,8 +1,9 @@
 """One rank of Hugging Face's Trainer under DeepSpeed ZeRO on 2 CPU processes (``python -m
-tests.penalties.ranks_deepspeed OUT STAGES CASES`` with ``RANK``/``WORLD_SIZE``/``MASTER_*``
-set; ``DS_ACCELERATOR=cpu``): a tiny GPT-2 in float32, 2 SGD steps of a batch of 8 split into 4
-rows per rank, in one micro-batch or two; saves the parameters after the steps per stage and
-case, or the one-line error the trainer raised."""
+tests.penalties.ranks_deepspeed OUT 2=CASE,CASE/3=CASE``, ZeRO stages and their keys of
+:data:`CASES`, with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set; ``DS_ACCELERATOR=cpu``): a tiny
+GPT-2 in float32, 2 SGD steps of a batch of 8 split into 4 rows per rank, in one micro-batch or
+two; saves the parameters after the steps per stage and case, or the one-line error the
+trainer raised."""
 
 from __future__ import annotations
 
@@ -52,11 +53,11 @@ def train(name: str, steps: int, batch: int, directory: str, **options) -> list[
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
-def main(out: Path, stages: list[str], cases: list[str]) -> None:
+def main(out: Path, plan: dict[str, list[str]]) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     results: dict[str, object] = {}
-    for stage in stages:
+    for stage, cases in plan.items():
         for case in cases:
             name, steps = CASES[case]
             with tempfile.TemporaryDirectory() as directory:
@@ -69,7 +70,8 @@ def main(out: Path, stages: list[str], cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(","))
+    main(Path(sys.argv[1]), {stage: cases.split(",") for stage, cases in
+                             (part.split("=") for part in sys.argv[2].split("/"))})
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
