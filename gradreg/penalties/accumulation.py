@@ -203,7 +203,7 @@ class Accumulation:
         roundoff, unused = self._roundoff, self._unused
         self._reset()
         leaves = [t.detach().requires_grad_() for t in g]
-        factor = penalty.weight * config.every * config.gain
+        factor = penalty.factor
         with torch.enable_grad():
             terms = adaptive_norm_terms(leaves, params) if config.adaptive else leaves
             value = penalty._of_norms(per_sample_norm(terms, config.p, squared=config.squared,
