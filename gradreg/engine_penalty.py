@@ -21,10 +21,13 @@ engine's forward, and any backward through them, ``torch.autograd.grad`` include
 backward and, when that graph ends, its gradient reduction (DeepSpeed 0.19: an ``IndexError``
 in its buckets). The first phase's forward is one more per micro-batch than the step's own.
 
-Taken: ZeRO stages 0, 1 and 2 (the parameters whole on every rank). Refused in one line:
-ZeRO-3 (its parameters are partitioned between forwards, and the penalty shifts them or
-differentiates them twice; FSDP2 with :func:`gradreg.sharding.penalty_step` takes it), and
-penalties at other points (their inner gradient would run through the engine's outputs).
+Taken: ZeRO stages 0, 1 and 2 (the parameters whole on every rank), every parameter penalty;
+ZeRO-3 (the parameters partitioned between forwards), the finite differences (``sam``, ``gr``,
+``param_grad_norm``'s): the shift applied to each rank's partition
+(:func:`zero3_shifted_parameters`), the penalty's gradient handed to the parameters gathered
+whole (:func:`gathered_whole`). Refused in one line: under ZeRO-3 what :func:`check_zero3` names
+(FSDP2 with :func:`gradreg.sharding.penalty_step` takes it), and penalties at other points
+(their inner gradient would run through the engine's outputs).
 Every rank must call :meth:`~EnginePenalty.backward` on the same micro-batches of the same
 steps (the penalty due on all or none): ranks whose penalized parameters differ are refused
 in one line (:func:`~gradreg.penalties.accumulation.agreed_over_ranks`).
@@ -37,7 +40,7 @@ Nothing here imports DeepSpeed: the engine is used through ``module``, ``backwar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -46,12 +49,41 @@ from torch import Tensor, nn
 from gradreg.autograd import GradientError
 from gradreg.penalties.accumulation import Accumulation
 from gradreg.penalties.mechanism import GradientPenalty
+from gradreg.penalties.methods.param_gradient import shifted_parameters
 from gradreg.penalties.state.randomness import GeneratorState
 from gradreg.penalties.two_pass import Carried
 
-__all__ = ["EnginePenalty", "zero3_shifted_parameters"]
+__all__ = ["EnginePenalty", "check_zero3", "gathered_whole", "zero3_shifted_parameters"]
 
 LossOf = Callable[[nn.Module], Tensor]
+
+
+def check_zero3(penalty: GradientPenalty, what: str, works: str) -> None:
+    """Refuse in one line what DeepSpeed ZeRO-3 does not take of a parameter penalty
+    (``what``: how the message names it; ``works``: what takes it): the exact method (a
+    double backward of partitioned parameters) and the adaptive shift (ASAM reads the
+    parameters whole)."""
+    if not penalty.needs_callable:
+        raise GradientError(
+            f"{what} (method={penalty.config.method.name!r}) differentiates the parameters "
+            "twice, which DeepSpeed ZeRO-3 cannot (its parameters are partitioned between "
+            "forwards): use method='finite_difference' (param_grad_norm(λ, "
+            f"method='finite_difference'); sam and gr are finite differences), or ZeRO-2, or "
+            f"{works}.")
+    if getattr(penalty.config.method, "adaptive", False):
+        raise GradientError(
+            f"{what} is adaptive (ASAM: its direction scales the gradient by the parameters' "
+            "magnitudes), which reads the parameters whole, and DeepSpeed ZeRO-3 holds them "
+            f"partitioned: use sam or gr, or ZeRO-2, or {works}.")
+
+
+def gathered_whole(params: Sequence[Tensor]) -> AbstractContextManager:
+    """DeepSpeed ZeRO-3's ``GatheredParameters`` of those of ``params`` that it holds
+    partitioned (all whole in the block; those held gathered, by a forward whose backward is
+    to come or as persistent, are left as they are). Imports DeepSpeed."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([p for p in params if p.data.numel() == 0])
 
 
 @contextmanager
@@ -66,6 +98,9 @@ def zero3_shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor]
     its values back in whatever data it holds on exit (a gather in the block may have given it
     new data, with the shifted values, which the step's backward would read); one gathered in
     the block is released (``partition()``: gathered again from the restored partitions)."""
+    for param in params:  # a persistent parameter stays as a gather leaves it: gathered first
+        if param.ds_persist and param.data.numel() == 0:
+            param.all_gather()
     targets, shifts, scales, gathered = [], [], [], set()
     for param, vector, amount in zip(params, vectors, amounts, strict=True):
         part = param.ds_tensor
@@ -91,9 +126,9 @@ def zero3_shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor]
     finally:
         torch._foreach_copy_(targets, saved)
         for param, values in zip(params, saved_whole, strict=True):
-            if values is not None:  # the block's gathers may have given it new data
-                param.data.copy_(values.view_as(param.data))
-            elif param.data.numel() > 0 and not param.ds_persist:
+            if values is not None and param.data.numel() == values.numel():
+                param.data.copy_(values.view_as(param.data))  # a gather may have given new data
+            elif values is None and param.data.numel() > 0 and not param.ds_persist:
                 param.partition()
 
 
@@ -120,20 +155,19 @@ class EnginePenalty:
                 "through the DeepSpeed engine's outputs, whose hooks start the engine's "
                 "backward; train with DDP or FSDP2 (gradreg.sharding.penalty_step), which take "
                 "every penalty.")
-        stage = int(engine.zero_optimization_stage())
-        if stage == 3:
-            raise GradientError(
-                "EnginePenalty does not take DeepSpeed ZeRO-3, whose parameters are "
-                "partitioned between forwards (the penalty shifts them or differentiates them "
-                "twice): use ZeRO-2, or FSDP2 with gradreg.sharding.penalty_step, which shards "
-                "the parameters as ZeRO-3 does and takes the penalty exactly.")
+        self.zero3 = int(engine.zero_optimization_stage()) == 3
+        if self.zero3:
+            check_zero3(penalty, "EnginePenalty",
+                        "FSDP2 with gradreg.sharding.penalty_step, which takes it")
         module = engine.module
         chosen = [p for p in module.parameters() if p.requires_grad] if params is None \
             else list(params)
         over_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         self.engine, self.penalty = engine, penalty
-        self.accumulation = Accumulation(penalty, chosen, over_ranks=over_ranks)
+        self.accumulation = Accumulation(
+            penalty, chosen, over_ranks=over_ranks,
+            shift=zero3_shifted_parameters if self.zero3 else shifted_parameters)
         self.last_value: Tensor | None = None
 
     def backward(self, loss_of: LossOf, *, on: Sequence[Tensor] = ()) -> Tensor:
@@ -148,16 +182,17 @@ class EnginePenalty:
         state = GeneratorState.capture(*on, *accumulation.params)
         module = engine.module
         accumulation.add(lambda: loss_of(module), state)  # the task's g_k: from the engine
-        carried = None
+        hv: list[Tensor | None] = []
         if engine.is_gradient_accumulation_boundary():
             self.last_value, hv = accumulation.finish()
             count = float(engine.gradient_accumulation_steps())
-            given = [t for t in hv if t is not None]
-            torch._foreach_mul_(given, count)  # the engine divides the backward's loss by N
-            if given:
-                carried = Carried.apply(given[0].new_zeros(()), list(hv), True,
-                                        *accumulation.params)
-        with state.replayed():
+            torch._foreach_mul_([t for t in hv if t is not None], count)  # the engine divides
+        with state.replayed():  # the loss of the backward by N
             loss = loss_of(engine)
-        engine.backward(loss if carried is None else loss + carried.to(loss.dtype))
+        if any(t is not None for t in hv):  # after the engine's forward, which ZeRO-3 gathers
+            with gathered_whole(accumulation.params) if self.zero3 else nullcontext():
+                # ZeRO-3: applied to the parameters whole, the shapes its backward gives
+                loss = loss + Carried.apply(loss.detach().new_zeros(()), list(hv), True,
+                                            *accumulation.params)
+        engine.backward(loss)
         return loss.detach()

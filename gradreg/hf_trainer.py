@@ -100,17 +100,16 @@ gradient :math:`c\,\bar H_r v`; ZeRO's reduction averages the ranks' sums as DDP
 (DeepSpeed clips gradients to ``gradient_clipping``, 1.0 where a configuration leaves it out
 and accelerate fills it; ``"auto"`` takes the trainer's ``max_grad_norm``.)
 
-Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference
-penalties (``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``) with one
-micro-batch per step: the shift is applied to each rank's partition (and to a parameter held
-gathered), so ZeRO-3's own gathers compute at the shifted point
-(:func:`gradreg.engine_penalty.zero3_shifted_parameters`), and the penalty's gradient is handed
-to the parameters gathered whole.
+Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference penalties
+(``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``): the shift is applied to
+each rank's partition (and to a parameter held gathered), so ZeRO-3's own gathers compute at the
+shifted point (:func:`gradreg.engine_penalty.zero3_shifted_parameters`), and the penalty's
+gradient is handed to the parameters gathered whole.
 
 Refused in one line when the trainer is built: under DeepSpeed the penalties at the inputs or
 activations (their inner gradient through the engine's outputs would run its reduction); under
-ZeRO-3 the exact parameter penalties (a double backward of partitioned parameters), the
-adaptive ones (ASAM reads the parameters whole) and accumulation (not verified); the parameter
+ZeRO-3 the exact parameter penalties (a double backward of partitioned parameters) and the
+adaptive ones (ASAM reads the parameters whole); the parameter
 penalties under FSDP1, FSDP2 on a torch before 2.6 and ``nn.DataParallel``. DDP and FSDP2
 take them all.
 
@@ -133,7 +132,7 @@ from torch import Tensor, nn
 from gradreg import sharding
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
-from gradreg.engine_penalty import zero3_shifted_parameters
+from gradreg.engine_penalty import check_zero3, gathered_whole, zero3_shifted_parameters
 from gradreg.extras import require
 from gradreg.penalties import (
     GeneratorState,
@@ -264,15 +263,6 @@ def _zero_stage(trainer: Any) -> int | None:
     return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
 
 
-def _gathered(params: list[Tensor]) -> Any:
-    """DeepSpeed ZeRO-3's ``GatheredParameters`` of those of ``params`` that it holds
-    partitioned (all whole in the block; those held gathered, by a forward whose backward is
-    to come or as persistent, are left as they are)."""
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters([p for p in params if p.data.numel() == 0])
-
-
 def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
     """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
     none); the graph is kept."""
@@ -353,33 +343,16 @@ class PenaltyMixin:
     def _check_engine(self, name: str, penalty: GradientPenalty) -> None:
         """Refuse in one line, before training, a penalty the trainer's engine cannot take
         (module docstring): under DeepSpeed, those at points other than the parameters, and
-        under ZeRO-3 the exact and the adaptive parameter penalties and accumulation; the
+        under ZeRO-3 the exact and the adaptive parameter penalties; the
         parameter penalties under FSDP1 and with several GPUs in one process
         (``nn.DataParallel``); DDP and FSDP2 take all."""
         parameters = penalty.config.points == "parameters"
         stage = _zero_stage(self)
         works = ("train with DDP (one process per device, e.g. torchrun) or FSDP2 "
                  "(fsdp_config={'version': 2}), which take every penalty of the whole batch")
-        if stage == 3 and parameters and not penalty.needs_callable:
-            raise GradientError(
-                f"penalty {name!r} (method={penalty.config.method.name!r}) differentiates the "
-                "parameters twice, which DeepSpeed ZeRO-3 cannot (its parameters are "
-                "partitioned between forwards): use method='finite_difference' "
-                "(param_grad_norm(λ, method='finite_difference'); sam and gr are finite "
-                f"differences), or ZeRO-2, or {works}.")
-        if stage == 3 and parameters and getattr(penalty.config.method, "adaptive", False):
-            raise GradientError(
-                f"penalty {name!r} is adaptive (ASAM: its direction scales the gradient by the "
-                "parameters' magnitudes), which reads the parameters whole, and DeepSpeed ZeRO-3 "
-                "holds them partitioned: use sam or gr, or ZeRO-2, or FSDP2 "
-                "(fsdp_config={'version': 2}), which takes it.")
-        steps = getattr(getattr(self, "args", None), "gradient_accumulation_steps", 1)
-        if stage == 3 and parameters and steps > 1:
-            raise GradientError(
-                f"penalty {name!r} with gradient_accumulation_steps={steps} under DeepSpeed "
-                "ZeRO-3 is not verified (its steps over ranks differed from one process's): use "
-                "one micro-batch per step (a larger per_device_train_batch_size), or ZeRO-2, or "
-                "FSDP2 (fsdp_config={'version': 2}), which take it.")
+        if stage == 3 and parameters:
+            check_zero3(penalty, f"penalty {name!r}",
+                        "FSDP2 (fsdp_config={'version': 2}), which takes it")
         if stage is not None and not parameters:
             taken = "sam, gr by finite difference" if stage == 3 else \
                 "sam, asam, gr, param_grad_norm"
@@ -729,7 +702,8 @@ class PenaltyMixin:
         if engine:
             if all(t is None for t in g):
                 return loss
-            with _gathered(accumulation.params) if _zero_stage(self) == 3 else nullcontext():
+            with gathered_whole(accumulation.params) if _zero_stage(self) == 3 \
+                    else nullcontext():
                 # ZeRO-3: applied to the parameters whole, whose shapes its backward gives
                 carried = Carried.apply(loss.detach().new_zeros(()), g, True,
                                         *accumulation.params)

@@ -9,7 +9,7 @@ from torch import nn
 
 from gradreg import GradientError
 from gradreg.engine_penalty import EnginePenalty
-from gradreg.penalties import r1, sam
+from gradreg.penalties import asam, param_grad_norm, r1, sam
 
 
 class Engine:
@@ -22,10 +22,15 @@ class Engine:
         return self.stage
 
 
-def test_zero3_is_refused_naming_what_takes_the_penalty() -> None:
-    with pytest.raises(GradientError, match=r"does not take DeepSpeed ZeRO-3, .*: use ZeRO-2, or "
-                                            r"FSDP2 with gradreg\.sharding\.penalty_step"):
-        EnginePenalty(Engine(3), sam(0.05))
+@pytest.mark.parametrize(("penalty", "match"), [
+    (param_grad_norm(0.1), r"differentiates the parameters twice, which DeepSpeed ZeRO-3 "
+                              r"cannot .*: use method='finite_difference'"),
+    (asam(0.5), r"is adaptive .*: use sam or gr, or ZeRO-2, or FSDP2 with "
+                   r"gradreg\.sharding\.penalty_step")],
+    ids=["exact", "adaptive"])
+def test_what_zero3_does_not_take_is_refused_naming_what_does(penalty, match: str) -> None:
+    with pytest.raises(GradientError, match=match):
+        EnginePenalty(Engine(3), penalty)
 
 
 def test_a_penalty_at_other_points_is_refused() -> None:

@@ -2,13 +2,15 @@
 tests.penalties.ranks_engine OUT`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` and
 ``DS_ACCELERATOR=cpu`` set): the float32 MLP of :func:`~tests.penalties.ranks_problem.problem`
 under ZeRO-2 with SGD (lr 0.1), each rank's share of the batch of 16 in two micro-batches
-(``gradient_accumulation_steps=2``), one step per penalty; saves the parameters after it and
-the penalty's value. :func:`reference` is one process's step with the whole batch."""
+(``gradient_accumulation_steps=2``), one step per penalty, and ``sam`` under ZeRO-3
+(``zero3_sam``); saves the parameters after it and the penalty's value. :func:`reference` is
+one process's step with the whole batch."""
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,7 +28,8 @@ def float_problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     return model.float(), x.float(), y
 
 
-def engine_step(name: str, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_step(name: str, rank: int, world: int, stage: int = 2, micro_batches: int = 2
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     import deepspeed
 
     from gradreg.engine_penalty import EnginePenalty
@@ -34,18 +37,20 @@ def engine_step(name: str, rank: int, world: int) -> tuple[torch.Tensor, torch.T
     model, x, y = float_problem()
     share = len(x) // world
     xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-    half = share // 2
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": half, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+        "train_micro_batch_size_per_gpu": share // micro_batches,
+        "gradient_accumulation_steps": micro_batches, "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}})
     penalty = EnginePenalty(engine, PENALTIES[name]())
     penalty.penalty.due()
-    for rows in (slice(0, half), slice(half, share)):
+    for rows in torch.arange(share).chunk(micro_batches):
         penalty.backward(lambda module, rows=rows: F.cross_entropy(module(xs[rows]), ys[rows]),
                          on=(xs,))
         engine.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), penalty.last_value
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params) if stage == 3 else nullcontext():
+        return torch.cat([p.detach().flatten() for p in params]), penalty.last_value
 
 
 def reference(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +70,7 @@ def main(out: Path) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results = {name: engine_step(name, rank, world) for name in PENALTIES}
+    results["zero3_sam"] = engine_step("sam", rank, world, stage=3)
     torch.save(results, out / f"rank{rank}.pt")
 
 
