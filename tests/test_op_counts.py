@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from gradreg import NonFiniteError
 from gradreg.penalties import (
+    GradientPenalty,
     LossAt,
     as_points,
     asam,
@@ -163,9 +164,11 @@ def double_backprop_steps(device: str = "cpu", dtype: torch.dtype = torch.float3
     return Steps(library, hand, (x,), model, penalty)
 
 
-def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
-    model, rho = classifier(device, dtype), 0.05
-    penalty = sam(rho)
+def parameter_shift_steps(penalty: GradientPenalty, second_pass: Callable[..., None],
+                          device: str, dtype: torch.dtype) -> Steps:
+    """``penalty``'s two-pass step on a classifier, and its twin: one backward, then
+    ``second_pass(params, loss, zero_grad)`` as the reference implementation writes it."""
+    model = classifier(device, dtype)
     params = list(model.parameters())
     x = torch.randn(8, 16, device=device, dtype=dtype)
     y = torch.randint(0, 4, (8,), device=device)
@@ -177,77 +180,64 @@ def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
         model.zero_grad()
         penalized_backward(penalty, LossAt.run(loss, x), params)
 
-    def hand() -> None:  # davda54/sam's two steps
+    def hand() -> None:
         model.zero_grad()
         loss().backward()
-        g = [p.grad for p in params]
-        norm = torch.sqrt(sum(t.square().sum() for t in g))
-        shifts = [t * (rho / norm) for t in g]
+        second_pass(params, loss, model.zero_grad)
+
+    return Steps(library, hand, (x,), model, penalty)
+
+
+def sharpness_second_pass(shifts_of: Callable[[list[Tensor]], list[Tensor]]
+                          ) -> Callable[..., None]:
+    """davda54/sam's second step: shift by ``shifts_of(params)`` (read from ``.grad``), take the
+    gradient there, shift back."""
+    def second_pass(params: list[Tensor], loss: Callable[[], Tensor],
+                    zero_grad: Callable[[], None]) -> None:
+        shifts = shifts_of(params)
         with torch.no_grad():
             for p, e in zip(params, shifts, strict=True):
                 p.add_(e)
-        model.zero_grad()
+        zero_grad()
         loss().backward()
         with torch.no_grad():
             for p, e in zip(params, shifts, strict=True):
                 p.sub_(e)
 
-    return Steps(library, hand, (x,), model, penalty)
+    return second_pass
+
+
+def sam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
+    rho = 0.05
+
+    def shifts(params: list[Tensor]) -> list[Tensor]:  # davda54/sam
+        norm = torch.sqrt(sum(p.grad.square().sum() for p in params))
+        return [p.grad * (rho / norm) for p in params]
+
+    return parameter_shift_steps(sam(rho), sharpness_second_pass(shifts), device, dtype)
 
 
 def asam_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
-    model, rho = classifier(device, dtype), 0.5
-    penalty = asam(rho)
-    params = list(model.parameters())
-    x = torch.randn(8, 16, device=device, dtype=dtype)
-    y = torch.randint(0, 4, (8,), device=device)
+    rho = 0.5
 
-    def loss() -> Tensor:
-        return F.cross_entropy(model(x), y)
-
-    def library() -> None:
-        model.zero_grad()
-        penalized_backward(penalty, LossAt.run(loss, x), params)
-
-    def hand() -> None:  # davda54/sam's two steps with adaptive=True
-        model.zero_grad()
-        loss().backward()
+    def shifts(params: list[Tensor]) -> list[Tensor]:  # davda54/sam with adaptive=True
         norm = torch.norm(torch.stack([(p.abs() * p.grad).norm(2) for p in params]), 2)
         scale = rho / (norm + 1e-12)
-        shifts = [p.pow(2) * p.grad * scale for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, shifts, strict=True):
-                p.add_(e)
-        model.zero_grad()
-        loss().backward()
-        with torch.no_grad():
-            for p, e in zip(params, shifts, strict=True):
-                p.sub_(e)
+        return [p.pow(2) * p.grad * scale for p in params]
 
-    return Steps(library, hand, (x,), model, penalty)
+    return parameter_shift_steps(asam(rho), sharpness_second_pass(shifts), device, dtype)
 
 
 def gr_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
-    model, lam, eps = classifier(device, dtype), 1e-3, 1e-3
-    penalty = gr(lam, scale=eps)
-    params = list(model.parameters())
-    x = torch.randn(8, 16, device=device, dtype=dtype)
-    y = torch.randint(0, 4, (8,), device=device)
+    lam, eps = 1e-3, 1e-3
 
-    def loss() -> Tensor:
-        return F.cross_entropy(model(x), y)
-
-    def library() -> None:
-        model.zero_grad()
-        penalized_backward(penalty, LossAt.run(loss, x), params)
-
-    def hand() -> None:  # g + (lam / eps) (grad L(theta + eps g) - g), g = grad L(theta)
-        model.zero_grad()
-        loss().backward()
+    def second_pass(params: list[Tensor], loss: Callable[[], Tensor],
+                    zero_grad: Callable[[], None]) -> None:
+        # g + (lam / eps) (grad L(theta + eps g) - g), g = grad L(theta)
         g = [p.grad.clone() for p in params]
         with torch.no_grad():
             torch._foreach_add_(params, g, alpha=eps)
-        model.zero_grad()
+        zero_grad()
         loss().backward()
         with torch.no_grad():
             torch._foreach_sub_(params, g, alpha=eps)
@@ -255,7 +245,7 @@ def gr_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
         for p, t in zip(params, g, strict=True):
             p.grad = t
 
-    return Steps(library, hand, (x,), model, penalty)
+    return parameter_shift_steps(gr(lam, scale=eps), second_pass, device, dtype)
 
 
 def path_length_steps(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Steps:
