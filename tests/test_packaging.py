@@ -163,10 +163,13 @@ LAYERS = {"": (), "attention": (), "penalties": (), "models": (), "evaluation": 
           "lightning": ("lightning",), "app": ("app", "lightning")}
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
-IMPORTED_BY_PATH = {"models/resnet.py": "vision", "models/torchvision_import.py": "vision",
-                    "lightning/data/image_folder.py": "vision", "hf_trainer.py": "transformers",
-                    "app/sweeps/search.py": "sweeps", "app/sweeps/pruning.py": "sweeps",
-                    "app/trackers.py": "trackers", "attention/triton.py": "triton"}
+IMPORTED_BY_PATH = {"models/resnet.py": ("vision",), "models/torchvision_import.py": ("vision",),
+                    "lightning/data/image_folder.py": ("vision",),
+                    # deepspeed: imported only where a model runs under DeepSpeed
+                    "hf_trainer.py": ("transformers", "deepspeed"),
+                    "engine_penalty.py": ("deepspeed",),
+                    "app/sweeps/search.py": ("sweeps",), "app/sweeps/pruning.py": ("sweeps",),
+                    "app/trackers.py": ("trackers",), "attention/triton.py": ("triton",)}
 
 
 def extra_packages(extras: tuple[str, ...]) -> set[str]:
@@ -180,8 +183,8 @@ def test_what_each_layer_imports_is_installed_by_its_extras(package: str):
     root = ROOT / "gradreg"
     files = sorted(root.glob("*.py")) if not package else sorted((root / package).rglob("*.py"))
     for path in files:
-        by_path = IMPORTED_BY_PATH.get(path.relative_to(root).as_posix())
-        allowed = {"torch"} | extra_packages(LAYERS[package] + ((by_path,) if by_path else ()))
+        by_path = IMPORTED_BY_PATH.get(path.relative_to(root).as_posix(), ())
+        allowed = {"torch"} | extra_packages(LAYERS[package] + by_path)
         imported = {DISTRIBUTION.get(name, name) for name in third_party_imports(path)}
         assert imported <= allowed, f"{path.relative_to(ROOT)} imports {imported - allowed}"
 

@@ -175,8 +175,10 @@ class Classifier(PenalizedModule):
             self.penalties, self.backbone, partial(F.cross_entropy, reduction="none"), x, y,
             params=self._trainable(), accumulation=window,
             last=trainer is None or not accumulating(trainer),
-            rows=slice_rows(trainer, len(x)) if window is not None else None,  # global batches:
-            loss_scale=loss_scale(trainer), split=terms_requested(self))  # slices by samples
+            rows=slice_rows(trainer, len(x)) if window is not None and any(  # global batches:
+                gp.config.points == "parameters" for gp in self.penalties.values())  # slices
+            else None,  # weighted by their samples, for a penalty of the whole batch's gradient
+            loss_scale=loss_scale(trainer), split=terms_requested(self))
         return terms.task, terms.penalties
 
     def _window_of(self, trainer: Trainer | None) -> Window | None:
