@@ -241,9 +241,12 @@ def test_a_schedule_scales_sams_correction_and_keeps_its_radius(
     applied gradient is grad L + (0.1/0.05)(grad L(theta + 0.05 g_hat) - grad L), by hand at
     each step's parameters: the radius stays 0.05 (the schedule sets the weight only), and the
     fit's start names the penalty's shift in one info line (Lightning's records reach caplog's
-    root handler even after an in-process app run stopped their propagation)."""
-    for name in ("lightning", "lightning.pytorch"):
+    root handler even after an in-process app run's logging configuration disabled the loggers
+    that existed then or stopped their propagation)."""
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities",
+                 "lightning.pytorch.utilities.rank_zero"):
         monkeypatch.setattr(logging.getLogger(name), "propagate", True)
+        monkeypatch.setattr(logging.getLogger(name), "disabled", False)
     torch.manual_seed(0)
     module = Classifier(MLP(6, 3, hidden=[5]).double(), {"sam": sam(0.05)}, pgd_steps=0,
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
