@@ -105,7 +105,7 @@ class PenaltyWeightSchedule(pl.Callback):
 
     The schedule sets the weight, the factor of the penalty's value and gradient, and nothing of
     its configuration: a penalty that shifts the parameters (``sam(rho)``, ``asam``, ``gr``,
-    ``param_grad_norm`` by finite difference) keeps the shift it was built with. For SAM, whose
+    ``param_grad_norm`` by finite difference) keeps the shift of its configuration. For SAM, whose
     :math:`\rho` is both the weight and the radius, a weight :math:`w` gives the gradient
     :math:`\nabla L(\theta) + (w/\rho)(\nabla L(\theta + \rho \hat g) - \nabla L(\theta))`:
     a ramp of :math:`w` from 0 to :math:`\rho` goes from plain training to SAM at the fixed
