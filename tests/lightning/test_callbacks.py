@@ -41,7 +41,7 @@ from tests.lightning.helpers import (
     scalars,
     trainer,
 )
-from tests.lightning.test_split import Recorder, digits_like
+from tests.lightning.test_split import Recorder, digits_like, sam_gradients_by_hand
 
 # --- GradientNormMonitor -------------------------------------------------------------------------
 
@@ -257,13 +257,7 @@ def test_a_schedule_scales_sams_correction_and_keeps_its_radius(
     assert "'penalties.sam' shifts the parameters by radius=0.05" in caplog.text
     assert module.penalties["sam"].config.method.radius == 0.05
     for (before, (x, y)), applied in zip(recorder.before, recorder.grads, strict=True):
-        params = list(before.parameters())
-        g = torch.autograd.grad(F.cross_entropy(before(x), y), params)
-        norm = torch.sqrt(sum(t.square().sum() for t in g))
-        with torch.no_grad():
-            for p, t in zip(params, g, strict=True):
-                p.add_(t * (0.05 / norm))
-        shifted = torch.autograd.grad(F.cross_entropy(before(x), y), params)
+        g, shifted = sam_gradients_by_hand(before, x, y, 0.05)
         for (name, _), at, there in zip(before.named_parameters(), g, shifted, strict=True):
             torch.testing.assert_close(applied[f"backbone.{name}"], at + 2.0 * (there - at),
                                        rtol=1e-9, atol=1e-12)

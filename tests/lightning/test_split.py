@@ -41,6 +41,19 @@ class Recorder(pl.Callback):
                            for name, param in pl_module.named_parameters()})
 
 
+def sam_gradients_by_hand(model: nn.Module, x: Tensor, y: Tensor, rho: float
+                          ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """The cross-entropy gradient g of ``model`` at its parameters and at theta + rho g/|g|
+    (SAM's two passes written out; ``model``'s parameters are left shifted)."""
+    params = list(model.parameters())
+    g = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    norm = torch.sqrt(sum(t.square().sum() for t in g))
+    with torch.no_grad():
+        for p, t in zip(params, g, strict=True):
+            p.add_(t * (rho / norm))
+    return g, torch.autograd.grad(F.cross_entropy(model(x), y), params)
+
+
 def digits_like() -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     x = torch.rand(24, 6, generator=generator, dtype=torch.float64)
@@ -146,13 +159,7 @@ def test_a_split_sam_step_is_sams_gradient_and_its_parts_are_logged(tmp_path: Pa
     run = trainer(tmp_path, [GradientSplit(every_n_steps=1), recorder], max_steps=2)
     run.fit(module, digits_like())
     for (before, (x, y)), applied in zip(recorder.before, recorder.grads, strict=True):
-        params = list(before.parameters())
-        g = torch.autograd.grad(F.cross_entropy(before(x), y), params)
-        norm = torch.sqrt(sum(t.square().sum() for t in g))
-        with torch.no_grad():
-            for p, t in zip(params, g, strict=True):
-                p.add_(t * (0.05 / norm))
-        ascent = torch.autograd.grad(F.cross_entropy(before(x), y), params)
+        _, ascent = sam_gradients_by_hand(before, x, y, 0.05)
         names = [name for name, _ in before.named_parameters()]
         for name, want in zip(names, ascent, strict=True):
             torch.testing.assert_close(applied[f"backbone.{name}"], want, rtol=1e-10,
