@@ -1,5 +1,5 @@
-"""What :class:`gradreg.engine_penalty.EnginePenalty` refuses, in one line, when it is built:
-an engine stated as DeepSpeed's states itself (no DeepSpeed needed); its steps on DeepSpeed's
+"""What :class:`gradreg.integrations.engine_penalty.EnginePenalty` refuses, in one line, when it is
+built: an engine stated as DeepSpeed's states itself (no DeepSpeed needed); its steps on DeepSpeed's
 engine over 2 ranks are tested in tests/test_engine_penalty_deepspeed.py (slow)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from gradreg import GradientError
-from gradreg.engine_penalty import EnginePenalty
+from gradreg.integrations.engine_penalty import EnginePenalty
 from gradreg.penalties import asam, param_grad_norm, r1, sam
 
 

@@ -1,4 +1,4 @@
-""":class:`gradreg.engine_penalty.EnginePenalty` on DeepSpeed's engine, ZeRO-2 on 2 CPU
+""":class:`gradreg.integrations.engine_penalty.EnginePenalty` on DeepSpeed's engine, ZeRO-2 on 2 CPU
 processes (``DS_ACCELERATOR=cpu``), each with half of a batch of 16 in two micro-batches
 (``gradient_accumulation_steps=2``), ``engine.backward``/``engine.step``: one SGD step of sam
 and of the exact param_grad_norm ends at the parameters of one process that takes the whole

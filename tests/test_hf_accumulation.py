@@ -16,7 +16,7 @@ from gradreg.penalties import double_backprop, param_grad_norm, sam
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from gradreg.hf_trainer import PenalizedTrainer  # noqa: E402
+from gradreg.integrations.hf_trainer import PenalizedTrainer  # noqa: E402
 from tests.test_hf_trainer import (  # noqa: E402
     Record,
     Tokens,

@@ -97,7 +97,7 @@ def one_process(monkeypatch) -> None:
     ids=["zero2-inputs", "zero3-inputs", "zero3-exact", "zero3-adaptive"])
 def test_what_deepspeed_does_not_take_is_refused_before_training(
         tmp_path, one_process, stage: int, penalty, steps: int, message: str) -> None:
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_trainer import Tokens, arguments, tiny_llama
 
     with pytest.raises(GradientError, match=message) as refused:

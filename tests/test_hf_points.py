@@ -20,7 +20,7 @@ from gradreg.penalties import double_backprop, intermediate, jacobian
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from gradreg.hf_trainer import PenalizedTrainer  # noqa: E402
+from gradreg.integrations.hf_trainer import PenalizedTrainer  # noqa: E402
 from tests.test_hf_trainer import Record, Tokens, arguments, load, tiny_gpt2  # noqa: E402
 
 LAMBDA = 0.1

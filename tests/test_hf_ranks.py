@@ -52,7 +52,7 @@ def test_two_ranks_step_as_one_process_with_the_whole_batch(tmp_path, ranks: lis
 def test_each_ranks_own_penalty_would_be_another_step(tmp_path, ranks: list[dict]) -> None:
     """The penalty of one rank's 4 rows alone (what each rank would penalize without the
     whole batch's gradient) moves the step by more than 1e-4 of its largest entry."""
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from gradreg.penalties import param_grad_norm
     from tests.test_hf_accumulation import float64_loss
     from tests.test_hf_trainer import Record, Tokens, arguments, tiny_gpt2

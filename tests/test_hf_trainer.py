@@ -1,6 +1,6 @@
-"""gradreg's penalties in Hugging Face's Trainer (gradreg.hf_trainer): a tiny Llama built from a
-config (no download) trained two steps, each step's gradient against the hand-written two-pass
-recipe in float64."""
+"""gradreg's penalties in Hugging Face's Trainer (gradreg.integrations.hf_trainer): a tiny Llama
+built from a config (no download) trained two steps, each step's gradient against the
+hand-written two-pass recipe in float64."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gradreg.penalties import double_backprop, gr, intermediate, param_grad_norm
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer's dependency
 
-from gradreg.hf_trainer import PenalizedTrainer  # noqa: E402
+from gradreg.integrations.hf_trainer import PenalizedTrainer  # noqa: E402
 
 WEIGHT, STEP, BATCH = 0.05, 1e-3, 4
 
@@ -211,7 +211,7 @@ def test_what_an_engine_cannot_take_is_refused_before_training(tmp_path, monkeyp
                                                                match: str) -> None:
     """The engine stated as the trainer states it (DeepSpeed's ZeRO stage, FSDP's version);
     DeepSpeed itself in tests/test_hf_deepspeed.py."""
-    from gradreg import hf_trainer
+    from gradreg.integrations import hf_trainer
 
     trainer = PenalizedTrainer(model=tiny_llama(), args=arguments(tmp_path))
     if engine == "fsdp1":
@@ -255,7 +255,7 @@ def test_penalty_parameters_match_gradientregularization_trls_default(tmp_path) 
     are neither penalized nor shifted. Each step's gradient equals gradientregularization_trl's
     on the penalized parameters (float64, 1e-9); the excluded ones take the task's gradient at
     θ, where theirs take it at the shifted point, ∇L(θ + ε g) = ∇L(θ) + ε H g + O(ε²)."""
-    from gradreg.hf_trainer import GR_TRL_EXCLUDED, excluding
+    from gradreg.integrations.hf_trainer import GR_TRL_EXCLUDED, excluding
 
     strength, eps = 1e-4, STEP
     model, record = tiny_llama(), Record()

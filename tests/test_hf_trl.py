@@ -18,7 +18,7 @@ datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
 tokenizers = pytest.importorskip("tokenizers")
 
-from gradreg.hf_trainer import PenaltyMixin  # noqa: E402
+from gradreg.integrations.hf_trainer import PenaltyMixin  # noqa: E402
 from tests.test_hf_trainer import Record, hand_written, load, next_token_loss  # noqa: E402
 
 

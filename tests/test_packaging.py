@@ -160,14 +160,14 @@ DISTRIBUTION = {"sklearn": "scikit-learn", "PIL": "torchvision", "hydra": "hydra
                 "omegaconf": "hydra-core", "yaml": "hydra-core", "mlflow": "mlflow-skinny"}
 #: the extras of each package of gradreg ("": the top-level modules)
 LAYERS = {"": (), "attention": (), "penalties": (), "models": (), "evaluation": (),
-          "lightning": ("lightning",), "app": ("app", "lightning")}
+          "integrations": (), "lightning": ("lightning",), "app": ("app", "lightning")}
 #: modules that import an optional package at their top, imported by their path only (their
 #: package does not re-export them), with their extra: add a new one here
 IMPORTED_BY_PATH = {"models/resnet.py": ("vision",), "models/torchvision_import.py": ("vision",),
                     "lightning/data/image_folder.py": ("vision",),
                     # deepspeed: imported only where a model runs under DeepSpeed
-                    "hf_trainer.py": ("transformers", "deepspeed"),
-                    "engine_penalty.py": ("deepspeed",),
+                    "integrations/hf_trainer.py": ("transformers", "deepspeed"),
+                    "integrations/engine_penalty.py": ("deepspeed",),
                     "app/sweeps/search.py": ("sweeps",), "app/sweeps/pruning.py": ("sweeps",),
                     "app/trackers.py": ("trackers",), "attention/triton.py": ("triton",)}
 

@@ -86,7 +86,7 @@ __all__ = ["Accumulation", "accumulated_backward", "agreed_over_ranks", "combine
 WHAT = "accumulated_backward"
 #: how the finite difference shifts the parameters: ``shift(params, vectors, amounts)``, a
 #: context in which they are :math:`\theta_j + a_j d_j` (:func:`shifted_parameters`; a
-#: partitioned engine's own, :mod:`gradreg.engine_penalty`)
+#: partitioned engine's own, :mod:`gradreg.integrations.engine_penalty`)
 Shift = Callable[[Sequence[Tensor], Sequence[Tensor], list[Tensor]], AbstractContextManager]
 
 

@@ -41,7 +41,7 @@ def zero(stage: int) -> dict:
 def train(name: str, steps: int, batch: int, directory: str, **options) -> list[torch.Tensor]:
     """The parameters after 2 steps of the penalty ``name`` over the 8 sequences of
     ``Tokens(8, ignored=3)`` in micro-batches of ``batch`` rows, ``steps`` per step."""
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_trainer import Tokens, arguments, tiny_gpt2
 
     trainer = PenalizedTrainer(

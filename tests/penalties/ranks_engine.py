@@ -1,10 +1,10 @@
-"""One rank of :class:`gradreg.engine_penalty.EnginePenalty` on DeepSpeed's engine (``python -m
-tests.penalties.ranks_engine OUT`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` and
-``DS_ACCELERATOR=cpu`` set): the float32 MLP of :func:`~tests.penalties.ranks_problem.problem`
-under ZeRO-2 with SGD (lr 0.1), each rank's share of the batch of 16 in two micro-batches
-(``gradient_accumulation_steps=2``), one step per penalty, and ``sam`` under ZeRO-3
-(``zero3_sam``); saves the parameters after it and the penalty's value. :func:`reference` is
-one process's step with the whole batch."""
+"""One rank of :class:`gradreg.integrations.engine_penalty.EnginePenalty` on DeepSpeed's engine
+(``python -m tests.penalties.ranks_engine OUT`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/
+``MASTER_*`` and ``DS_ACCELERATOR=cpu`` set): the float32 MLP of
+:func:`~tests.penalties.ranks_problem.problem` under ZeRO-2 with SGD (lr 0.1), each rank's share
+of the batch of 16 in two micro-batches (``gradient_accumulation_steps=2``), one step per
+penalty, and ``sam`` under ZeRO-3 (``zero3_sam``); saves the parameters after it and the
+penalty's value. :func:`reference` is one process's step with the whole batch."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def engine_step(name: str, rank: int, world: int, stage: int = 2, micro_batches:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     import deepspeed
 
-    from gradreg.engine_penalty import EnginePenalty
+    from gradreg.integrations.engine_penalty import EnginePenalty
 
     model, x, y = float_problem()
     share = len(x) // world

@@ -38,7 +38,7 @@ def grpo_step(world: int, directory: str, penalized: bool = True, **options
     import datasets
     import trl
 
-    from gradreg.hf_trainer import PenaltyMixin
+    from gradreg.integrations.hf_trainer import PenaltyMixin
     from gradreg.penalties import gr
     from tests.test_hf_trainer import Record
     from tests.test_hf_trl import tiny_gpt2, tokenizer

@@ -46,7 +46,7 @@ def train(name: str, steps: int, batch: int, directory: str, **options
     """Each step's gradient of 2 steps of the penalty ``name`` over the 8 sequences of
     ``Tokens(8, ignored=3)`` in micro-batches of ``batch`` rows, ``steps`` per step, and the
     number of processes the trainer saw."""
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_accumulation import float64_loss
     from tests.test_hf_trainer import Record, Tokens, arguments, tiny_gpt2
 

@@ -33,7 +33,7 @@ def accumulated(rank: int) -> None:
 
 
 def trainer(rank: int) -> None:
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_trainer import Tokens, arguments, tiny_gpt2
 
     penalty = sam(0.05, every=2)

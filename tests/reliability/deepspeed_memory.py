@@ -2,9 +2,9 @@
 ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 -m tests.reliability.deepspeed_memory``):
 the peak growth of tensor memory during one optimizer step of 2 micro-batches (forwards,
 backwards, ``engine.step``) of an MLP, its task loss alone (``engine.backward``) and with
-``sam`` through :class:`~gradreg.engine_penalty.EnginePenalty`, from the profiler's allocation
-events (``scripts/benchmarking/timing.peak_memory``), ZeRO's reduce buckets of 1e7 elements;
-rank 0 prints a Markdown row per width."""
+``sam`` through :class:`~gradreg.integrations.engine_penalty.EnginePenalty`, from the profiler's
+allocation events (``scripts/benchmarking/timing.peak_memory``), ZeRO's reduce buckets of 1e7
+elements; rank 0 prints a Markdown row per width."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from benchmarking.timing import peak_memory
 
-from gradreg.engine_penalty import EnginePenalty
+from gradreg.integrations.engine_penalty import EnginePenalty
 from gradreg.penalties import sam
 
 WIDTHS = (1024, 2048)

@@ -3,7 +3,7 @@ r"""Any gradreg penalty in Hugging Face's ``Trainer``, without a ``compute_loss`
 :class:`PenaltyMixin` adds penalties to ``transformers.Trainer`` or a trainer built on it (TRL's
 ``SFTTrainer``: the mixin first in the bases)::
 
-    from gradreg.hf_trainer import PenalizedTrainer
+    from gradreg.integrations.hf_trainer import PenalizedTrainer
     from gradreg.penalties import double_backprop, param_grad_norm, sam
 
     trainer = PenalizedTrainer(model=model, args=args, train_dataset=data,
@@ -103,8 +103,8 @@ and accelerate fills it; ``"auto"`` takes the trainer's ``max_grad_norm``.)
 Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference penalties
 (``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``): the shift is applied to
 each rank's partition (and to a parameter held gathered), so ZeRO-3's own gathers compute at the
-shifted point (:func:`gradreg.engine_penalty.zero3_shifted_parameters`), and the penalty's
-gradient is handed to the parameters gathered whole.
+shifted point (:func:`gradreg.integrations.engine_penalty.zero3_shifted_parameters`), and the
+penalty's gradient is handed to the parameters gathered whole.
 
 Refused in one line when the trainer is built: under DeepSpeed the penalties at the inputs or
 activations (their inner gradient through the engine's outputs would run its reduction); under
@@ -132,8 +132,12 @@ from torch import Tensor, nn
 from gradreg import sharding
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
-from gradreg.engine_penalty import check_zero3, gathered_whole, zero3_shifted_parameters
 from gradreg.extras import require
+from gradreg.integrations.engine_penalty import (
+    check_zero3,
+    gathered_whole,
+    zero3_shifted_parameters,
+)
 from gradreg.penalties import (
     GeneratorState,
     GradientPenalty,
@@ -714,7 +718,8 @@ class PenaltyMixin:
 def __getattr__(name: str) -> type:
     if name != "PenalizedTrainer":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    require("transformers", "gradreg.hf_trainer.PenalizedTrainer", "transformers", "accelerate")
+    require("transformers", "gradreg.integrations.hf_trainer.PenalizedTrainer", "transformers",
+            "accelerate")
     from transformers import Trainer
 
     trainer = type("PenalizedTrainer", (PenaltyMixin, Trainer), {
