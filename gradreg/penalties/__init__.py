@@ -50,7 +50,14 @@ from gradreg.penalties.presets import (
     wgan_lp,
 )
 from gradreg.penalties.state.randomness import GeneratorState, SharedForward
-from gradreg.penalties.terms import StepTerms, Window, step_terms
+from gradreg.penalties.terms import (
+    EngineBackward,
+    StepForward,
+    StepTerms,
+    Window,
+    penalty_terms,
+    step_terms,
+)
 from gradreg.penalties.two_pass import penalized_backward, penalized_loss
 
 __all__ = [
@@ -58,6 +65,7 @@ __all__ = [
     "POINTS",
     "PRESETS",
     "DoubleBackward",
+    "EngineBackward",
     "FiniteDifference",
     "GeneratorState",
     "GradientNorm",
@@ -70,6 +78,7 @@ __all__ = [
     "Perturbation",
     "SharedForward",
     "Spectral",
+    "StepForward",
     "StepTerms",
     "Window",
     "accumulated_backward",
@@ -93,6 +102,7 @@ __all__ = [
     "path_length",
     "penalized_backward",
     "penalized_loss",
+    "penalty_terms",
     "per_sample_norm",
     "perturb_dragan",
     "r1",

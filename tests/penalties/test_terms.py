@@ -14,10 +14,14 @@ from torch import Tensor, nn
 
 from gradreg import GradientError
 from gradreg.penalties import (
+    EngineBackward,
+    GeneratorState,
+    StepForward,
     Window,
     double_backprop,
     gr,
     param_grad_norm,
+    penalty_terms,
     r1,
     sam,
     step_terms,
@@ -73,19 +77,22 @@ def input_oracle(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return flat(torch.autograd.grad(total, list(model.parameters())))
 
 
-def sam_oracle(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    r"""SAM's step by hand: :math:`\nabla L(\theta + \rho\, g / \lVert g \rVert)`."""
+def sam_oracle(model: nn.Module, x: Tensor, y: Tensor, shifted: int | None = None) -> Tensor:
+    r"""SAM's step by hand: :math:`\nabla L(\theta + \rho\, g / \lVert g \rVert)`; with
+    ``shifted``, of the first ``shifted`` parameters :math:`\theta_S` alone (:math:`g` theirs,
+    the others' gradient :math:`\nabla L(\theta)`)."""
     params = list(model.parameters())
     g = torch.autograd.grad(F.cross_entropy(model(x), y), params)
-    norm = flat(list(g)).norm()
+    chosen = slice(shifted)
+    norm = flat(list(g[chosen])).norm()
     with torch.no_grad():
-        for p, d in zip(params, g, strict=True):
+        for p, d in zip(params[chosen], g[chosen], strict=True):
             p.add_(d, alpha=RHO / norm.item())
-    shifted = flat(list(torch.autograd.grad(F.cross_entropy(model(x), y), params)))
+    at_shift = torch.autograd.grad(F.cross_entropy(model(x), y), params)
     with torch.no_grad():
-        for p, d in zip(params, g, strict=True):
+        for p, d in zip(params[chosen], g[chosen], strict=True):
             p.sub_(d, alpha=RHO / norm.item())
-    return shifted
+    return flat([*at_shift[chosen], *g[len(g[chosen]):]])
 
 
 CASES = {  # the penalty, the oracle of the step's gradient, the absolute tolerance (float64:
@@ -159,8 +166,85 @@ def test_what_a_window_cannot_take_is_refused_in_one_line() -> None:
     model, x, y = problem()
     with pytest.raises(GradientError, match="integer >= 1"):
         Window(0)
-    for penalties in ({"a": sam(RHO), "b": gr(LAMBDA)}, {"a": sam(RHO, every=2)}):
-        with pytest.raises(GradientError, match="for one parameter penalty"):
-            step_terms(penalties, model, CE, x, y, accumulation=Window(2), last=True)
+    with pytest.raises(GradientError, match="for one parameter penalty"):
+        step_terms({"a": sam(RHO), "b": gr(LAMBDA)}, model, CE, x, y, accumulation=Window(2),
+                   last=True)
+    with pytest.raises(GradientError, match=r"lazy \(every > 1\)"):
+        step_terms({"a": sam(RHO, every=2)}, model, CE, x, y, accumulation=Window(2), last=True)
+    with pytest.raises(GradientError, match="maxima over micro-batches"):
+        step_terms({"a": double_backprop(LAMBDA, reduction="max")}, model, CE, x, y,
+                   accumulation=Window(2), last=True)
     with pytest.raises(GradientError, match="needs last=True"):
         step_terms({"a": sam(RHO)}, model, CE, x, y, accumulation=Window(2))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_parameters_outside_the_penalty_take_the_tasks_gradient(parts: int) -> None:
+    """SAM of the first layer alone (``params``): the first layer's gradient at the layer's
+    shift, the last layer's the task's own (which the two passes would otherwise drop)."""
+    model, x, y = problem()
+    expected = sam_oracle(model, x, y, shifted=2)
+    model.zero_grad()
+    window = Window(parts) if parts > 1 else None
+    for k, (xb, yb) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+        terms = step_terms({"sam": sam(RHO)}, model, CE, xb, yb,
+                           params=list(model[0].parameters()), accumulation=window,
+                           last=k == parts - 1)
+        (terms.total() / parts).backward()
+    got = flat([p.grad for p in model.parameters()])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+    assert (got - sam_oracle(model, x, y)).abs().max() > 1e-4  # not SAM of all parameters
+
+
+def test_penalties_at_activations_are_of_the_outputs_where_they_say() -> None:
+    r"""``of="outputs"`` at the hidden layer: :math:`\lambda\,\mathrm{mean}_i \lVert
+    \nabla_{h_i} \textstyle\sum_c f(x_i)_c \rVert^2`, by double backward here."""
+    model, x, y = problem()
+    hidden = model[0](x)
+    outputs = model[2](model[1](hidden))
+    (g,) = torch.autograd.grad(outputs.sum(), hidden, create_graph=True)
+    total = CE(outputs, y).mean() + LAMBDA * g.square().sum(1).mean()
+    expected = flat(list(torch.autograd.grad(total, list(model.parameters()))))
+    penalty = double_backprop(LAMBDA, points="activations", layers=["0"], of="outputs")
+    got, _ = step_gradient(model, {"p": penalty}, x, y)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_an_engines_window_runs_its_own_first_phase(parts: int) -> None:
+    """A window whose task loss only the caller's backward differentiates (DeepSpeed's):
+    the task term is the loss itself plus the penalty's gradient, and the step is SAM's."""
+    model, x, y = problem()
+    expected = sam_oracle(model, x, y)
+    window = Window(parts, engine=EngineBackward())
+    got, _ = step_gradient(model, {"p": sam(RHO)}, x, y, window=window, parts=parts)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+
+
+def test_a_normalized_window_takes_losses_that_sum_to_the_batchs() -> None:
+    r"""Micro-batch losses normalized over the window's batch (:math:`\sum_{i \in k}
+    \ell_i / B`, as Hugging Face's trainer divides by ``num_items_in_batch``), each backward of
+    the terms as they are: SAM and double backprop of the whole batch (the sum of their
+    oracles' penalty gradients)."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    task = flat(list(torch.autograd.grad(F.cross_entropy(model(x), y), params)))
+    expected = input_oracle(model, x, y) + sam_oracle(model, x, y) - task
+    window = Window(2, normalized=True)
+    penalties = {"db": double_backprop(LAMBDA), "sam": sam(RHO)}
+    model.zero_grad()
+    for k, (xb, yb) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        state = GeneratorState.capture(xb)
+        points = xb.clone().requires_grad_()
+        outputs = model(points)
+        losses = CE(outputs, yb)
+
+        def again(xb: Tensor = xb, yb: Tensor = yb) -> Tensor:
+            return CE(model(xb), yb).sum() / len(x)
+
+        forward = StepForward(losses.sum() / len(x), outputs, losses, state, again,
+                              points=points, losses_at=lambda p, t: CE(model(p), t),
+                              point_args=(yb,))
+        penalty_terms(penalties, forward, params, window=window, last=k == 1).total().backward()
+    torch.testing.assert_close(flat([p.grad for p in params]), expected, rtol=1e-10,
+                               atol=1e-13)
