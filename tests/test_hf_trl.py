@@ -1,7 +1,8 @@
 """gradreg's penalties in TRL's SFTTrainer and GRPOTrainer (skipped where trl is not
 installed): the mixin first in the bases, a tiny GPT-2 built from a config, a tokenizer built
 in memory, an in-memory dataset; SAM's step is the hand-written two-step recipe on SFT's loss
-(the mean next-token cross-entropy, float64), GR's on GRPO's."""
+(the mean next-token cross-entropy, float64), GR's on GRPO's; on 2 processes (slow) both
+trainers step as one process with the whole batch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ trl = pytest.importorskip("trl")
 tokenizers = pytest.importorskip("tokenizers")
 
 from gradreg.integrations.hf_trainer import PenaltyMixin  # noqa: E402
+from tests.penalties.ranks_trl import CASES, train  # noqa: E402
 from tests.test_hf_trainer import Record, hand_written, load, next_token_loss  # noqa: E402
 
 
@@ -157,7 +159,7 @@ def test_gr_in_grpo_is_the_hand_written_recipe(tmp_path) -> None:
     length: the step's gradient is gradientregularization_trl's ``g + (λ/ε)(∇L(θ + ε g) - g)``
     of GRPO's own loss on the generated batch (the plain trainer's ``compute_loss``), to 1e-6
     of its largest entry (GRPO's fused head computes its log-probabilities in float32;
-    measured 2e-19). One process; two in test_gr_in_grpo_on_two_processes_steps_as_one."""
+    measured 2e-19). One process; two in test_two_processes_step_as_one."""
     args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
                           num_generations=4, max_completion_length=4, learning_rate=0.1,
                           optim="sgd", max_grad_norm=0.0, report_to=[], save_strategy="no",
@@ -192,28 +194,48 @@ def test_gr_in_grpo_is_the_hand_written_recipe(tmp_path) -> None:
         > 1e-3 * largest  # the penalty moves the step (2.4e-2 here)
 
 
-@pytest.mark.slow
-def test_gr_in_grpo_on_two_processes_steps_as_one(tmp_path) -> None:
-    """``gr`` in GRPOTrainer on 2 gloo processes with 4 completions each (one prompt's group)
-    against one process with all 8: the completions fixed by a ``rollout_func``, so both see the
-    same generated batch; the step's gradient (DDP's mean) equal to 1e-6 of its largest entry
-    (GRPO's fused head computes its log-probabilities in float32; measured 8e-8), the
-    penalty's value too, and the penalty moves the step."""
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every case of ``ranks_trl`` on 2 gloo processes, in one launch."""
     import sys
     from pathlib import Path
 
     from tests.distributed import run_processes
-    from tests.penalties.ranks_grpo import grpo_step
 
-    root = Path(__file__).resolve().parents[1]
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_grpo", str(tmp_path)],
+    out = tmp_path_factory.mktemp("trl")
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_trl", str(out), ",".join(CASES)],
                   [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=root, timeout=300)
-    two, two_value = torch.load(tmp_path / "grpo.pt", weights_only=True)
-    one, one_value = grpo_step(1, str(tmp_path / "one"))
-    plain, _ = grpo_step(1, str(tmp_path / "plain"), penalized=False)
-    largest = max(t.abs().max() for t in one)
-    for got, want in zip(two, one, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * largest)
-    torch.testing.assert_close(two_value, one_value, rtol=1e-6, atol=0)
-    assert max((a - b).abs().max() for a, b in zip(one, plain, strict=True)) > 1e-3 * largest
+                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)],
+                  cwd=Path(__file__).resolve().parents[1], timeout=600)
+    return torch.load(out / "trl.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_step_as_one(tmp_path, two_processes: dict, case: str) -> None:
+    """TRL's trainers with the mixin on 2 gloo processes, each with half of the global batch of
+    8, against one process with all of it (``tests.penalties.ranks_trl``): GRPO with ``gr``
+    (4 completions per process, one prompt's group), SFT with ``sam`` (also accumulated from
+    two micro-batches per process) and with ``gr``, its 8 sequences of unequal lengths (the
+    ranks' token counts differ). Each step's gradient (DDP's mean) and the parameters' change
+    over the run equal to 1e-6 of their largest entry, the penalty's value to 1e-6: the fused
+    heads compute the log-probabilities in float32 (measured: gradients 4e-8 to 2e-7, the
+    change 4e-8 to 1.1e-7, the value 2e-9 to 1.3e-8). The penalty moves each step by more than
+    1e-3 of its largest entry (7e-3 to 1 here), so the comparison is not of the trainers' own
+    steps."""
+    grads, final, value = two_processes[case]
+    want_grads, want_final, want_value = train(case, 1, str(tmp_path / "one"))
+    plain, _, _ = train(case, 1, str(tmp_path / "plain"), penalized=False)
+    assert len(grads) == len(want_grads) == len(plain) == (1 if case.startswith("grpo") else 2)
+    for got, want, own in zip(grads, want_grads, plain, strict=True):
+        largest = max(t.abs().max() for t in want).item()
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * largest)
+        assert max((b - c).abs().max() for b, c in zip(want, own, strict=True)) > 1e-3 * largest
+    start = list(tiny_gpt2().parameters())
+    change = [a - s for a, s in zip(final, start, strict=True)]
+    want_change = [b - s for b, s in zip(want_final, start, strict=True)]
+    largest = max(t.abs().max() for t in want_change).item()
+    for a, b in zip(change, want_change, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * largest)
+    torch.testing.assert_close(value, want_value, rtol=1e-6, atol=0)
