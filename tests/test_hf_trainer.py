@@ -175,8 +175,9 @@ def test_what_a_trainer_cannot_evaluate_is_refused_in_one_line(tmp_path) -> None
 
 
 @pytest.mark.parametrize(("penalties", "match"), [
-    ({"sam": sam(0.05), "gnp": param_grad_norm(0.01)}, r"\['gnp', 'sam'\] with gradient_acc"),
-    ({"db": double_backprop(0.1, reduction="max")}, "maximum over samples")],
+    ({"sam": sam(0.05), "gnp": param_grad_norm(0.01)},
+     r"\['gnp', 'sam'\] with 2 micro-batches per optimizer step"),
+    ({"db": double_backprop(0.1, reduction="max")}, "maximum over samples, which 2 micro-batches")],
     ids=["two_parameter_penalties", "max"])
 def test_accumulation_refuses_what_it_cannot_split_in_one_line(tmp_path, penalties,
                                                                match: str) -> None:
@@ -195,7 +196,8 @@ def test_two_parameter_penalties_on_several_processes_are_refused(tmp_path,
                                train_dataset=Tokens(),
                                penalties={"sam": sam(0.05), "gnp": param_grad_norm(0.01)})
     monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
-    with pytest.raises(GradientError, match=r"penalties \['gnp', 'sam'\] on 2 processes"):
+    with pytest.raises(GradientError,
+                       match=r"penalties \['gnp', 'sam'\] with the batch split over processes"):
         trainer.train()
 
 

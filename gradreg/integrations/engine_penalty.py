@@ -4,17 +4,19 @@ r"""A parameter penalty in a loop that trains with DeepSpeed's engine (``engine.
 The penalty (``sam``, ``asam``, ``gr``, ``param_grad_norm``, by either method) is that of the
 whole optimizer step's gradient :math:`\bar g`, all the micro-batches of the engine's
 ``gradient_accumulation_steps`` :math:`N` on all the ranks :math:`W`, as DeepSpeed averages
-them (each micro-batch's mean loss, equally weighted). Each call of :meth:`EnginePenalty.backward`
-takes one micro-batch: a first phase on the engine's unwrapped module (a forward and a
-gradient, :math:`g_k`), kept with its random state; on the step's last micro-batch
+them (each micro-batch's mean loss, equally weighted): a :class:`~gradreg.penalties.Window` of
+:math:`N` micro-batches over the ranks with DeepSpeed's own backward
+(:func:`deepspeed_backward`). Each call of :meth:`EnginePenalty.backward` takes one
+micro-batch: its forward through the engine, then a first phase on the engine's unwrapped
+module (a forward, its random numbers the engine forward's: dropout's masks, and a gradient,
+:math:`g_k`), kept with its random state; on the step's last micro-batch
 (``engine.is_gradient_accumulation_boundary()``) one all-reduce of the ranks' sums gives
 :math:`\bar g`, the penalty's value and direction :math:`v`, the same on every rank, and the
 second phase over the kept micro-batches gives this rank's :math:`c\,\bar H_r v` (by finite
-difference at :math:`\theta + h\hat v`, or by double backward); then the micro-batch's
-forward through the engine (the first phase's random numbers replayed: dropout's masks) and
-``engine.backward`` of its loss, plus on the last micro-batch a zero carrying :math:`N c\,\bar
-H_r v` (the engine divides by :math:`N`). ZeRO's reduction averages the ranks, which completes
-:math:`\bar g + c\,\bar H v`.
+difference at :math:`\theta + h\hat v`, or by double backward); then ``engine.backward`` of
+the loss, plus on the last micro-batch a zero carrying :math:`N c\,\bar H_r v` (the engine
+divides by :math:`N`). ZeRO's reduction averages the ranks, which completes :math:`\bar g +
+c\,\bar H v`.
 
 Why the penalty's passes run on the unwrapped module: DeepSpeed hooks the outputs of its
 engine's forward, and any backward through them, ``torch.autograd.grad`` included, starts its
@@ -40,20 +42,17 @@ Nothing here imports DeepSpeed: the engine is used through ``module``, ``backwar
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
-from gradreg.penalties.accumulation import Accumulation
-from gradreg.penalties.mechanism import GradientPenalty
-from gradreg.penalties.methods.param_gradient import shifted_parameters
-from gradreg.penalties.state.randomness import GeneratorState
-from gradreg.penalties.two_pass import Carried
+from gradreg.penalties import EngineBackward, GeneratorState, GradientPenalty, Window
 
-__all__ = ["EnginePenalty", "check_zero3", "gathered_whole", "zero3_shifted_parameters"]
+__all__ = ["EnginePenalty", "check_zero3", "deepspeed_backward", "gathered_whole",
+           "zero3_shifted_parameters"]
 
 LossOf = Callable[[nn.Module], Tensor]
 
@@ -132,6 +131,17 @@ def zero3_shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor]
                 param.partition()
 
 
+def deepspeed_backward(stage: int) -> EngineBackward:
+    """DeepSpeed's engine as a :class:`~gradreg.penalties.Window` takes it (its own backward
+    alone differentiates the task loss): under ZeRO-3 the finite difference shifts each
+    rank's partition (:func:`zero3_shifted_parameters`) and the penalty's gradient is handed to
+    the parameters gathered whole (:func:`gathered_whole`); below it, the parameters as they
+    are."""
+    if stage == 3:
+        return EngineBackward(shift=zero3_shifted_parameters, whole=gathered_whole)
+    return EngineBackward()
+
+
 class EnginePenalty:
     """``penalty`` (on ``points="parameters"``) of the whole step's gradient in a loop over
     DeepSpeed's ``engine`` (module docstring)::
@@ -155,44 +165,36 @@ class EnginePenalty:
                 "through the DeepSpeed engine's outputs, whose hooks start the engine's "
                 "backward; train with DDP or FSDP2 (gradreg.sharding.penalty_step), which take "
                 "every penalty.")
-        self.zero3 = int(engine.zero_optimization_stage()) == 3
-        if self.zero3:
+        stage = int(engine.zero_optimization_stage())
+        if stage == 3:
             check_zero3(penalty, "EnginePenalty",
                         "FSDP2 with gradreg.sharding.penalty_step, which takes it")
         module = engine.module
-        chosen = [p for p in module.parameters() if p.requires_grad] if params is None \
+        self.params = [p for p in module.parameters() if p.requires_grad] if params is None \
             else list(params)
         over_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         self.engine, self.penalty = engine, penalty
-        self.accumulation = Accumulation(
-            penalty, chosen, over_ranks=over_ranks,
-            shift=zero3_shifted_parameters if self.zero3 else shifted_parameters)
+        self.window = Window(int(engine.gradient_accumulation_steps()), over_ranks=over_ranks,
+                             engine=deepspeed_backward(stage))
         self.last_value: Tensor | None = None
 
     def backward(self, loss_of: LossOf, *, on: Sequence[Tensor] = ()) -> Tensor:
         r"""One micro-batch: ``loss_of(module)`` is its mean loss computed by calling
-        ``module`` (the unwrapped module for the penalty's passes, the engine for its
-        backward), ``on`` the batch's tensors whose devices' random states are replayed.
+        ``module`` (the engine for its backward, the unwrapped module for the penalty's
+        passes), ``on`` the batch's tensors whose devices' random states are replayed.
         Runs ``engine.backward`` (the user then calls ``engine.step()``, as after any
         backward) and returns the detached loss. Call it on every micro-batch of a step where
         the penalty is due (``penalty.due()``, once per step), else ``engine.backward``."""
         self.penalty._check_due()
-        engine, accumulation = self.engine, self.accumulation
-        state = GeneratorState.capture(*on, *accumulation.params)
-        module = engine.module
-        accumulation.add(lambda: loss_of(module), state)  # the task's g_k: from the engine
-        hv: list[Tensor | None] = []
-        if engine.is_gradient_accumulation_boundary():
-            self.last_value, hv = accumulation.finish()
-            count = float(engine.gradient_accumulation_steps())
-            torch._foreach_mul_([t for t in hv if t is not None], count)  # the engine divides
-        with state.replayed():  # the loss of the backward by N
-            loss = loss_of(engine)
-        if any(t is not None for t in hv):  # after the engine's forward, which ZeRO-3 gathers
-            with gathered_whole(accumulation.params) if self.zero3 else nullcontext():
-                # ZeRO-3: applied to the parameters whole, the shapes its backward gives
-                loss = loss + Carried.apply(loss.detach().new_zeros(()), list(hv), True,
-                                            *accumulation.params)
-        engine.backward(loss)
+        engine, module = self.engine, self.engine.module
+        state = GeneratorState.capture(*on, *self.params)
+        loss = loss_of(engine)
+        last = engine.is_gradient_accumulation_boundary()
+        task, value = self.window.micro_batch("penalty", self.penalty, loss,
+                                              lambda: loss_of(module), state, self.params,
+                                              last=last)
+        if last:
+            self.last_value = value
+        engine.backward(task)
         return loss.detach()

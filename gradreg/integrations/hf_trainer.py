@@ -16,7 +16,10 @@ r"""Any gradreg penalty in Hugging Face's ``Trainer``, without a ``compute_loss`
 In training, the trainer's own loss :math:`L` (``super().compute_loss``: the model's loss, or
 ``compute_loss_func``, normalized as the trainer normalizes it) becomes :math:`L + \sum_k P_k`,
 each penalty due at the optimizer step (``penalty.due()``, called on the first micro-batch of
-each step) evaluated where its ``points`` say:
+each step) evaluated where its ``points`` say. The trainer runs its forward; which entry takes
+which penalty is the core's :func:`gradreg.penalties.penalty_terms`, given that forward (a
+:class:`~gradreg.penalties.StepForward` whose points are the input embeddings) and the step's
+:class:`~gradreg.penalties.Window` of micro-batches and ranks:
 
 * ``"parameters"`` (``param_grad_norm``, ``sam``, ``asam``, ``gr``): of the gradient of
   :math:`L` w.r.t. the parameters that require grad (those ``penalty_parameters`` selects,
@@ -53,12 +56,12 @@ accept it, does not divide). So the task's accumulated gradient is :math:`\sigma
 follows it: :math:`\sigma (L + \sum_k P_k)`.
 
 A parameter penalty is that of :math:`\bar g = \nabla L`, taken in two phases
-(``Accumulation``): each micro-batch's backward carries its :math:`\nabla L_k`; the last one's
-also :math:`c\,\nabla^2 L\, v`, by the second phase over the window's micro-batches (kept with
-their random states until then). A per-sample penalty with ``reduction="mean"`` is the mean over
-the accumulated batch (micro-batches of equal size), with ``"sum"`` the sum over it. The step
-equals :math:`\sigma` times that of one batch of the accumulated size within float rounding,
-for models whose samples do
+(``Window(N, normalized=...)``): each micro-batch's backward carries its :math:`\nabla L_k`;
+the last one's also :math:`c\,\nabla^2 L\, v`, by the second phase over the window's
+micro-batches (kept with their random states until then). A per-sample penalty with
+``reduction="mean"`` is the mean over the accumulated batch (micro-batches of equal size), with
+``"sum"`` the sum over it. The step equals :math:`\sigma` times that of one batch of the
+accumulated size within float rounding, for models whose samples do
 not interact (BatchNorm in training mode normalizes per micro-batch, as any accumulation does).
 
 Refused in one line: points of a GAN (``real``, ``fake``...), a head without a known per-sample
@@ -70,7 +73,7 @@ computes the loss alone.
 
 On several processes (DDP: ``torchrun``, or ``accelerate launch``; ``args.world_size`` :math:`W
 > 1`) a parameter penalty is that of the whole batch's gradient: the first phase ends with one
-all-reduce of each rank's accumulated gradient (``Accumulation(over_ranks=True)``), so the
+all-reduce of each rank's accumulated gradient (``Window(N, over_ranks=True)``), so the
 penalty's value and direction :math:`v` are the batch's, the same on every rank; each rank's
 second phase (its forwards run on the unwrapped model, past DDP's reducer) gives the Hessian
 of its own share along :math:`v`, and DDP's mean of the ranks' gradients in the trainer's
@@ -96,9 +99,11 @@ gradient reduction. So none of the penalty's passes goes through the trainer's f
 micro-batch's first phase runs a forward of its own on the unwrapped model (one forward and
 backward more per micro-batch than under DDP), as the second phase does, and the trainer's
 backward, DeepSpeed's, differentiates the trainer's loss, plus a zero carrying the penalty's
-gradient :math:`c\,\bar H_r v`; ZeRO's reduction averages the ranks' sums as DDP's does.
-(DeepSpeed clips gradients to ``gradient_clipping``, 1.0 where a configuration leaves it out
-and accelerate fills it; ``"auto"`` takes the trainer's ``max_grad_norm``.)
+gradient :math:`c\,\bar H_r v` (the window's
+:func:`~gradreg.integrations.engine_penalty.deepspeed_backward`); ZeRO's reduction averages the
+ranks' sums as DDP's does. (DeepSpeed clips gradients to ``gradient_clipping``, 1.0 where a
+configuration leaves it out and accelerate fills it; ``"auto"`` takes the trainer's
+``max_grad_norm``.)
 
 Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference penalties
 (``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``): the shift is applied to
@@ -122,7 +127,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -133,25 +138,15 @@ from gradreg import sharding
 from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
-from gradreg.integrations.engine_penalty import (
-    check_zero3,
-    gathered_whole,
-    zero3_shifted_parameters,
-)
+from gradreg.integrations.engine_penalty import check_zero3, deepspeed_backward
 from gradreg.penalties import (
     GeneratorState,
     GradientPenalty,
-    LossAt,
-    SharedForward,
-    penalized_loss,
+    StepForward,
+    Window,
+    penalty_terms,
 )
-from gradreg.penalties.accumulation import (  # per micro-batch, as Lightning's
-    Accumulation,
-    agreed_over_ranks,
-    combined,
-)
-from gradreg.penalties.methods.param_gradient import shifted_parameters
-from gradreg.penalties.two_pass import Carried
+from gradreg.penalties.accumulation import agreed_over_ranks
 
 __all__ = [  # noqa: F822 (PenalizedTrainer: built on use)
     "GR_TRL_EXCLUDED", "PenalizedTrainer", "PenaltyMixin", "excluding", "per_sample_losses"]
@@ -267,15 +262,6 @@ def _zero_stage(trainer: Any) -> int | None:
     return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
 
 
-def _carried_gradient(loss: Tensor, params: list[Tensor]) -> Tensor | None:
-    """A zero whose backward adds the gradient of ``loss`` to ``params`` (None where there are
-    none); the graph is kept."""
-    if not params:
-        return None
-    g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    return Carried.apply(loss.detach().new_zeros(()), list(g), True, *params)
-
-
 class PenaltyMixin:
     """Adds ``penalties`` (name -> :class:`~gradreg.penalties.GradientPenalty`) to a
     ``transformers.Trainer`` subclass's training loss (module docstring).
@@ -296,9 +282,9 @@ class PenaltyMixin:
         self.per_sample_loss = per_sample_loss
         self.penalty_parameters = penalty_parameters
         self.penalty_values: dict[str, Tensor] = {}
-        self._window: list[str] = []  # the penalties due in this optimizer step
+        self._due: list[str] = []  # the penalties due in this optimizer step
         self._micro_batch = 0  # the micro-batches of this optimizer step so far
-        self._accumulations: dict[str, Accumulation] = {}
+        self._step_window: Window | None = None  # its micro-batches and ranks (_window_of)
         self._loss_divides: bool | None = None  # measured once (_normalized)
         self._held: sharding.HeldStep | None = None  # an FSDP2 model's step (training_step)
         model = getattr(self, "model", None)
@@ -439,14 +425,10 @@ class PenaltyMixin:
                           num_items_in_batch=num_items_in_batch)
         count = getattr(self, "current_gradient_accumulation_steps", 1)
         if self._micro_batch == 0:  # due() once per optimizer step
-            self._window = [name for name, gp in self.penalties.items() if gp.due()]
+            self._due = [name for name, gp in self.penalties.items() if gp.due()]
             self._agree(count)
         self._micro_batch = (self._micro_batch + 1) % count
-        due = {name: self.penalties[name] for name in self._window}
-        if count > 1:
-            self._check_accumulation(due, count)
-        share = self._share(num_items_in_batch, count)
-        per_step = count > 1 and not self._normalized(model, inputs, num_items_in_batch)
+        due = {name: self.penalties[name] for name in self._due}
         at_points = {n: gp for n, gp in due.items() if gp.config.points != "parameters"}
         layers = sorted({layer for gp in at_points.values() for layer in gp.config.layers})
         embeddings = any(gp.config.points == "inputs" for gp in at_points.values())
@@ -462,18 +444,36 @@ class PenaltyMixin:
             result = parent(model, dict(inputs), return_outputs=wanted,
                             num_items_in_batch=num_items_in_batch)
         loss, outputs = result if wanted else (result, None)
-        values = {name: self._at_points(gp, model, inputs, outputs, embedded, activations, state)
-                  for name, gp in at_points.items()}
-        task = self._parameters(due, model, inputs, loss, state, values, parent,
-                                num_items_in_batch, count, 1 if per_step else count)
-        self.penalty_values = {name: value.detach() for name, value in values.items()}
-        # the trainer multiplies by s; the task's micro-batch losses sum to c L (module
-        # docstring), so a per-sample penalty's mean over a micro-batch enters as c/(N s) of it
-        total = task + sum(value * (1 / share if due[name].config.points == "parameters" else
-                                    (count if per_step else 1)
-                                    / (1 if due[name].config.reduction == "sum" else count))
-                           for name, value in values.items())
+        forward = self._forward(model, inputs, loss, outputs, embedded, activations, state,
+                                parent, num_items_in_batch, at_points)
+        params, others = self._penalized_parameters(model)
+        window = self._window_of(count, model, inputs, num_items_in_batch)
+        terms = penalty_terms(due, forward, params, others=others, window=window,
+                              last=self._micro_batch == 0)
+        self.penalty_values = {name: value.detach() for name, value in terms.penalties.items()}
+        # the trainer multiplies the loss by s: a parameter penalty's value (its gradient is
+        # carried by the task term) is reported once per step
+        share = self._share(num_items_in_batch, count)
+        total = terms.task + sum(value / share if due[name].config.points == "parameters"
+                                 else value for name, value in terms.penalties.items())
         return (total, outputs) if return_outputs else total
+
+    def _window_of(self, count: int, model: nn.Module, inputs: Mapping[str, Any],
+                   num_items_in_batch: Tensor | int | None) -> Window | None:
+        r"""The step's :class:`~gradreg.penalties.Window`, kept from step to step (its first
+        phases): ``count`` micro-batches, over the ranks on several processes, normalized where
+        the trainer's micro-batch losses are (``_normalized``), DeepSpeed's own backward
+        (``deepspeed_backward``); None where the step's batch is not divided."""
+        stage = _zero_stage(self)
+        window = Window(count, over_ranks=self.args.world_size > 1,
+                        normalized=count > 1 and self._normalized(model, inputs,
+                                                                  num_items_in_batch),
+                        engine=None if stage is None else deepspeed_backward(stage))
+        kept = self._step_window
+        if kept is None or (kept.size, kept.over_ranks, kept.normalized, kept.engine) != (
+                window.size, window.over_ranks, window.normalized, window.engine):
+            self._step_window = kept = window
+        return kept if kept.divided else None
 
     def _agree(self, count: int) -> None:
         """On several processes, refuse in one line on every rank a step whose penalties are
@@ -481,7 +481,7 @@ class PenaltyMixin:
         micro-batches (module docstring): one all-gather of a few integers per optimizer step,
         before any collective of the penalties, which would otherwise mismatch (a hang)."""
         if self.args.world_size > 1 and torch.distributed.is_initialized():
-            agreed_over_ranks({f"penalty {name!r} due": int(name in self._window)
+            agreed_over_ranks({f"penalty {name!r} due": int(name in self._due)
                                for name in self.penalties}
                               | {"micro-batches in the step": count},
                               f"{type(self).__name__} on {self.args.world_size} processes")
@@ -548,171 +548,71 @@ class PenaltyMixin:
             "accumulated micro-batches is unknown: set trainer.loss_is_scaled_for_ga (True: "
             "normalized over the accumulated batch; False: a mean over the micro-batch).")
 
-    def _check_accumulation(self, due: Mapping[str, GradientPenalty], count: int) -> None:
-        parameter = sorted(name for name, gp in due.items() if gp.config.points == "parameters")
-        maximum = sorted(name for name, gp in due.items() if gp.config.points != "parameters"
-                         and gp.config.reduction == "max")
-        if len(parameter) > 1:
-            raise GradientError(
-                f"penalties {parameter} with gradient_accumulation_steps={count}: the penalty of "
-                "the accumulated batch's gradient is taken for one parameter penalty; use one, "
-                "or per_device_train_batch_size of the accumulated size.")
-        if maximum:
-            raise GradientError(
-                f"penalties {maximum} take the maximum over samples, which "
-                f"gradient_accumulation_steps={count} splits into maxima over micro-batches: "
-                "use reduction='mean' or 'sum', or per_device_train_batch_size of the "
-                "accumulated size.")
-
     def _losses(self, model: nn.Module, outputs: Any, inputs: Mapping[str, Any]) -> Tensor:
         if self.per_sample_loss is not None:
             return self.per_sample_loss(outputs, inputs)
         return per_sample_losses(self.accelerator.unwrap_model(model), outputs, inputs)
 
-    def _at_points(self, gp: GradientPenalty, model: nn.Module, inputs: dict[str, Any],
-                   outputs: Any, embedded: list[Tensor], activations: Mapping[str, Tensor],
-                   state: GeneratorState) -> Tensor:
-        """The weighted penalty ``gp`` at the input embeddings or at the activations, of the
-        logits or of the per-sample losses of the trainer's forward."""
-        logits = outputs["logits"]
-        if not logits.requires_grad:
+    def _forward(self, model: nn.Module, inputs: dict[str, Any], loss: Tensor, outputs: Any,
+                 embedded: list[Tensor], activations: Mapping[str, Tensor],
+                 state: GeneratorState, parent: Callable[..., Tensor],
+                 num_items_in_batch: Tensor | int | None,
+                 at_points: Mapping[str, GradientPenalty]) -> StepForward:
+        """The trainer's forward as :func:`~gradreg.penalties.penalty_terms` takes it: the
+        points the input embeddings, the forward at other points the model called with
+        ``inputs_embeds`` (the batch's other per-sample tensors passed along), the loss again
+        the trainer's own loss, on the unwrapped model (past DDP's reducer and DeepSpeed's
+        hooks, which the trainer's backward feeds)."""
+        again_on = self.accelerator.unwrap_model(model) \
+            if self.args.world_size > 1 or _zero_stage(self) is not None else model
+
+        def again() -> Tensor:
+            return parent(again_on, dict(inputs), num_items_in_batch=num_items_in_batch)
+
+        logits = None if outputs is None else outputs["logits"]
+        if at_points and not logits.requires_grad:
             raise GradientError(
                 f"{type(self).__name__}.compute_loss returned logits without a graph (its loss "
                 "is computed without them, e.g. by a fused head): penalties at the embeddings "
                 "or activations differentiate the logits; use a trainer whose model returns "
                 "them, or penalties on points='parameters'.")
-        of_loss = gp.config.of == "loss"
-        task_outputs = self._losses(model, outputs, inputs) if of_loss else logits
-        if gp.config.points == "activations":
-            return gp(task_outputs, [activations[layer] for layer in gp.config.layers])
-        if len(embedded) != 1:
+        if any(gp.config.points == "inputs" for gp in at_points.values()) and len(embedded) != 1:
             raise GradientError(
                 f"the input embeddings ran {len(embedded)} times in one forward: a penalty at "
                 "the embeddings needs the one tensor the model computed from the batch.")
-        (points,) = embedded
-        if not gp.needs_callable:
-            return gp(task_outputs, points)
-        keys = [k for k, v in inputs.items() if k != "input_ids" and isinstance(v, Tensor)
-                and v.ndim > 0 and v.shape[0] == points.shape[0]]
+        points = embedded[0] if embedded else None
+        keys = [] if points is None else [
+            k for k, v in inputs.items() if k != "input_ids" and isinstance(v, Tensor)
+            and v.ndim > 0 and v.shape[0] == points.shape[0]]
         fixed = {k: v for k, v in inputs.items() if k != "input_ids" and k not in keys}
 
-        def at_embeddings(embeds: Tensor, *args: Tensor) -> Tensor:
-            batch = {**fixed, **dict(zip(keys, args, strict=True))}
-            forward = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-            result = model(inputs_embeds=embeds, **forward)
-            return self._losses(model, result, batch) if of_loss else result["logits"]
+        def at_embeddings(of_loss: bool) -> Callable[..., Tensor]:
+            def forward(embeds: Tensor, *args: Tensor) -> Tensor:
+                batch = {**fixed, **dict(zip(keys, args, strict=True))}
+                result = model(inputs_embeds=embeds, **{
+                    k: v for k, v in batch.items() if k not in ("labels", "shift_labels")})
+                return self._losses(model, result, batch) if of_loss else result["logits"]
 
-        # the trainer's forward shared where the method can (the estimates at the points)
-        return gp(SharedForward(at_embeddings, points, task_outputs, state), points,
-                  fn_args=tuple(inputs[k] for k in keys))
+            return forward
 
-    def _parameters(self, due: Mapping[str, GradientPenalty], model: nn.Module,
-                    inputs: dict[str, Any], loss: Tensor, state: GeneratorState,
-                    values: dict[str, Tensor], parent: Callable[..., Tensor],
-                    num_items_in_batch: Tensor | int | None, count: int, factor: int) -> Tensor:
-        r"""The task term, and into ``values`` the weighted parameter penalties (module
-        docstring): by ``penalized_loss`` in one micro-batch (the task term carrying
-        :math:`\nabla L + c\,Hv` by finite difference), in two phases under accumulation or
-        over ranks."""
-        parameter = {n: gp for n, gp in due.items() if gp.config.points == "parameters"}
-        if not parameter:
-            return loss
-        ranks = self.args.world_size > 1
-        engine = _zero_stage(self) is not None  # its own backward hooks: module docstring
-        if ranks and len(parameter) > 1:
-            raise GradientError(
-                f"penalties {sorted(parameter)} on {self.args.world_size} processes: the penalty "
-                "of the whole batch's gradient is taken for one parameter penalty; use one.")
-        # the second phase's forwards bypass DDP's reducer (DeepSpeed's hooks), which the
-        # trainer's backward feeds
-        again = self.accelerator.unwrap_model(model) if ranks or engine else model
+        return StepForward(loss, logits, lambda: self._losses(model, outputs, inputs), state,
+                           again, points=points, outputs_at=at_embeddings(False),
+                           losses_at=at_embeddings(True),
+                           point_args=tuple(inputs[k] for k in keys), activations=activations)
 
-        def loss_at_parameters() -> Tensor:
-            return parent(again, dict(inputs), num_items_in_batch=num_items_in_batch)
-
-        chosen = self._penalized_parameters(model)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        # under FSDP2 the unsharded parameters the held step computes with
-        unsharded = dict(zip(map(id, trainable), sharding.held_unsharded(
-            tuple(trainable), "a parameter penalty"), strict=True))
-        params = [unsharded[id(p)] for p in chosen]
-        retain = len(due) > 1  # other penalties differentiate the same forward
-        # the unselected parameters' task gradient, where the penalty carries the task's
-        # gradient for the selected ones (taken before its passes free the graph)
-        penalized = set(map(id, chosen))
-        others = _carried_gradient(loss, [unsharded[id(p)] for p in trainable
-                                          if id(p) not in penalized]) \
-            if not engine and (count > 1 or ranks
-                               or any(gp.needs_callable for gp in parameter.values())) \
-            else None
-        if count > 1 or ranks or engine:
-            ((name, gp),) = parameter.items()
-            task = self._accumulated(name, gp, loss, loss_at_parameters, state, params, values,
-                                     count, factor, retain, ranks, engine)
-        else:
-            task = loss
-            for name, gp in parameter.items():
-                at = LossAt(loss_at_parameters, loss, state)
-                if task is loss and gp.needs_callable:  # the first finite difference: two passes
-                    task, values[name] = penalized_loss(gp, at, params, retain_graph=retain)
-                else:
-                    values[name] = gp(at if gp.needs_callable else loss, params)
-        return task if others is None or task is loss else task + others
-
-    def _penalized_parameters(self, model: nn.Module) -> list[Tensor]:
-        """The trainable parameters ``penalty_parameters`` selects (all where not given)."""
+    def _penalized_parameters(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+        """The trainable parameters ``penalty_parameters`` selects (all where not given), and
+        the others, which take the task's gradient alone."""
         chosen = self.penalty_parameters
-        named = self.accelerator.unwrap_model(model).named_parameters()
-        params = [p for n, p in named if p.requires_grad and (chosen is None or chosen(n, p))]
+        named = [(n, p) for n, p in self.accelerator.unwrap_model(model).named_parameters()
+                 if p.requires_grad]
+        params = [p for n, p in named if chosen is None or chosen(n, p)]
         if not params:
             raise GradientError(
                 "penalty_parameters selects none of the model's trainable parameters: select "
                 "some by their names in model.named_parameters().")
-        return params
-
-    def _accumulated(self, name: str, gp: GradientPenalty, loss: Tensor,
-                     fn: Callable[[], Tensor], state: GeneratorState, params: list[Tensor],
-                     values: dict[str, Tensor], count: int, factor: int,
-                     retain: bool, ranks: bool, engine: bool) -> Tensor:
-        r"""Micro-batch :math:`k` of :math:`N`: the ``Accumulation`` is given ``factor``
-        :math:`\cdot L_k` (:math:`N L_k` for losses normalized over the accumulated batch,
-        :math:`L_k` for micro-batch means: its mean over the micro-batches is :math:`L`); the
-        task term carries :math:`\nabla L_k` (the trainer multiplies by :math:`s`), and on the
-        last micro-batch also :math:`(N/\text{factor})\,\lambda \nabla^2 L\, v`, which
-        the trainer's :math:`s` makes the task's scale :math:`\sigma` times it (module
-        docstring); the penalty :math:`\lambda P(\nabla L)` goes into ``values``. Under
-        DeepSpeed (``engine``) the first phase runs its own forward of the unwrapped model, and
-        the task term is the trainer's loss itself (its backward, DeepSpeed's, gives
-        :math:`\nabla L_k`) plus a zero carrying the penalty's gradient alone."""
-        accumulation = self._accumulations.get(name)
-        if accumulation is None:
-            accumulation = self._accumulations[name] = Accumulation(
-                gp, params, over_ranks=ranks,
-                shift=zero3_shifted_parameters if _zero_stage(self) == 3 else shifted_parameters)
-
-        def scaled() -> Tensor:  # differentiated twice by double backward
-            with nullcontext() if gp.needs_callable else differentiable_attention():
-                return fn() * factor
-
-        g = accumulation.add(scaled, state, None if engine else loss * factor,
-                             retain_graph=retain)
-        if engine:  # the trainer's backward of its loss gives the task's gradient
-            g = [None] * len(g)
-        if self._micro_batch == 0:  # the last micro-batch of the optimizer step
-            value, hv = accumulation.finish()
-            g = combined(g, hv, count)
-            values[name] = value
-        g = [None if t is None else t.div_(factor) for t in g]  # None: a parameter unused
-        if engine:
-            if all(t is None for t in g):
-                return loss
-            with gathered_whole(accumulation.params) if _zero_stage(self) == 3 \
-                    else nullcontext():
-                # ZeRO-3: applied to the parameters whole, whose shapes its backward gives
-                carried = Carried.apply(loss.detach().new_zeros(()), g, True,
-                                        *accumulation.params)
-            return loss + carried
-        return Carried.apply(loss.detach(), g, True, *accumulation.params)
+        selected = set(map(id, params))
+        return params, [p for _, p in named if id(p) not in selected]
 
 
 def __getattr__(name: str) -> type:

@@ -140,8 +140,11 @@ class Window:
         over samples split into micro-batches, a micro-batch not saying whether it is the
         last."""
         parameter = sorted(name for name, gp in due.items() if gp.config.points == "parameters")
-        where = (f"{self.size} micro-batch(es) per optimizer step"
-                 f"{' on several processes' if self.over_ranks else ''}")
+        where = " and ".join(
+            ([f"{self.size} micro-batches per optimizer step (gradient accumulation)"]
+             if self.size > 1 else [])
+            + (["the batch split over processes"] if self.over_ranks else [])
+            + (["an engine's own backward"] if self.engine is not None else []))
         if len(parameter) > 1:
             raise GradientError(
                 f"penalties {parameter} with {where}: the penalty of the whole step's gradient "
@@ -434,9 +437,10 @@ def penalty_terms(due: Mapping[str, GradientPenalty], forward: StepForward,
     retain = len(due) > 1  # other terms differentiate the same forward
     # where the penalty's passes free the task's graph and carry its gradient for ``params``,
     # the others' gradient is taken first, kept beside it
-    replaced = bool(parameter) and ((divided and window.engine is None)
-                                    or any(gp.needs_callable for gp in parameter))
-    beside = _carried_gradient(mean, list(others)) if replaced and others else None
+    replaced = bool(parameter) and (window.engine is None if divided
+                                    else any(gp.needs_callable for gp in parameter))
+    beside = _carried_gradient(mean, list(held_unsharded(tuple(others), "a parameter penalty"))
+                               ) if replaced and others else None
     for name, gp in due.items():
         points = gp.config.points
         if points == "inputs":
