@@ -76,7 +76,27 @@ class EngineBackward:
     (:data:`~gradreg.penalties.accumulation.Shift`; ZeRO-3: each rank's partition);
     ``whole``: the context the penalty's gradient is handed to the parameters in (ZeRO-3: the
     parameters gathered whole, the shapes its backward gives).
-    :func:`gradreg.integrations.engine_penalty.deepspeed_backward` builds DeepSpeed's."""
+    :func:`gradreg.integrations.engine_penalty.deepspeed_backward` builds DeepSpeed's.
+
+    Examples:
+        One micro-batch; the caller's backward (the engine's) differentiates the loss as it
+        is, and the zero beside it carries SAM's part of the step:
+
+        >>> import torch, torch.nn.functional as F
+        >>> from gradreg.penalties import EngineBackward, GeneratorState, Window, sam
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(4, 3)
+        >>> x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        >>> def loss() -> torch.Tensor:
+        ...     return F.cross_entropy(model(x), y)
+        >>> window = Window(1, engine=EngineBackward())
+        >>> state = GeneratorState.capture(x)
+        >>> task, value = window.micro_batch("sam", sam(0.05), loss(), loss, state,
+        ...                                  list(model.parameters()), last=True)
+        >>> task.backward()  # .grad = ∇L(θ + ρ ĝ), SAM's step
+        >>> bool(value > 0)
+        True
+    """
 
     shift: Shift = shifted_parameters
     whole: Callable[[Sequence[Tensor]], AbstractContextManager] = _as_they_are
@@ -237,7 +257,26 @@ class StepForward:
     computed from (made to require grad), and ``outputs_at(points, *point_args)`` and
     ``losses_at(points, *point_args)`` running the forward at other points, ``point_args``
     the batch's per-sample tensors passed along. For penalties at activations:
-    ``activations``, the captured outputs of the named submodules."""
+    ``activations``, the captured outputs of the named submodules.
+
+    Examples:
+        A forward whose per-sample losses are computed where a penalty needs them:
+
+        >>> import torch, torch.nn.functional as F
+        >>> from gradreg.penalties import GeneratorState, StepForward, penalty_terms, sam
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(4, 3)
+        >>> x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        >>> state = GeneratorState.capture(x)
+        >>> outputs = model(x)
+        >>> forward = StepForward(F.cross_entropy(outputs, y), outputs,
+        ...                       lambda: F.cross_entropy(outputs, y, reduction="none"), state,
+        ...                       lambda: F.cross_entropy(model(x), y))
+        >>> terms = penalty_terms({"sam": sam(0.05)}, forward, list(model.parameters()))
+        >>> terms.losses is None  # no penalty needed them
+        True
+        >>> terms.total().backward()
+    """
 
     task: Tensor
     outputs: Tensor
