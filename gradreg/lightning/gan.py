@@ -4,8 +4,9 @@ Schedule: every training batch is one critic step; after every ``n_critic``-th c
 (counted on critic steps over the whole run, so epochs of any length and resumed runs keep the
 rhythm) comes one generator step, i.e. ``n_critic`` critic updates per generator update as in
 WGAN-GP's Algorithm 1. Each step: toggle the phase's optimizer (the other network's parameters stop
-requiring grad), zero its gradients, one backward of the phase's total (:mod:`gan_loss`), one
-optimizer step. The critic-step counter is a buffer, so it is checkpointed.
+requiring grad), zero its gradients, one backward of the phase's total
+(:mod:`gradreg.lightning.gan_loss`), one optimizer step. The critic-step counter is a buffer, so
+it is checkpointed.
 
 Validation draws a fixed set of latents (its own seeded generator: it never touches the training
 RNG) and reports the energy distance between fakes and held-out reals, the critic's Wasserstein
@@ -56,7 +57,7 @@ class GAN(PenalizedModule):
             latents (generator); others raise ``ValueError``.
         n_critic: critic steps per generator step, >= 1.
         loss: the adversarial term, ``"wgan"``, ``"nonsaturating"`` or ``"relativistic"``
-            (:mod:`gan_loss`).
+            (:mod:`gradreg.lightning.gan_loss`).
         latent_dim: the generator's input size.
         generator_optimizer, critic_optimizer: build the optimizers from the parameters.
         dataset: the toy set's name; on ``8gaussians``/``25gaussians`` validation reports modes.
