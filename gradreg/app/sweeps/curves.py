@@ -30,7 +30,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Colormap, ListedColormap, LogNorm
 from matplotlib.figure import Figure
 
-from .figure import BASELINE_COLOUR, COLUMNS, PANEL_WIDTH
+from .figure import BASELINE_COLOUR, panel_grid, shared_legend
 from .results import Job, Setting, logged_metrics, outcome_metrics, selection_metric, settings
 
 #: the part of the sequential colour map the settings take (its lightest end is hard to see)
@@ -126,13 +126,8 @@ def validation_curves_figure(jobs: Sequence[Job], optimized: str | None = None,
         return None
     scale = weight_scale(rows)
     colours = setting_colours(rows, scale)
-    columns = min(COLUMNS, len(metrics))
-    rows_of_panels = -(-len(metrics) // columns)
-    # three panels' width however many: the legend's room
-    fig = Figure(figsize=(PANEL_WIDTH * COLUMNS, 3.4 * rows_of_panels + 1.2), dpi=100,
-                 layout="constrained")
-    axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
-    for ax, metric in zip(axes, metrics, strict=False):  # axes past the metrics: hidden
+    fig, axes = panel_grid(len(metrics), 3.4, 1.2, full_width=True)  # the legend's room
+    for ax, metric in zip(axes, metrics, strict=True):
         drawn: list[float] = []
         for k, setting in enumerate(rows):
             style = "--" if setting.is_baseline else "-"
@@ -150,17 +145,9 @@ def validation_curves_figure(jobs: Sequence[Job], optimized: str | None = None,
         ax.set_xlabel("training step")
         ax.set_title(metric)
         ax.grid(alpha=0.3)
-    for ax in axes[len(metrics):]:
-        ax.set_visible(False)
-    labels: dict[str, object] = {}
-    for ax in axes[:len(metrics)]:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            labels.setdefault(label, handle)
-    if labels:
-        fig.legend(labels.values(), labels.keys(), loc="outside lower center",
-                   ncols=min(5, len(labels)))
+    shared_legend(fig, axes, 5)
     if scale is not None:
-        fig.colorbar(ScalarMappable(scale, colour_map()), ax=axes[:len(metrics)].tolist(),
+        fig.colorbar(ScalarMappable(scale, colour_map()), ax=axes.tolist(),
                      label="penalty weight λ (log scale)")
     seeds = len({job.seed for job in jobs})
     fig.suptitle("\n".join(line for line in (

@@ -29,6 +29,34 @@ MAX_TICKS = 8
 BASELINE_COLOUR = "0.35"
 
 
+def panel_grid(count: int, panel_height: float, margin: float, *, full_width: bool = False
+               ) -> tuple[Figure, np.ndarray]:
+    """A figure of ``count`` panels in rows of at most :data:`COLUMNS` (``panel_height`` inches
+    each, ``margin`` more for the title and the legend; ``full_width``: :data:`COLUMNS` panels'
+    width however many, the room of a wide legend) and its ``count`` axes, the grid's others
+    hidden."""
+    columns = min(COLUMNS, count)
+    rows = -(-count // columns)
+    fig = Figure(figsize=(PANEL_WIDTH * (COLUMNS if full_width else columns),
+                          panel_height * rows + margin), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes[:count]
+
+
+def shared_legend(fig: Figure, axes: np.ndarray, columns: int) -> None:
+    """One legend below the panels: each label drawn in any of ``axes`` once, in rows of at
+    most ``columns``; none where nothing is labelled."""
+    labels: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labels.setdefault(label, handle)
+    if labels:
+        fig.legend(labels.values(), labels.keys(), loc="outside lower center",
+                   ncols=min(columns, len(labels)))
+
+
 def series_name(setting: Setting) -> str:
     """``double_backprop``, ``r1 model.optimizer.lr=0.001``: a series' legend entry."""
     return " ".join([setting.penalty, *(f"{key}={value}" for key, value in setting.others)])
@@ -55,12 +83,8 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
             series.setdefault(setting.penalty, []).append(setting)
     colours = {name: f"C{k % 10}" for k, name in enumerate(series)}
     swept = sorted({setting.weight for setting in penalized})
-    columns = min(COLUMNS, len(metrics))
-    rows_of_panels = -(-len(metrics) // columns)
-    fig = Figure(figsize=(PANEL_WIDTH * columns, 3.6 * rows_of_panels + 0.9), dpi=100,
-                 layout="constrained")
-    axes = fig.subplots(rows_of_panels, columns, squeeze=False).ravel()
-    for ax, metric in zip(axes, metrics, strict=False):  # axes past the metrics: hidden
+    fig, axes = panel_grid(len(metrics), 3.6, 0.9)
+    for ax, metric in zip(axes, metrics, strict=True):
         for baseline in (s for s in rows if s.is_baseline):
             values = baseline.spread(metric)
             if values is None:
@@ -91,12 +115,7 @@ def metric_vs_weight_figure(jobs: Sequence[Job], optimized: str | None = None,
         ax.set_xlabel("penalty weight λ")
         ax.set_title(metric)
         ax.grid(alpha=0.3)
-    for ax in axes[len(metrics):]:
-        ax.set_visible(False)
-    handles, labels = axes[0].get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    fig.legend(unique.values(), unique.keys(), loc="outside lower center",
-               ncols=min(4, len(unique)))
+    shared_legend(fig, axes, 4)
     seeds = len({job.seed for job in jobs})
     answer = headline(jobs, optimized, direction)
     fig.suptitle("\n".join(line for line in (
