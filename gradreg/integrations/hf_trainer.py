@@ -446,7 +446,8 @@ class PenaltyMixin:
         loss, outputs = result if wanted else (result, None)
         forward = self._forward(model, inputs, loss, outputs, embedded, activations, state,
                                 parent, num_items_in_batch, at_points)
-        params, others = self._penalized_parameters(model)
+        params, others = self._penalized_parameters(model) if len(at_points) < len(due) \
+            else ([], [])
         window = self._window_of(count, model, inputs, num_items_in_batch)
         terms = penalty_terms(due, forward, params, others=others, window=window,
                               last=self._micro_batch == 0)
