@@ -1,13 +1,19 @@
-"""Memory per rank of a parameter penalty over DeepSpeed's engine, ZeRO-2 (run under
+"""Memory per rank of a parameter penalty over DeepSpeed's engine, ZeRO-2 and ZeRO-3 (run under
 ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 -m tests.reliability.deepspeed_memory``):
 the peak growth of tensor memory during one optimizer step of 2 micro-batches (forwards,
 backwards, ``engine.step``) of an MLP, its task loss alone (``engine.backward``) and with
-``sam`` through :class:`~gradreg.integrations.engine_penalty.EnginePenalty`, from the profiler's
-allocation events (``scripts/benchmarking/timing.peak_memory``), ZeRO's reduce buckets of 1e7
-elements; rank 0 prints a Markdown row per width."""
+``sam`` (a finite difference, which ZeRO-3 takes) through
+:class:`~gradreg.integrations.engine_penalty.EnginePenalty`, from the profiler's allocation
+events (``scripts/benchmarking/timing.peak_memory``), ZeRO's reduce and prefetch buckets of
+1e7 elements. Over 5 steps and both ranks: the lowest peak, the same in every run, and the
+highest (a step's peak is at times one weight matrix higher). Beside them the rank's own
+parameters in float32 (ZeRO-2: all of them; ZeRO-3: its partition) and the penalty's extra in
+units of them (the lowest peaks' difference). Rank 0 prints a Markdown row per stage and
+width."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -22,24 +28,37 @@ from benchmarking.timing import peak_memory
 from gradreg.integrations.engine_penalty import EnginePenalty
 from gradreg.penalties import sam
 
+STAGES = (2, 3)
 WIDTHS = (1024, 2048)
 ROWS = 64  # per rank, in 2 micro-batches
-BUCKET = 10**7  # elements of ZeRO's reduce buffers (its default, 5e8, is 2 GB of float32)
+REPEATS = 5  # steps measured, after the first
+BUCKET = 10**7  # elements of ZeRO's buffers (its default reduce bucket, 5e8, is 2 GB of float32)
 
 
-def measure(width: int, penalized: bool) -> tuple[int, int]:
-    """(parameters, peak bytes of the step's tensors above those alive before it)."""
+def zero(stage: int) -> dict:
+    """ZeRO ``stage``'s section of the engine's configuration, its buffers of ``BUCKET``."""
+    buckets = {2: {"allgather_bucket_size": BUCKET},
+               3: {"stage3_prefetch_bucket_size": BUCKET}}[stage]
+    return {"stage": stage, "reduce_bucket_size": BUCKET, **buckets}
+
+
+def measure(width: int, stage: int, penalized: bool) -> tuple[int, int, int, int]:
+    """(parameters, of them held by this rank at rest, the lowest and the highest peak bytes
+    of the step's tensors above those alive before it, over ``REPEATS`` steps and the ranks)."""
     import deepspeed
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
                           nn.Linear(width, 1))
+    count = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
         "train_micro_batch_size_per_gpu": ROWS // 2, "gradient_accumulation_steps": 2,
         "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET,
-                              "allgather_bucket_size": BUCKET},
+        "zero_optimization": zero(stage),
         "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    # ZeRO-3 keeps each parameter's partition in ds_tensor; ZeRO-2 keeps every parameter whole
+    held = sum(p.ds_tensor.ds_numel if hasattr(p, "ds_tensor") else p.numel()
+               for p in model.parameters())
     x, y = torch.randn(ROWS, 2), torch.randn(ROWS, 1)
     penalty = sam(0.05)
     sharpness = EnginePenalty(engine, penalty) if penalized else None
@@ -57,17 +76,28 @@ def measure(width: int, penalized: bool) -> tuple[int, int]:
             engine.step()
 
     step()  # the optimizer's buffers made
-    return sum(p.numel() for p in model.parameters()), peak_memory(step, torch.device("cpu"))
+    peaks = []
+    for _ in range(REPEATS):
+        gc.collect()  # no garbage of earlier steps or engines freed inside the measured step
+        peaks.append(peak_memory(step, torch.device("cpu")))
+    lowest, highest = torch.tensor(min(peaks)), torch.tensor(max(peaks))
+    torch.distributed.all_reduce(lowest, torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(highest, torch.distributed.ReduceOp.MAX)
+    return count, held, int(lowest), int(highest)
 
 
 def main() -> None:
     torch.set_num_threads(1)
     rows = []
-    for width in WIDTHS:
-        count, plain = measure(width, False)
-        _, penalized = measure(width, True)
-        rows.append(f"| MLP width {width} ({count / 1e6:.1f} M) | {4 * count / 1e6:.1f} MB | "
-                    f"{plain / 1e6:.1f} MB | {penalized / 1e6:.1f} MB |")
+    for stage in STAGES:
+        for width in WIDTHS:
+            count, held, plain, plain_high = measure(width, stage, False)
+            *_, penalized, penalized_high = measure(width, stage, True)
+            rows.append(f"| ZeRO-{stage} | MLP width {width} ({count / 1e6:.1f} M, "
+                        f"{4 * count / 1e6:.1f} MB) | {4 * held / 1e6:.1f} MB | "
+                        f"{plain / 1e6:.1f} MB (to {plain_high / 1e6:.1f}) | "
+                        f"{penalized / 1e6:.1f} MB (to {penalized_high / 1e6:.1f}) | "
+                        f"{(penalized - plain) / (4 * held):.1f} |")
     if torch.distributed.get_rank() == 0:
         print("\n".join(rows))
 
