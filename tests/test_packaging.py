@@ -168,6 +168,7 @@ IMPORTED_BY_PATH = {"models/resnet.py": ("vision",), "models/torchvision_import.
                     # deepspeed: imported only where a model runs under DeepSpeed
                     "integrations/hf_trainer.py": ("transformers", "deepspeed"),
                     "integrations/engine_penalty.py": ("deepspeed",),
+                    "integrations/zero_sharded.py": ("deepspeed",),
                     "app/sweeps/search.py": ("sweeps",), "app/sweeps/pruning.py": ("sweeps",),
                     "app/trackers.py": ("trackers",), "attention/triton.py": ("triton",)}
 

@@ -25,30 +25,39 @@ in its buckets). The first phase's forward is one more per micro-batch than the 
 
 Taken: ZeRO stages 0, 1 and 2 (the parameters whole on every rank), every parameter penalty;
 ZeRO-3 (the parameters partitioned between forwards), the finite differences (``sam``, ``gr``,
-``param_grad_norm``'s): the shift applied to each rank's partition
-(:func:`zero3_shifted_parameters`), the penalty's gradient handed to the parameters gathered
-whole (:func:`gathered_whole`). Refused in one line: under ZeRO-3 what :func:`check_zero3` names
+``param_grad_norm``'s). Those of the 2-norm, in float32 or bfloat16 (no fp16 loss scaling),
+the optimizer's states not offloaded, run on each rank's partitions
+(:class:`~gradreg.integrations.zero_sharded.ShardedStep`: the engine's own backward of each
+micro-batch is the first pass, and at the step's boundary a second pass through the engine at
+the shifted partitions; no forward on the unwrapped module, each rank's extra memory two
+buffers of its partition); the others with the shift applied to each rank's partition
+(:func:`zero3_shifted_parameters`) and the penalty's gradient handed to the parameters
+gathered whole (:func:`gathered_whole`), parameter-sized buffers on every rank. Refused in one
+line: under ZeRO-3 what :func:`check_zero3` names
 (FSDP2 with :func:`gradreg.sharding.penalty_step` takes it), and penalties at other points
 (their inner gradient would run through the engine's outputs).
 Every rank must call :meth:`~EnginePenalty.backward` on the same micro-batches of the same
 steps (the penalty due on all or none): ranks whose penalized parameters differ are refused
 in one line (:func:`~gradreg.penalties.accumulation.agreed_over_ranks`).
 
-Nothing here imports DeepSpeed: the engine is used through ``module``, ``backward``,
-``gradient_accumulation_steps()``, ``is_gradient_accumulation_boundary()`` and
-``zero_optimization_stage()``.
+Importing this module imports no DeepSpeed: the engine is used through ``module``,
+``backward``, ``gradient_accumulation_steps()``, ``is_gradient_accumulation_boundary()`` and
+``zero_optimization_stage()`` (under ZeRO-3 also ``optimizer``, ``fp16_enabled()`` and
+``zero_use_cpu_optimizer()``, and its steps read and write the partitions' gradients through
+``deepspeed.utils``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gradreg.autograd import GradientError
+from gradreg.integrations.zero_sharded import ShardedStep, shifted_partitions, takes_sharded
 from gradreg.penalties import EngineBackward, GeneratorState, GradientPenalty, Window
 
 __all__ = ["EnginePenalty", "check_zero3", "deepspeed_backward", "gathered_whole",
@@ -85,50 +94,16 @@ def gathered_whole(params: Sequence[Tensor]) -> AbstractContextManager:
     return deepspeed.zero.GatheredParameters([p for p in params if p.data.numel() == 0])
 
 
-@contextmanager
 def zero3_shifted_parameters(params: Sequence[Tensor], vectors: Sequence[Tensor],
-                             amounts: list[Tensor]) -> Iterator[None]:
+                             amounts: list[Tensor]) -> AbstractContextManager:
     r"""The block runs at :math:`\theta_j + a_j d_j` on DeepSpeed ZeRO-3's partitioned
-    parameters (``vectors`` :math:`d_j` whole, the same on every rank): each rank shifts its
-    partition (``ds_tensor``, the slice of the flattened parameter that ZeRO-3 gathers from it)
-    and, where the parameter is held gathered (a persistent one), its data; ZeRO-3's own
-    gathers in the block's forwards and backwards then compute with the shifted parameters. Put
-    back bitwise after it: the partitions copied back; a parameter held gathered on entry gets
-    its values back in whatever data it holds on exit (a gather in the block may have given it
-    new data, with the shifted values, which the step's backward would read); one gathered in
-    the block is released (``partition()``: gathered again from the restored partitions)."""
-    for param in params:  # a persistent parameter stays as a gather leaves it: gathered first
-        if param.ds_persist and param.data.numel() == 0:
-            param.all_gather()
-    targets, shifts, scales, gathered = [], [], [], set()
-    for param, vector, amount in zip(params, vectors, amounts, strict=True):
-        part = param.ds_tensor
-        size = int(part.ds_numel)
-        start = size * torch.distributed.get_rank(group=param.ds_process_group)
-        flat = vector.reshape(-1)
-        count = max(0, min(size, flat.numel() - start))
-        shared = param.data.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
-        if count and not shared:  # one process: the partition may be the data itself
-            targets.append(part.narrow(0, 0, count))
-            shifts.append(flat.narrow(0, start, count))
-            scales.append(amount)
-        if param.data.numel() == flat.numel():  # held gathered (persistent, or not yet freed)
-            gathered.add(id(param))
-            targets.append(param.data.view(-1))
-            shifts.append(flat)
-            scales.append(amount)
-    saved = [t.clone() for t in targets]
-    saved_whole = [param.data.clone() if id(param) in gathered else None for param in params]
-    try:
-        torch._foreach_addcmul_(targets, shifts, scales)
-        yield
-    finally:
-        torch._foreach_copy_(targets, saved)
-        for param, values in zip(params, saved_whole, strict=True):
-            if values is not None and param.data.numel() == values.numel():
-                param.data.copy_(values.view_as(param.data))  # a gather may have given new data
-            elif values is None and param.data.numel() > 0 and not param.ds_persist:
-                param.partition()
+    parameters, ``vectors`` :math:`d_j` whole, the same on every rank: each rank shifts its
+    partition by its slice of them (:func:`~gradreg.integrations.zero_sharded
+    .shifted_partitions`, which puts them back bitwise after it)."""
+    flats = [vector.reshape(-1) for vector in vectors]
+    return shifted_partitions(params, amounts,
+                              lambda j, start, count: flats[j].narrow(0, start, count),
+                              lambda held: [flats[j] for j in held])
 
 
 def deepspeed_backward(stage: int) -> EngineBackward:
@@ -175,6 +150,10 @@ class EnginePenalty:
         over_ranks = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         self.engine, self.penalty = engine, penalty
+        #: ZeRO-3's finite differences on each rank's partitions (gradreg.integrations
+        #: .zero_sharded), else None: the penalty's passes on the unwrapped module
+        self.sharded = ShardedStep(engine, penalty, self.params) \
+            if stage == 3 and takes_sharded(engine, penalty) else None
         self.window = Window(int(engine.gradient_accumulation_steps()), over_ranks=over_ranks,
                              engine=deepspeed_backward(stage))
         self.last_value: Tensor | None = None
@@ -191,6 +170,12 @@ class EnginePenalty:
         state = GeneratorState.capture(*on, *self.params)
         loss = loss_of(engine)
         last = engine.is_gradient_accumulation_boundary()
+        if self.sharded is not None:  # the step's own backward is the first pass
+            self.sharded.add(loss_of, state, loss)
+            engine.backward(loss)
+            if last:
+                self.last_value = self.sharded.finish()
+            return loss.detach()
         task, value = self.window.micro_batch("penalty", self.penalty, loss,
                                               lambda: loss_of(module), state, self.params,
                                               last=last)

@@ -1,0 +1,46 @@
+""":class:`gradreg.integrations.engine_penalty.EnginePenalty` under DeepSpeed ZeRO-3 on 2 CPU
+processes (``DS_ACCELERATOR=cpu``, gloo), its finite differences on each rank's partitions
+(:class:`gradreg.integrations.zero_sharded.ShardedStep`): a float32 MLP with dropout, each rank
+half of a batch of 16 in two micro-batches, two SGD steps of ``sam`` and of ``gr``, with every
+parameter partitioned or all kept gathered (ZeRO-3's persistence threshold), and ``sam`` with
+gradient clipping, end at the parameters of one process that takes the whole batch with
+``accumulated_backward`` (its dropout masks seeded as on the ranks; clipped as DeepSpeed clips),
+the penalty's value the whole batch's. Slow: DeepSpeed's engine on two processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from tests.distributed import run_processes
+from tests.penalties.ranks_zero_sharded import CASES, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("zero_sharded")
+    run_processes([sys.executable, "-m", "tests.penalties.ranks_zero_sharded", str(out)],
+                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "LOCAL_WORLD_SIZE": "2", "DS_ACCELERATOR": "cpu"} for rank in (0, 1)],
+                  cwd=ROOT, timeout=300)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_step_on_their_partitions_as_one_process_with_the_whole_batch(
+        ranks: list[dict], case: str) -> None:
+    (first, value), (second, _) = ranks[0][case], ranks[1][case]
+    want, want_value = reference(case)
+    assert torch.equal(first, second)  # the replicas stay the same
+    torch.testing.assert_close(first, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(value, want_value, rtol=1e-6, atol=0)
+    plain, _ = reference(case, penalized=False)
+    assert (want - plain).abs().max() > 5e-5  # the penalty moves the steps (clipped: 1.1e-4)
