@@ -25,8 +25,8 @@ in its buckets). The first phase's forward is one more per micro-batch than the 
 
 Taken: ZeRO stages 0, 1 and 2 (the parameters whole on every rank), every parameter penalty;
 ZeRO-3 (the parameters partitioned between forwards), the finite differences (``sam``, ``gr``,
-``param_grad_norm``'s). Those of the 2-norm, in float32 or bfloat16 (no fp16 loss scaling),
-the optimizer's states not offloaded, run on each rank's partitions
+``param_grad_norm``'s). Those of the 2-norm, in float32, the optimizer's states not
+offloaded, run on each rank's partitions
 (:class:`~gradreg.integrations.zero_sharded.ShardedStep`: the engine's own backward of each
 micro-batch is the first pass, and at the step's boundary a second pass through the engine at
 the shifted partitions; no forward on the unwrapped module, each rank's extra memory two
@@ -42,9 +42,9 @@ in one line (:func:`~gradreg.penalties.accumulation.agreed_over_ranks`).
 
 Importing this module imports no DeepSpeed: the engine is used through ``module``,
 ``backward``, ``gradient_accumulation_steps()``, ``is_gradient_accumulation_boundary()`` and
-``zero_optimization_stage()`` (under ZeRO-3 also ``optimizer``, ``fp16_enabled()`` and
-``zero_use_cpu_optimizer()``, and its steps read and write the partitions' gradients through
-``deepspeed.utils``).
+``zero_optimization_stage()`` (under ZeRO-3 also ``optimizer``, ``fp16_enabled()``,
+``bfloat16_enabled()`` and ``zero_use_cpu_optimizer()``, and its steps read and write the
+partitions' gradients through ``deepspeed.utils``).
 """
 
 from __future__ import annotations

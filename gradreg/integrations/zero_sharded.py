@@ -35,8 +35,8 @@ parameters' partitions (put back from it), plus the parameters ZeRO-3 keeps gath
 (``ds_persist``: below its persistence threshold), whose :math:`\bar g` is gathered whole to
 shift them: memory :math:`O(\text{parameters}/W)`. The first pass is the step's own
 (``engine.backward`` of each micro-batch's loss); the second costs one more forward and
-backward per micro-batch, as any finite difference. Taken: the 2-norm (``p=2``), float32 or
-bfloat16 without loss scaling, the optimizer's states on the device (no ``offload_optimizer``);
+backward per micro-batch, as any finite difference. Taken: the 2-norm (``p=2``), float32 (fp16
+and bf16 not yet tested), the optimizer's states on the device (no ``offload_optimizer``);
 :class:`~gradreg.integrations.engine_penalty.EnginePenalty` takes the others with the
 parameters gathered whole.
 
@@ -70,9 +70,10 @@ LossOf = Callable[[nn.Module], Tensor]
 
 def takes_sharded(engine: Any, penalty: GradientPenalty) -> bool:
     """Whether :class:`ShardedStep` takes ``penalty`` on ``engine`` (ZeRO-3): a finite
-    difference of the 2-norm, no fp16 loss scaling, the optimizer's states not offloaded."""
-    return (penalty.needs_callable and penalty.config.p == 2
-            and not engine.fp16_enabled() and not engine.zero_use_cpu_optimizer())
+    difference of the 2-norm, float32 (neither fp16 nor bf16 enabled: not yet tested), the
+    optimizer's states not offloaded."""
+    return (penalty.needs_callable and penalty.config.p == 2 and not engine.fp16_enabled()
+            and not engine.bfloat16_enabled() and not engine.zero_use_cpu_optimizer())
 
 
 def partition_range(param: Tensor) -> tuple[int, int]:
