@@ -26,9 +26,11 @@ LR, STEPS, MICRO_BATCHES, ROWS = 0.1, 2, 2, 16
 #: over ranks here, over micro-batches in the reference) to 5.5e-6 of the parameters (measured)
 PENALTIES = {"sam": lambda: sam(0.05), "gr": lambda: gr(0.5, step=1e-2)}
 #: case -> (penalty, ZeRO-3's persistence threshold: 0 partitions every parameter, its default
-#: keeps these small ones gathered; gradient clipping's norm, 0 for none)
-CASES = {"sam": ("sam", 0, 0.0), "gr": ("gr", 0, 0.0), "sam_persistent": ("sam", 10**5, 0.0),
-         "gr_persistent": ("gr", 10**5, 0.0), "sam_clipped": ("sam", 0, 0.05)}
+#: keeps these small ones gathered; gradient clipping's norm, 0 for none; whether the penalty is
+#: of the last layer's parameters alone, the others taking the task's gradient)
+CASES = {"sam": ("sam", 0, 0.0, False), "gr": ("gr", 0, 0.0, False),
+         "sam_persistent": ("sam", 10**5, 0.0, False), "gr_persistent": ("gr", 10**5, 0.0, False),
+         "sam_clipped": ("sam", 0, 0.05, False), "sam_last_layer": ("sam", 0, 0.0, True)}
 
 
 def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -48,7 +50,7 @@ def engine_step(case: str, rank: int, world: int) -> tuple[torch.Tensor, torch.T
 
     from gradreg.integrations.engine_penalty import EnginePenalty
 
-    name, persistence, clipping = CASES[case]
+    name, persistence, clipping, last_layer = CASES[case]
     model, x, y = problem()
     share = ROWS // world
     xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
@@ -58,7 +60,8 @@ def engine_step(case: str, rank: int, world: int) -> tuple[torch.Tensor, torch.T
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence},
         "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-    penalty = EnginePenalty(engine, PENALTIES[name]())
+    penalty = EnginePenalty(engine, PENALTIES[name](),
+                            list(model[-1].parameters()) if last_layer else None)
     assert penalty.sharded is not None
     for step in range(STEPS):
         penalty.penalty.due()
@@ -79,9 +82,10 @@ def reference(case: str, world: int = 2, *, penalized: bool = True
     forward seeded as on its rank), clipped as DeepSpeed clips (the gradient divided by
     ``(norm + 1e-6) / clipping`` where that is above 1), and the last step's penalty value;
     not ``penalized``: the task's gradient alone (no value)."""
-    name, _, clipping = CASES[case]
+    name, _, clipping, last_layer = CASES[case]
     model, x, y = problem()
     params = list(model.parameters())
+    chosen = (list(model[-1].parameters()) if last_layer else params) if penalized else []
     penalty: GradientPenalty = PENALTIES[name]()
     size = ROWS // (world * MICRO_BATCHES)
     value = None
@@ -94,11 +98,14 @@ def reference(case: str, world: int = 2, *, penalized: bool = True
             return F.cross_entropy(model(x[rows]), y[rows])
 
         parts = [lambda m=m: part(m) for m in range(world * MICRO_BATCHES)]
-        if penalized:
-            _, value = accumulated_backward(penalty, parts, params,
+        if chosen:
+            _, value = accumulated_backward(penalty, parts, chosen,
                                             rows=[size] * len(parts), on=(x,))
-        else:
-            (sum(fn() for fn in parts) / len(parts)).backward()
+        others = [p for p in params if all(p is not q for q in chosen)]
+        if others:  # the task's gradient alone
+            grads = torch.autograd.grad(sum(fn() for fn in parts) / len(parts), others)
+            for p, g in zip(others, grads, strict=True):
+                p.grad = g
         with torch.no_grad():
             grads = [p.grad for p in params]
             if clipping > 0:
