@@ -45,7 +45,11 @@ def seed(step: int, micro_batch: int) -> int:
     return 1000 + 10 * step + micro_batch
 
 
-def engine_step(case: str, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_step(case: str, rank: int, world: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The parameters after the steps, the last step's penalty value, and whether every
+    step's penalty left the rank's partitions, and the parameters held gathered when the step
+    began (the persistent ones after the first forward), bitwise as they were then."""
     import deepspeed
 
     from gradreg.integrations.engine_penalty import EnginePenalty
@@ -63,16 +67,22 @@ def engine_step(case: str, rank: int, world: int) -> tuple[torch.Tensor, torch.T
     penalty = EnginePenalty(engine, PENALTIES[name](),
                             list(model[-1].parameters()) if last_layer else None)
     assert penalty.sharded is not None
+    params, restored = list(model.parameters()), True
     for step in range(STEPS):
         penalty.penalty.due()
+        before = [(p.ds_tensor.clone(), p.data.clone()) for p in params]
         for k, rows in enumerate(torch.arange(share).chunk(MICRO_BATCHES)):
             torch.manual_seed(seed(step, rank * MICRO_BATCHES + k))  # replayed by the penalty
             penalty.backward(lambda module, rows=rows: F.cross_entropy(module(xs[rows]),
                                                                        ys[rows]), on=(xs,))
+            if k == MICRO_BATCHES - 1:  # the penalty's passes ran: before the optimizer's step
+                restored &= all(torch.equal(part, p.ds_tensor) and (
+                    data.numel() == 0 or torch.equal(data, p.data)) for p, (part, data)
+                    in zip(params, before, strict=True))
             engine.step()
-    params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params):
-        return torch.cat([p.detach().flatten() for p in params]), penalty.last_value
+        return (torch.cat([p.detach().flatten() for p in params]), penalty.last_value,
+                torch.tensor(restored))
 
 
 def reference(case: str, world: int = 2, *, penalized: bool = True
