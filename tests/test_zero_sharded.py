@@ -1,11 +1,13 @@
 """:class:`gradreg.integrations.engine_penalty.EnginePenalty` under DeepSpeed ZeRO-3 on 2 CPU
 processes (``DS_ACCELERATOR=cpu``, gloo), its finite differences on each rank's partitions
 (:class:`gradreg.integrations.zero_sharded.ShardedStep`): a float32 MLP with dropout, each rank
-half of a batch of 16 in two micro-batches, two SGD steps of ``sam`` and of ``gr``, with every
-parameter partitioned or all kept gathered (ZeRO-3's persistence threshold), and ``sam`` with
-gradient clipping, end at the parameters of one process that takes the whole batch with
-``accumulated_backward`` (its dropout masks seeded as on the ranks; clipped as DeepSpeed clips),
-the penalty's value the whole batch's. Slow: DeepSpeed's engine on two processes."""
+half of a batch of 16 in two micro-batches, two SGD steps of ``sam``, ``gr`` and the
+finite-difference ``param_grad_norm``, with every parameter partitioned or all kept gathered
+(ZeRO-3's persistence threshold), with gradient clipping, and of the last layer alone, end at
+the parameters of one process that takes the whole batch with ``accumulated_backward`` (its
+dropout masks seeded as on the ranks; clipped as DeepSpeed clips), the penalty's value the
+whole batch's, and each step puts the partitions back bitwise. Slow: DeepSpeed's engine on two
+processes."""
 
 from __future__ import annotations
 

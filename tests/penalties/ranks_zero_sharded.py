@@ -4,9 +4,10 @@ whose finite differences run on each rank's partitions
 tests.penalties.ranks_zero_sharded OUT`` with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*``
 and ``DS_ACCELERATOR=cpu`` set. A float32 MLP with dropout, each rank's share of a batch of 16
 in two micro-batches (``gradient_accumulation_steps=2``), two SGD steps per case (:data:`CASES`:
-the penalty, the parameters partitioned or all kept gathered by ZeRO-3's persistence threshold,
-gradient clipping); saves the parameters after them and the last step's penalty value.
-:func:`reference` is one process taking both steps with the whole batch."""
+the penalty, ``sam``, ``gr`` or the finite-difference ``param_grad_norm``; the parameters
+partitioned or all kept gathered by ZeRO-3's persistence threshold; gradient clipping; the
+penalty of the last layer alone); saves the parameters after them and the last step's penalty
+value. :func:`reference` is one process taking both steps with the whole batch."""
 
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradreg.penalties import GradientPenalty, accumulated_backward, gr, sam
+from gradreg.penalties import GradientPenalty, accumulated_backward, gr, param_grad_norm, sam
 
 LR, STEPS, MICRO_BATCHES, ROWS = 0.1, 2, 2, 16
 #: gr's shift eps g with eps = 1e-2: at its default eps (3e-4 in float32) and weight 0.5 the
 #: quotient's factor, weight / eps, multiplies the float32 rounding of the two gradients (summed
 #: over ranks here, over micro-batches in the reference) to 5.5e-6 of the parameters (measured)
-PENALTIES = {"sam": lambda: sam(0.05), "gr": lambda: gr(0.5, step=1e-2)}
+PENALTIES = {"sam": lambda: sam(0.05), "gr": lambda: gr(0.5, step=1e-2),
+             "gnp": lambda: param_grad_norm(0.5, method="finite_difference", step=1e-2)}
 #: case -> (penalty, ZeRO-3's persistence threshold: 0 partitions every parameter, its default
 #: keeps these small ones gathered; gradient clipping's norm, 0 for none; whether the penalty is
 #: of the last layer's parameters alone, the others taking the task's gradient)
-CASES = {"sam": ("sam", 0, 0.0, False), "gr": ("gr", 0, 0.0, False),
+CASES = {"sam": ("sam", 0, 0.0, False), "gr": ("gr", 0, 0.0, False), "gnp": ("gnp", 0, 0.0, False),
          "sam_persistent": ("sam", 10**5, 0.0, False), "gr_persistent": ("gr", 10**5, 0.0, False),
          "sam_clipped": ("sam", 0, 0.05, False), "sam_last_layer": ("sam", 0, 0.0, True)}
 
