@@ -3,11 +3,14 @@
 the peak growth of tensor memory during one optimizer step of 2 micro-batches (forwards,
 backwards, ``engine.step``) of an MLP, its task loss alone (``engine.backward``) and with
 ``sam`` (a finite difference, which ZeRO-3 takes) through
-:class:`~gradreg.integrations.engine_penalty.EnginePenalty`, from the profiler's allocation
+:class:`~gradreg.integrations.engine_penalty.EnginePenalty` as it runs (ZeRO-3: on each rank's
+partitions, :class:`~gradreg.integrations.zero_sharded.ShardedStep`) and, under ZeRO-3, with
+the penalty's passes on the unwrapped module and its gradient handed to the parameters gathered
+whole (the way fp16, bf16 and an offloaded optimizer take), from the profiler's allocation
 events (``scripts/benchmarking/timing.peak_memory``), ZeRO's reduce and prefetch buckets of
 1e7 elements. Over 5 steps and both ranks: the lowest peak, the same in every run, and the
 highest (a step's peak is at times one weight matrix higher). Beside them the rank's own
-parameters in float32 (ZeRO-2: all of them; ZeRO-3: its partition) and the penalty's extra in
+parameters in float32 (ZeRO-2: all of them; ZeRO-3: its partition) and each penalty's extra in
 units of them (the lowest peaks' difference). Rank 0 prints a Markdown row per stage and
 width."""
 
@@ -33,6 +36,8 @@ WIDTHS = (1024, 2048)
 ROWS = 64  # per rank, in 2 micro-batches
 REPEATS = 5  # steps measured, after the first
 BUCKET = 10**7  # elements of ZeRO's buffers (its default reduce bucket, 5e8, is 2 GB of float32)
+#: the step's ways: the task alone, sam as EnginePenalty takes it, sam gathered whole (ZeRO-3)
+WAYS = ("task", "sam", "whole")
 
 
 def zero(stage: int) -> dict:
@@ -42,9 +47,10 @@ def zero(stage: int) -> dict:
     return {"stage": stage, "reduce_bucket_size": BUCKET, **buckets}
 
 
-def measure(width: int, stage: int, penalized: bool) -> tuple[int, int, int, int]:
+def measure(width: int, stage: int, way: str) -> tuple[int, int, int, int]:
     """(parameters, of them held by this rank at rest, the lowest and the highest peak bytes
-    of the step's tensors above those alive before it, over ``REPEATS`` steps and the ranks)."""
+    of the step's tensors above those alive before it, over ``REPEATS`` steps and the ranks),
+    the step taken ``way`` (:data:`WAYS`)."""
     import deepspeed
 
     torch.manual_seed(0)
@@ -61,7 +67,9 @@ def measure(width: int, stage: int, penalized: bool) -> tuple[int, int, int, int
                for p in model.parameters())
     x, y = torch.randn(ROWS, 2), torch.randn(ROWS, 1)
     penalty = sam(0.05)
-    sharpness = EnginePenalty(engine, penalty) if penalized else None
+    sharpness = None if way == "task" else EnginePenalty(engine, penalty)
+    if way == "whole":
+        sharpness.sharded = None  # the passes on the unwrapped module, gathered whole
 
     def step() -> None:
         penalty.due()
@@ -91,13 +99,17 @@ def main() -> None:
     rows = []
     for stage in STAGES:
         for width in WIDTHS:
-            count, held, plain, plain_high = measure(width, stage, False)
-            *_, penalized, penalized_high = measure(width, stage, True)
+            peaks = {}
+            for way in WAYS if stage == 3 else WAYS[:2]:
+                count, held, *peaks[way] = measure(width, stage, way)
+            cells = [f"{low / 1e6:.1f} MB (to {high / 1e6:.1f})" for low, high in peaks.values()]
+            extra = [f"{(low - peaks['task'][0]) / (4 * held):.1f}"
+                     for low, _ in list(peaks.values())[1:]]
             rows.append(f"| ZeRO-{stage} | MLP width {width} ({count / 1e6:.1f} M, "
                         f"{4 * count / 1e6:.1f} MB) | {4 * held / 1e6:.1f} MB | "
-                        f"{plain / 1e6:.1f} MB (to {plain_high / 1e6:.1f}) | "
-                        f"{penalized / 1e6:.1f} MB (to {penalized_high / 1e6:.1f}) | "
-                        f"{(penalized - plain) / (4 * held):.1f} |")
+                        + " | ".join(cells + ["-"] * (len(WAYS) - len(cells)))
+                        + " | " + " | ".join(extra + ["-"] * (len(WAYS) - 1 - len(extra)))
+                        + " |")
     if torch.distributed.get_rank() == 0:
         print("\n".join(rows))
 
