@@ -24,7 +24,7 @@ PACKAGE = "gradreg.penalties"
 LAYERS = {
     "__init__": 6, "presets": 6,
     "mechanism": 5, "config": 5, "two_pass": 5, "accumulation": 5, "lazy": 5, "points": 5,
-    "terms": 5,
+    "terms": 5, "shards": 5,
     "methods": 4, "kinds": 4,
     "call": 3,
     "formulas": 2,
