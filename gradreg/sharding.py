@@ -72,8 +72,9 @@ loss of the update; so does a step in which no parameter that requires grad got 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -82,9 +83,12 @@ from gradreg import torch_compat as compat
 from gradreg.autograd import GradientError
 from gradreg.graph import walk_backward_graph
 
-__all__ = ["FSDP_MIN_TORCH", "HeldStep", "check_penalty_graph", "gathered_parameters",
-           "held_unsharded", "is_sharded", "penalty_step", "sharded_modules",
-           "supports_exact_step"]
+if TYPE_CHECKING:
+    from gradreg.penalties import GradientPenalty
+
+__all__ = ["FSDP_MIN_TORCH", "FSDPShards", "HeldStep", "ShardedPenalty", "check_penalty_graph",
+           "gathered_parameters", "held_unsharded", "is_sharded", "penalty_step",
+           "sharded_modules", "supports_exact_step"]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
@@ -291,3 +295,182 @@ def check_penalty_graph(outputs: Tensor) -> bool:
             f"gradreg.sharding.penalty_step(module):`, or use {_APPROXIMATE}."
         )
     return bool(groups)
+
+
+class FSDPShards:
+    """FSDP2's sharded ``module`` as :class:`~gradreg.penalties.shards.ShardedStep` reads and
+    writes it (:class:`~gradreg.penalties.shards.Shards`): each parameter a ``DTensor`` whose
+    local tensor is this rank's shard (``Shard(0)``: disjoint rows, the next all-gather reads
+    it, as an optimizer's update), its ``.grad`` a ``DTensor`` whose local tensor holds the
+    reduce-scattered mean over the ranks, added to by each backward; the second pass runs
+    ``module``'s forward and ``backward()`` of the loss over ``micro_batches``. ``params``:
+    the penalized parameters, then the others; those of the others that got no gradient in
+    the step are left without one."""
+
+    name = "ShardedPenalty"
+
+    def __init__(self, module: nn.Module, params: Sequence[Tensor], count: int,
+                 micro_batches: int) -> None:
+        self.module, self.target, self.params, self.count = module, module, list(params), count
+        self.micro_batches = micro_batches
+        self.group = params[0].device_mesh.get_group()
+        self._listed: list[Tensor] | None = None  # the parameters with a gradient this step
+
+    def entries(self) -> int:
+        return sum(p.numel() for p in self.params[:self.count])
+
+    def gradients(self) -> list[Tensor]:
+        if self._listed is None:
+            missing = [j for j, p in enumerate(self.params[:self.count]) if p.grad is None]
+            if missing:
+                raise GradientError(
+                    f"ShardedPenalty: the penalized parameters {missing[:5]} got no gradient in "
+                    "the step's backward: pass params= the parameters the loss depends on.")
+            self._listed = [p for p in self.params if p.grad is not None]
+        with torch.no_grad():
+            return [p.grad.to_local() for p in self._listed]
+
+    def set_gradients(self, values: Sequence[Tensor]) -> None:
+        listed = set(map(id, self._listed or ()))
+        with torch.no_grad():
+            torch._foreach_copy_(self.gradients(), list(values))
+        for p in self.params:
+            if id(p) not in listed:
+                p.grad = None  # a parameter the second pass reached and the first did not
+        self._listed = None
+
+    def zero_gradients(self) -> None:
+        with torch.no_grad():
+            torch._foreach_zero_(self.gradients())
+
+    @contextmanager
+    def shifted(self, directions: Sequence[Tensor], amount: Tensor) -> Iterator[None]:
+        modules = sharded_modules(self.module)
+        for module in modules:  # the forwards then gather the shifted shards
+            module.reshard()
+        with torch.no_grad():
+            targets = [p.to_local() for p in self.params[:self.count]]
+            saved = [t.clone() for t in targets]
+            torch._foreach_addcmul_(targets, list(directions),
+                                    [amount.to(t.dtype) for t in targets])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(targets, saved)
+            for module in modules:  # no gathered copy of the shifted shards is left
+                module.reshard()
+
+    def backward(self, loss: Tensor) -> None:
+        (loss / self.micro_batches).backward()
+
+    def buffers(self) -> list[Tensor]:
+        return list(self.module.buffers())
+
+
+_TAKEN = ("ShardedPenalty takes the finite differences of the 2-norm along the gradient (sam, "
+          "gr, param_grad_norm(method='finite_difference'))")
+_HELD_FIX = ("gradreg.sharding.penalty_step takes it, with the parameters gathered whole for "
+             "the step (docs: parameter penalties over ranks on FSDP2 modules)")
+
+
+def _check_taken(penalty: GradientPenalty) -> None:
+    """Refuse in one line a penalty :class:`ShardedPenalty` does not take, naming the fix."""
+    config = penalty.config
+    if config.points != "parameters":
+        reason = f"a penalty on points={config.points!r}"
+    elif not penalty.needs_callable:
+        reason = (f"method={config.method.name!r} differentiates the parameters twice, which "
+                  "needs them gathered")
+    elif getattr(config.method, "adaptive", False):
+        reason = "ASAM's shift scales the gradient by the parameters' magnitudes, read whole"
+    elif config.p != 2:
+        reason = f"p={config.p} (its direction is not the gradient's)"
+    else:
+        return
+    raise GradientError(f"{_TAKEN}; got {reason}: {_HELD_FIX}.")
+
+
+class ShardedPenalty:
+    r"""``penalty`` (``sam``, ``gr``, ``param_grad_norm(method="finite_difference")``: a finite
+    difference of the 2-norm) of the whole step's gradient :math:`\bar g` on an FSDP2 module
+    (``fully_shard``), all ranks' shares and ``micro_batches`` micro-batches (each
+    micro-batch's mean loss equally weighted), each rank on its own shards: its extra memory
+    two buffers of its shard of the parameters, :math:`O(\text{parameters}/W)`::
+
+        sharpness = ShardedPenalty(model, sam(0.05), micro_batches=2)
+        for step_batches in batches:
+            sharpness.penalty.due()
+            for x, y in step_batches:
+                sharpness.backward(lambda module: F.cross_entropy(module(x), y), on=(x,))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    Each :meth:`backward` is the step's own: ``(loss / micro_batches).backward()``, FSDP2's
+    reduce-scatter adding into the sharded ``.grad``. After the step's last micro-batch one
+    all-reduce of the ranks' sums of squares gives :math:`\lVert \bar g \rVert`, the value
+    and the direction :math:`v = 2 P' \bar g`; each rank shifts its shards by :math:`h\,
+    v^{(r)}/\lVert v \rVert`, the step's micro-batches run again (their random numbers
+    replayed, the buffers kept) and :math:`\bar g + c\,\lVert v \rVert / h\,(\bar g' -
+    \bar g)` is left in the shards' ``.grad`` for ``optimizer.step()``; the shards are put
+    back bitwise (:class:`~gradreg.penalties.shards.ShardedStep`, the arithmetic DeepSpeed
+    ZeRO-3's :class:`~gradreg.integrations.engine_penalty.EnginePenalty` runs too).
+
+    ``params``: the parameters the penalty is of (``module``'s trainable ones where not given;
+    the others take the task's gradient alone). ``last_value``: the weighted penalty of the
+    latest finished step, the same on every rank. Refused in one line: the exact method (a
+    double backward), ASAM, ``p != 2`` and penalties at other points (:func:`penalty_step`
+    takes them all, the parameters gathered whole), a module that ``fully_shard`` did not
+    shard, and the layouts :func:`penalty_step` refuses."""
+
+    def __init__(self, module: nn.Module, penalty: GradientPenalty,
+                 params: Sequence[Tensor] | None = None, *, micro_batches: int = 1) -> None:
+        from gradreg.penalties.shards import ShardedStep
+
+        _check_taken(penalty)
+        if micro_batches < 1:
+            raise GradientError(f"ShardedPenalty: micro_batches={micro_batches}; it must be >= 1.")
+        modules = sharded_modules(module)
+        if not modules:
+            raise GradientError(
+                f"ShardedPenalty takes a module sharded by fully_shard; {type(module).__name__} "
+                "is not: shard it, or on one process or DDP use "
+                "gradreg.penalties.accumulated_backward.")
+        _check_layout(modules)
+        chosen = [p for p in module.parameters() if p.requires_grad] if params is None \
+            else list(params)
+        sharded = compat.dtensor_type()
+        loose = [j for j, p in enumerate(chosen) if not isinstance(p, sharded)]
+        if loose:
+            raise GradientError(
+                f"ShardedPenalty: parameters {loose[:5]} of the {len(chosen)} given are not "
+                f"sharded by fully_shard: pass parameters of the sharded {type(module).__name__}.")
+        ids = set(map(id, chosen))
+        others = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
+        self.module, self.penalty, self.params = module, penalty, chosen
+        self.micro_batches = micro_batches
+        self.step = ShardedStep(FSDPShards(module, chosen + others, len(chosen), micro_batches),
+                                penalty, len(chosen))
+        self.last_value: Tensor | None = None
+        self._taken = 0  # micro-batches of this step so far
+
+    def backward(self, loss_of: Callable[[nn.Module], Tensor], *,
+                 on: Sequence[Tensor] = ()) -> Tensor:
+        """One micro-batch: ``loss_of(module)`` is its mean loss computed by calling
+        ``module``; ``on`` the batch's tensors whose devices' random states are replayed in the
+        second pass. Runs its backward, and on the step's ``micro_batches``-th the penalty's
+        second pass (the user then calls ``optimizer.step()``); returns the detached loss.
+        Call it on every micro-batch of a step where the penalty is due (``penalty.due()``,
+        once per step), else ``(loss / micro_batches).backward()``."""
+        from gradreg.penalties import GeneratorState
+
+        self.penalty._check_due()
+        state = GeneratorState.capture(*on, *self.params)
+        loss = loss_of(self.module)
+        self.step.add(loss_of, state, loss)
+        (loss / self.micro_batches).backward()
+        self._taken += 1
+        if self._taken == self.micro_batches:
+            self._taken = 0
+            self.last_value = self.step.finish()
+        return loss.detach()

@@ -35,10 +35,10 @@ CASES = {"sam": ("sam", 0, 0.0, False), "gr": ("gr", 0, 0.0, False), "gnp": ("gn
          "sam_clipped": ("sam", 0, 0.05, False), "sam_last_layer": ("sam", 0, 0.0, True)}
 
 
-def problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def problem(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.25), nn.Linear(16, 3))
-    return model, torch.randn(ROWS, 4), torch.randint(0, 3, (ROWS,))
+    return model.to(dtype), torch.randn(ROWS, 4).to(dtype), torch.randint(0, 3, (ROWS,))
 
 
 def seed(step: int, micro_batch: int) -> int:
@@ -87,15 +87,15 @@ def engine_step(case: str, rank: int, world: int
                 torch.tensor(restored))
 
 
-def reference(case: str, world: int = 2, *, penalized: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reference(case: str, world: int = 2, *, penalized: bool = True,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The parameters after ``STEPS`` SGD steps of one process with the whole batch in
     ``world * MICRO_BATCHES`` micro-batches (``accumulated_backward``, each micro-batch's
     forward seeded as on its rank), clipped as DeepSpeed clips (the gradient divided by
     ``(norm + 1e-6) / clipping`` where that is above 1), and the last step's penalty value;
-    not ``penalized``: the task's gradient alone (no value)."""
+    not ``penalized``: the task's gradient alone (no value); in ``dtype``."""
     name, _, clipping, last_layer = CASES[case]
-    model, x, y = problem()
+    model, x, y = problem(dtype)
     params = list(model.parameters())
     chosen = (list(model[-1].parameters()) if last_layer else params) if penalized else []
     penalty: GradientPenalty = PENALTIES[name]()
