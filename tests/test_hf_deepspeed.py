@@ -4,7 +4,8 @@ On 2 CPU processes, 2 SGD steps of a batch of 8 split 4 + 4, float32: the parame
 steps equal those of one process without DeepSpeed that takes the whole batch, under ZeRO-2 for
 sam, gr, the exact param_grad_norm (double backward) and its finite difference, in one
 micro-batch or two per rank, and under ZeRO-3 for sam (two micro-batches) and param_grad_norm's
-finite difference (measured 4e-9 to 3e-7 against steps that the penalty moves by 1e-3 to 2e-2).
+finite difference, on each rank's partitions (measured 4e-9 to 3e-7 against steps that the
+penalty moves by 1e-3 to 2e-2).
 Refused in one line when the trainer is built (before, DeepSpeed's own errors in the double
 backward were ``IndexError: list index out of range`` under ZeRO-2 and a size mismatch under
 ZeRO-3): the penalties at the inputs under DeepSpeed; under ZeRO-3 the exact and the adaptive
@@ -58,6 +59,8 @@ def test_zero_on_two_ranks_steps_as_one_process_with_the_whole_batch(
     plain = train("none", 1, 8, str(tmp_path))
     moved = max((w - p).abs().max() for w, p in zip(want, plain, strict=True))
     assert moved > 1e-3  # the penalty moves the parameters
+    # ZeRO-3's finite differences run on each rank's partitions (ShardedStep)
+    assert ranks[0][f"zero{stage}_{case}_partitions"] is (stage == 3)
     for a, b, w in zip(first, second, want, strict=True):
         assert torch.equal(a, b)  # the replicas stay the same
         torch.testing.assert_close(a, w, rtol=0, atol=1e-6)

@@ -106,10 +106,18 @@ configuration leaves it out and accelerate fills it; ``"auto"`` takes the traine
 ``max_grad_norm``.)
 
 Under ZeRO-3, whose parameters are partitioned between forwards, the finite-difference penalties
-(``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``): the shift is applied to
-each rank's partition (and to a parameter held gathered), so ZeRO-3's own gathers compute at the
-shifted point (:func:`gradreg.integrations.engine_penalty.zero3_shifted_parameters`), and the
-penalty's gradient is handed to the parameters gathered whole.
+(``sam``, ``gr``, ``param_grad_norm(..., method="finite_difference")``) run on each rank's
+partitions (:class:`~gradreg.integrations.zero_sharded.ShardedStep`, the penalty alone due, the
+2-norm, float32): the trainer's own backward of each micro-batch is the first pass; before the
+engine's step (which accelerate's backward of the step's last micro-batch runs) a second pass of
+the step's micro-batches through the engine at the shifted partitions, and the step's gradient
+written into the engine's partitions; extra memory two of the rank's partitions, and the
+reported loss is the task's (the penalty in ``penalty_values`` after the step). Otherwise (fp16,
+an offloaded optimizer, another penalty due beside it, micro-batch means the trainer sums) the
+shift is applied to each rank's partition (and to a parameter held gathered), so ZeRO-3's own
+gathers compute at the shifted point
+(:func:`gradreg.integrations.engine_penalty.zero3_shifted_parameters`), and the penalty's
+gradient is handed to the parameters gathered whole.
 
 Refused in one line when the trainer is built: under DeepSpeed the penalties at the inputs or
 activations (their inner gradient through the engine's outputs would run its reduction); under
@@ -139,6 +147,7 @@ from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
 from gradreg.integrations.engine_penalty import check_zero3, deepspeed_backward
+from gradreg.integrations.zero_sharded import ShardedStep, takes_sharded
 from gradreg.penalties import (
     GeneratorState,
     GradientPenalty,
@@ -262,6 +271,26 @@ def _zero_stage(trainer: Any) -> int | None:
     return int(trainer.accelerator.state.deepspeed_plugin.zero_stage)
 
 
+@contextmanager
+def _before_step(engine: Any, finish: Callable[[], None]) -> Iterator[None]:
+    """In the block, ``finish()`` runs before each ``engine.step()`` (accelerate's backward of
+    the step's last micro-batch runs the engine's backward and then its step)."""
+    step, own = engine.step, "step" in vars(engine)
+
+    def stepped(*args: Any, **kwargs: Any) -> Any:
+        finish()
+        return step(*args, **kwargs)
+
+    engine.step = stepped
+    try:
+        yield
+    finally:
+        if own:
+            engine.step = step
+        else:
+            del engine.step  # the engine's class's method again
+
+
 class PenaltyMixin:
     """Adds ``penalties`` (name -> :class:`~gradreg.penalties.GradientPenalty`) to a
     ``transformers.Trainer`` subclass's training loss (module docstring).
@@ -287,6 +316,10 @@ class PenaltyMixin:
         self._step_window: Window | None = None  # its micro-batches and ranks (_window_of)
         self._loss_divides: bool | None = None  # measured once (_normalized)
         self._held: sharding.HeldStep | None = None  # an FSDP2 model's step (training_step)
+        #: ZeRO-3's step on each rank's partitions, its penalty's name, and whether it keeps
+        #: micro-batches of this optimizer step (_on_partitions)
+        self._partitioned: tuple[str, ShardedStep] | None = None
+        self._partitions_kept = False
         model = getattr(self, "model", None)
         for name, penalty in self.penalties.items():
             self._check(name, penalty, model)
@@ -400,6 +433,10 @@ class PenaltyMixin:
         holding its parameters gathered (``sharding.HeldStep``), and FSDP's reduction of the
         gradients runs once, after the last one's backward (module docstring)."""
         parent = super().training_step  # type: ignore[misc]
+        if self.penalties and _zero_stage(self) == 3:
+            with _before_step(self.accelerator.deepspeed_engine_wrapped.engine,
+                              self._finish_partitions):
+                return parent(model, inputs, num_items_in_batch)
         if self._held is None and not (self.penalties and sharding.is_sharded(model)):
             return parent(model, inputs, num_items_in_batch)
         if self._held is None:
@@ -444,6 +481,10 @@ class PenaltyMixin:
             result = parent(model, dict(inputs), return_outputs=wanted,
                             num_items_in_batch=num_items_in_batch)
         loss, outputs = result if wanted else (result, None)
+        share = self._share(num_items_in_batch, count)
+        if self._on_partitions(due, model, inputs, loss, state, parent, num_items_in_batch,
+                               count, share):
+            return (loss, outputs) if return_outputs else loss
         forward = self._forward(model, inputs, loss, outputs, embedded, activations, state,
                                 parent, num_items_in_batch, at_points)
         params, others = self._penalized_parameters(model) if len(at_points) < len(due) \
@@ -454,10 +495,48 @@ class PenaltyMixin:
         self.penalty_values = {name: value.detach() for name, value in terms.penalties.items()}
         # the trainer multiplies the loss by s: a parameter penalty's value (its gradient is
         # carried by the task term) is reported once per step
-        share = self._share(num_items_in_batch, count)
         total = terms.task + sum(value / share if due[name].config.points == "parameters"
                                  else value for name, value in terms.penalties.items())
         return (total, outputs) if return_outputs else total
+
+    def _on_partitions(self, due: Mapping[str, GradientPenalty], model: nn.Module,
+                       inputs: dict[str, Any], loss: Tensor, state: GeneratorState,
+                       parent: Callable[..., Tensor], num_items_in_batch: Tensor | int | None,
+                       count: int, share: float) -> bool:
+        r"""Under ZeRO-3, keep the micro-batch for the penalty's step on each rank's partitions
+        (:class:`~gradreg.integrations.zero_sharded.ShardedStep`; the trainer's backward is the
+        first pass, :meth:`_finish_partitions` the second, before the engine's step) where it
+        takes the one due penalty (:func:`~gradreg.integrations.zero_sharded.takes_sharded`)
+        and the accumulated gradient is :math:`\nabla L` (the trainer's micro-batch losses
+        normalized over the step's batch, or means it divides by their number); False
+        otherwise."""
+        if _zero_stage(self) != 3 or len(due) != 1:
+            return False
+        ((name, gp),) = due.items()
+        summed_means = count > 1 and share == 1.0 and not self._normalized(
+            model, inputs, num_items_in_batch)  # σ = N: the window's way scales it
+        if gp.config.points != "parameters" or not takes_sharded(model, gp) or summed_means:
+            return False
+        if self._partitioned is None or self._partitioned[0] != name:
+            self._partitioned = (name, ShardedStep(model, gp,
+                                                   self._penalized_parameters(model)[0]))
+        # the engine's backward divides by its steps, the trainer's by its share of them
+        scale = share * model.gradient_accumulation_steps()
+
+        def loss_of(engine: nn.Module) -> Tensor:
+            return parent(engine, dict(inputs), num_items_in_batch=num_items_in_batch) * scale
+
+        self._partitioned[1].add(loss_of, state, loss)
+        self._partitions_kept = True
+        return True
+
+    def _finish_partitions(self) -> None:
+        """The second pass of ZeRO-3's step on the partitions, where micro-batches are kept
+        (:meth:`_on_partitions`): the step's gradient in the engine's partitions."""
+        if self._partitions_kept:
+            self._partitions_kept = False
+            name, step = self._partitioned
+            self.penalty_values = {name: step.finish()}
 
     def _window_of(self, count: int, model: nn.Module, inputs: Mapping[str, Any],
                    num_items_in_batch: Tensor | int | None) -> Window | None:

@@ -2,8 +2,8 @@
 tests.penalties.ranks_deepspeed OUT 2=CASE,CASE/3=CASE``, ZeRO stages and their keys of
 :data:`CASES`, with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set; ``DS_ACCELERATOR=cpu``): a tiny
 GPT-2 in float32, 2 SGD steps of a batch of 8 split into 4 rows per rank, in one micro-batch or
-two; saves the parameters after the steps per stage and case, or the one-line error the
-trainer raised."""
+two; saves the parameters after the steps per stage and case (and whether ZeRO-3's penalty ran
+on the ranks' partitions), or the one-line error the trainer raised."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def zero(stage: int) -> dict:
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 
 
-def train(name: str, steps: int, batch: int, directory: str, **options) -> list[torch.Tensor]:
-    """The parameters after 2 steps of the penalty ``name`` over the 8 sequences of
+def trained(name: str, steps: int, batch: int, directory: str, **options):
+    """The trainer after 2 steps of the penalty ``name`` over the 8 sequences of
     ``Tokens(8, ignored=3)`` in micro-batches of ``batch`` rows, ``steps`` per step."""
     from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_trainer import Tokens, arguments, tiny_gpt2
@@ -50,6 +50,12 @@ def train(name: str, steps: int, batch: int, directory: str, **options) -> list[
         args=arguments(directory, max_steps=2, gradient_accumulation_steps=steps,
                        per_device_train_batch_size=batch, **options))
     trainer.train()
+    return trainer
+
+
+def train(name: str, steps: int, batch: int, directory: str, **options) -> list[torch.Tensor]:
+    """The parameters after :func:`trained`'s steps."""
+    trainer = trained(name, steps, batch, directory, **options)
     return [p.detach().clone() for p in trainer.model.parameters()]
 
 
@@ -62,8 +68,11 @@ def main(out: Path, plan: dict[str, list[str]]) -> None:
             name, steps = CASES[case]
             with tempfile.TemporaryDirectory() as directory:
                 try:
-                    results[f"zero{stage}_{case}"] = train(name, steps, 4 // steps, directory,
-                                                           deepspeed=zero(int(stage)))
+                    trainer = trained(name, steps, 4 // steps, directory,
+                                      deepspeed=zero(int(stage)))
+                    results[f"zero{stage}_{case}"] = [p.detach().clone()
+                                                      for p in trainer.model.parameters()]
+                    results[f"zero{stage}_{case}_partitions"] = trainer._partitioned is not None
                 except GradientError as error:
                     results[f"zero{stage}_{case}"] = str(error)
     torch.save(results, out / f"rank{rank}.pt")
