@@ -1,4 +1,7 @@
-r"""Exact gradient penalties on FSDP2-sharded modules: :func:`penalty_step` around the step.
+r"""Exact gradient penalties on FSDP2-sharded modules: :func:`penalty_step` around the step;
+and :class:`ShardedPenalty`, a parameter penalty's finite difference (``sam``, ``gr``,
+``param_grad_norm(method="finite_difference")``) of the whole batch's gradient on each rank's
+shards, the parameters never gathered whole (its extra memory two buffers of the rank's shard).
 
 A penalty such as R1, :math:`P = \operatorname{mean}_i \lVert \nabla_{x_i} D_\theta(x_i)
 \rVert^2`, is differentiated twice: the inner ``torch.autograd.grad(create_graph=True)`` builds
