@@ -89,9 +89,19 @@ from gradreg.graph import walk_backward_graph
 if TYPE_CHECKING:
     from gradreg.penalties import GradientPenalty
 
-__all__ = ["FSDP_MIN_TORCH", "FSDPShards", "HeldStep", "ShardedPenalty", "check_penalty_graph",
-           "gathered_parameters", "held_unsharded", "is_sharded", "penalty_step",
-           "sharded_modules", "supports_exact_step"]
+__all__ = [
+    "FSDP_MIN_TORCH",
+    "HeldStep",
+    "ModuleShards",
+    "ShardedPenalty",
+    "check_penalty_graph",
+    "gathered_parameters",
+    "held_unsharded",
+    "is_sharded",
+    "penalty_step",
+    "sharded_modules",
+    "supports_exact_step",
+]
 
 #: The first torch whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2).
 FSDP_MIN_TORCH = (2, 6)
@@ -300,15 +310,16 @@ def check_penalty_graph(outputs: Tensor) -> bool:
     return bool(groups)
 
 
-class FSDPShards:
+class ModuleShards:
     """FSDP2's sharded ``module`` as :class:`~gradreg.penalties.shards.ShardedStep` reads and
     writes it (:class:`~gradreg.penalties.shards.Shards`): each parameter a ``DTensor`` whose
     local tensor is this rank's shard (``Shard(0)``: disjoint rows, the next all-gather reads
     it, as an optimizer's update), its ``.grad`` a ``DTensor`` whose local tensor holds the
     reduce-scattered mean over the ranks, added to by each backward; the second pass runs
-    ``module``'s forward and ``backward()`` of the loss over ``micro_batches``. ``params``:
-    the penalized parameters, then the others; those of the others that got no gradient in
-    the step are left without one."""
+    ``module``'s forward and ``backward()`` of the loss over ``micro_batches``. A module that
+    is not sharded, in one process, is its own single shard (``group`` None: no all-reduce).
+    ``params``: the penalized parameters, then the others; those of the others that got no
+    gradient in the step are left without one."""
 
     name = "ShardedPenalty"
 
@@ -316,7 +327,7 @@ class FSDPShards:
                  micro_batches: int) -> None:
         self.module, self.target, self.params, self.count = module, module, list(params), count
         self.micro_batches = micro_batches
-        self.group = params[0].device_mesh.get_group()
+        self.group = params[0].device_mesh.get_group() if _is_dtensor(params[0]) else None
         self._listed: list[Tensor] | None = None  # the parameters with a gradient this step
 
     def entries(self) -> int:
@@ -331,7 +342,7 @@ class FSDPShards:
                     "the step's backward: pass params= the parameters the loss depends on.")
             self._listed = [p for p in self.params if p.grad is not None]
         with torch.no_grad():
-            return [p.grad.to_local() for p in self._listed]
+            return [_local(p.grad) for p in self._listed]
 
     def set_gradients(self, values: Sequence[Tensor]) -> None:
         listed = set(map(id, self._listed or ()))
@@ -352,7 +363,7 @@ class FSDPShards:
         for module in modules:  # the forwards then gather the shifted shards
             module.reshard()
         with torch.no_grad():
-            targets = [p.to_local() for p in self.params[:self.count]]
+            targets = [_local(p) for p in self.params[:self.count]]
             saved = [t.clone() for t in targets]
             torch._foreach_addcmul_(targets, list(directions),
                                     [amount.to(t.dtype) for t in targets])
@@ -369,6 +380,17 @@ class FSDPShards:
 
     def buffers(self) -> list[Tensor]:
         return list(self.module.buffers())
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    sharded = compat.dtensor_type()
+    return sharded is not None and isinstance(tensor, sharded)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of ``tensor`` (a DTensor's local tensor: in-place changes are the
+    DTensor's), or ``tensor`` itself where it is not sharded; call under ``no_grad``."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 _TAKEN = ("ShardedPenalty takes the finite differences of the 2-norm along the gradient (sam, "
@@ -423,8 +445,10 @@ class ShardedPenalty:
     the others take the task's gradient alone). ``last_value``: the weighted penalty of the
     latest finished step, the same on every rank. Refused in one line: the exact method (a
     double backward), ASAM, ``p != 2`` and penalties at other points (:func:`penalty_step`
-    takes them all, the parameters gathered whole), a module that ``fully_shard`` did not
-    shard, and the layouts :func:`penalty_step` refuses."""
+    takes them all, the parameters gathered whole), the layouts :func:`penalty_step` refuses,
+    and a module that ``fully_shard`` did not shard on several ranks. In one process a module
+    that is not sharded takes the same step, its parameters whole (as in
+    :func:`~gradreg.penalties.accumulated_backward`), so one training loop serves both."""
 
     def __init__(self, module: nn.Module, penalty: GradientPenalty,
                  params: Sequence[Tensor] | None = None, *, micro_batches: int = 1) -> None:
@@ -434,16 +458,18 @@ class ShardedPenalty:
         if micro_batches < 1:
             raise GradientError(f"ShardedPenalty: micro_batches={micro_batches}; it must be >= 1.")
         modules = sharded_modules(module)
-        if not modules:
+        if not modules and torch.distributed.is_available() and \
+                torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             raise GradientError(
-                f"ShardedPenalty takes a module sharded by fully_shard; {type(module).__name__} "
-                "is not: shard it, or on one process or DDP use "
-                "gradreg.penalties.accumulated_backward.")
-        _check_layout(modules)
+                f"ShardedPenalty takes a module sharded by fully_shard (or one process); "
+                f"{type(module).__name__} is not sharded, on "
+                f"{torch.distributed.get_world_size()} ranks: shard it, or under DDP use "
+                "gradreg.penalties.accumulated_backward(..., over_ranks=True).")
+        if modules:
+            _check_layout(modules)
         chosen = [p for p in module.parameters() if p.requires_grad] if params is None \
             else list(params)
-        sharded = compat.dtensor_type()
-        loose = [j for j, p in enumerate(chosen) if not isinstance(p, sharded)]
+        loose = [j for j, p in enumerate(chosen) if not _is_dtensor(p)] if modules else []
         if loose:
             raise GradientError(
                 f"ShardedPenalty: parameters {loose[:5]} of the {len(chosen)} given are not "
@@ -452,7 +478,7 @@ class ShardedPenalty:
         others = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
         self.module, self.penalty, self.params = module, penalty, chosen
         self.micro_batches = micro_batches
-        self.step = ShardedStep(FSDPShards(module, chosen + others, len(chosen), micro_batches),
+        self.step = ShardedStep(ModuleShards(module, chosen + others, len(chosen), micro_batches),
                                 penalty, len(chosen))
         self.last_value: Tensor | None = None
         self._taken = 0  # micro-batches of this step so far

@@ -79,7 +79,7 @@ class Shards(Protocol):
     name: str
     #: what ``loss_of`` is called with in the second pass (the engine, the module)
     target: Any
-    #: the process group over which the shards are split
+    #: the process group over which the shards are split (None: one process, whole)
     group: Any
 
     def entries(self) -> int:
@@ -135,11 +135,13 @@ class ShardedStep:
         penalty, config, shards, count = self.penalty, self.penalty.config, self.shards, self.count
         kept, roundoff = self._kept, self._roundoff
         self._kept, self._roundoff = [], 0.0
-        agreed_over_ranks({"micro-batches": len(kept),
-                           "penalized parameters' entries": shards.entries()}, shards.name)
+        if shards.group is not None:
+            agreed_over_ranks({"micro-batches": len(kept),
+                               "penalized parameters' entries": shards.entries()}, shards.name)
         mean = [t.clone() for t in shards.gradients()]  # ḡ's shards: the one copy kept
         square = torch.stack([t.square().sum() for t in mean[:count]]).sum()
-        torch.distributed.all_reduce(square, group=shards.group)  # S = ||ḡ||², on every rank
+        if shards.group is not None:  # S = ||ḡ||², the same on every rank
+            torch.distributed.all_reduce(square, group=shards.group)
         leaf = square.detach().requires_grad_()
         with torch.enable_grad():
             value = penalty._of_norms(leaf if config.squared else leaf.sqrt())
