@@ -3,7 +3,7 @@
 gradient, after the engine's mean over the ranks, equals one process's that takes the whole
 batch of 8, for sam, asam, gr, the exact param_grad_norm and double backprop at the
 embeddings, with each rank's 4 rows in one micro-batch or in two (float64 throughout: a tiny
-GPT-2 and a float64 ``compute_loss_func``).
+GPT-2 and a float64 ``compute_loss_func``); under FSDP2 sam and gr on each rank's shards.
 Slow: two processes that each import transformers."""
 
 from __future__ import annotations
@@ -39,9 +39,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_two_ranks_step_as_one_process_with_the_whole_batch(tmp_path, ranks: list[dict],
                                                             engine: str, case: str) -> None:
     name, steps = CASES[case]
-    (first, world), (second, _) = ranks[0][f"{engine}_{case}"], ranks[1][f"{engine}_{case}"]
-    whole, one = train(name, steps, 8 // steps, str(tmp_path))
+    (first, world, shards), (second, *_) = (ranks[0][f"{engine}_{case}"],
+                                            ranks[1][f"{engine}_{case}"])
+    whole, one, _ = train(name, steps, 8 // steps, str(tmp_path))
     assert (world, one) == (2, 1)
+    # FSDP2's finite differences of the 2-norm run on each rank's shards (ShardedStep)
+    assert shards is (engine == "fsdp2" and name in ("sam", "gr"))
     for got, other, want in zip(first, second, whole, strict=True):  # each of the 2 steps
         largest = max(t.abs().max() for t in want)
         for a, b, w in zip(got, other, want, strict=True):

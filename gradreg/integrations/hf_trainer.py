@@ -84,8 +84,16 @@ due, how many micro-batches): ranks that disagree, e.g. a penalty due on one ran
 another (their ``due()`` counters apart), raise the same one-line error on every rank instead
 of waiting in collectives that no longer match.
 
-Under FSDP2 (``fsdp_config={"version": 2}``) the step's micro-batches run holding the model's
-parameters gathered, for every penalty (a double backward needs them too;
+Under FSDP2 (``fsdp_config={"version": 2}``) a trainer whose one penalty is a finite
+difference of the 2-norm along the gradient (``sam``, ``gr``, ``param_grad_norm(...,
+method="finite_difference")``) on a model sharded whole takes it on each rank's shards
+(:class:`~gradreg.penalties.shards.ShardedStep` over :class:`gradreg.sharding.ModuleShards`): the
+trainer's backward of each micro-batch is the first pass (FSDP's reduce-scatter into the
+sharded gradients), and after the step's last one a second pass of its micro-batches at the
+shifted shards, the step's gradient left in the shards for the trainer's clipping and
+optimizer; extra memory two of the rank's shards, and the reported loss is the task's (the
+penalty in ``penalty_values`` after the step). For every other penalty the step's
+micro-batches run holding the model's parameters gathered (a double backward needs them;
 :class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter, the mean over the ranks, runs
 once after the last one's backward: during the step each rank holds the full parameters and
 gradients (DDP's memory, not FSDP's share of it); the optimizer state and, between steps, the
@@ -147,7 +155,8 @@ from gradreg.attention import differentiable_attention
 from gradreg.autograd import GradientError, capture
 from gradreg.extras import require
 from gradreg.integrations.engine_penalty import check_zero3, deepspeed_backward
-from gradreg.integrations.zero_sharded import ShardedStep, takes_sharded
+from gradreg.integrations.zero_sharded import ShardedStep as ZeroStep
+from gradreg.integrations.zero_sharded import takes_sharded
 from gradreg.penalties import (
     GeneratorState,
     GradientPenalty,
@@ -156,6 +165,8 @@ from gradreg.penalties import (
     penalty_terms,
 )
 from gradreg.penalties.accumulation import agreed_over_ranks
+from gradreg.penalties.shards import ShardedStep, takes_shards
+from gradreg.torch_compat import dtensor_type
 
 __all__ = [  # noqa: F822 (PenalizedTrainer: built on use)
     "GR_TRL_EXCLUDED", "PenalizedTrainer", "PenaltyMixin", "excluding", "per_sample_losses"]
@@ -437,6 +448,11 @@ class PenaltyMixin:
             with _before_step(self.accelerator.deepspeed_engine_wrapped.engine,
                               self._finish_partitions):
                 return parent(model, inputs, num_items_in_batch)
+        if self._on_fsdp_shards(model):  # the step's second pass after its last backward
+            loss = parent(model, inputs, num_items_in_batch)
+            if self._micro_batch == 0:
+                self._finish_partitions()
+            return loss
         if self._held is None and not (self.penalties and sharding.is_sharded(model)):
             return parent(model, inputs, num_items_in_batch)
         if self._held is None:
@@ -499,32 +515,61 @@ class PenaltyMixin:
                                  else value for name, value in terms.penalties.items())
         return (total, outputs) if return_outputs else total
 
+    def _on_fsdp_shards(self, model: nn.Module) -> bool:
+        """Whether the trainer's one penalty runs on each rank's FSDP2 shards
+        (:meth:`_on_partitions`): a finite difference of the 2-norm along the gradient
+        (:func:`~gradreg.penalties.shards.takes_shards`) on a module ``fully_shard`` sharded
+        whole (every trainable parameter a shard); its step is built here, between optimizer
+        steps, where the parameters are the shards (a forward registers the gathered ones)."""
+        if self._partitioned is not None:
+            return isinstance(self._partitioned[1].shards, sharding.ModuleShards)
+        if len(self.penalties) != 1 or not sharding.is_sharded(model):
+            return False
+        ((name, penalty),) = self.penalties.items()
+        if penalty.config.points != "parameters" or not takes_shards(penalty):
+            return False
+        params, others = self._penalized_parameters(model)
+        sharded = dtensor_type()
+        if not all(isinstance(p, sharded) for p in params + others):
+            return False
+        self._partitioned = (name, ShardedStep(
+            sharding.ModuleShards(model, params + others, len(params), 1), penalty, len(params)))
+        return True
+
     def _on_partitions(self, due: Mapping[str, GradientPenalty], model: nn.Module,
                        inputs: dict[str, Any], loss: Tensor, state: GeneratorState,
                        parent: Callable[..., Tensor], num_items_in_batch: Tensor | int | None,
                        count: int, share: float) -> bool:
-        r"""Under ZeRO-3, keep the micro-batch for the penalty's step on each rank's partitions
-        (:class:`~gradreg.integrations.zero_sharded.ShardedStep`; the trainer's backward is the
-        first pass, :meth:`_finish_partitions` the second, before the engine's step) where it
-        takes the one due penalty (:func:`~gradreg.integrations.zero_sharded.takes_sharded`)
-        and the accumulated gradient is :math:`\nabla L` (the trainer's micro-batch losses
-        normalized over the step's batch, or means it divides by their number); False
-        otherwise."""
-        if _zero_stage(self) != 3 or len(due) != 1:
+        r"""Under ZeRO-3 and FSDP2, keep the micro-batch for the penalty's step on each rank's
+        shards (:class:`~gradreg.penalties.shards.ShardedStep`; the trainer's backward is the
+        first pass, :meth:`_finish_partitions` the second, before the optimizer's step) where
+        it takes the one due penalty and the accumulated gradient is :math:`\nabla L` (the
+        trainer's micro-batch losses normalized over the step's batch, or means it divides by
+        their number); False otherwise (ZeRO-3: the window's way)."""
+        stage = _zero_stage(self)
+        fsdp = self._partitioned is not None and isinstance(self._partitioned[1].shards,
+                                                             sharding.ModuleShards)
+        if (stage != 3 and not fsdp) or len(due) != 1:
             return False
         ((name, gp),) = due.items()
-        summed_means = count > 1 and share == 1.0 and not self._normalized(
-            model, inputs, num_items_in_batch)  # σ = N: the window's way scales it
-        if gp.config.points != "parameters" or not takes_sharded(model, gp) or summed_means:
+        if gp.config.points != "parameters" or (stage == 3 and not takes_sharded(model, gp)):
+            return False
+        if count > 1 and share == 1.0 and not self._normalized(model, inputs, num_items_in_batch):
+            if fsdp:  # σ = N: the step would be the penalty of N ∇L
+                raise GradientError(
+                    f"penalty {name!r} on FSDP2's shards takes the gradient the trainer "
+                    "accumulates as the step's, and this trainer sums its micro-batches' mean "
+                    "losses (its loss ignores num_items_in_batch, which the trainer takes as "
+                    "normalized): set trainer.loss_is_scaled_for_ga = False (the trainer then "
+                    "divides each micro-batch's loss by their number).")
             return False
         if self._partitioned is None or self._partitioned[0] != name:
-            self._partitioned = (name, ShardedStep(model, gp,
-                                                   self._penalized_parameters(model)[0]))
-        # the engine's backward divides by its steps, the trainer's by its share of them
-        scale = share * model.gradient_accumulation_steps()
+            self._partitioned = (name, ZeroStep(model, gp, self._penalized_parameters(model)[0]))
+        # the trainer's backward is of s L_k; DeepSpeed's divides by its steps
+        scale = share * (model.gradient_accumulation_steps() if stage == 3 else 1)
 
-        def loss_of(engine: nn.Module) -> Tensor:
-            return parent(engine, dict(inputs), num_items_in_batch=num_items_in_batch) * scale
+        def loss_of(target: nn.Module) -> Tensor:
+            return parent(target, dict(inputs), num_items_in_batch=num_items_in_batch) * scale
 
         self._partitioned[1].add(loss_of, state, loss)
         self._partitions_kept = True

@@ -3,7 +3,8 @@ tests.penalties.ranks_hf OUT ENGINES CASES``, comma-separated keys of :data:`ENG
 :data:`CASES`, with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set): a tiny GPT-2 in float64 (the
 loss by the float64 ``compute_loss_func`` of the accumulation tests), each step's batch of 8
 split into 4 rows per rank, in one micro-batch or two; saves each step's gradient (after the
-engine's mean over the ranks; FSDP2's shards gathered) per engine and case."""
+engine's mean over the ranks; FSDP2's shards gathered) per engine and case, and whether the
+penalty ran on FSDP2's shards."""
 
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ def _on_cpus(base: type) -> type:
 
 
 def train(name: str, steps: int, batch: int, directory: str, **options
-          ) -> tuple[list[list[torch.Tensor]], int]:
+          ) -> tuple[list[list[torch.Tensor]], int, bool]:
     """Each step's gradient of 2 steps of the penalty ``name`` over the 8 sequences of
-    ``Tokens(8, ignored=3)`` in micro-batches of ``batch`` rows, ``steps`` per step, and the
-    number of processes the trainer saw."""
+    ``Tokens(8, ignored=3)`` in micro-batches of ``batch`` rows, ``steps`` per step, the
+    number of processes the trainer saw, and whether the penalty ran on FSDP2's shards."""
     from gradreg.integrations.hf_trainer import PenalizedTrainer
     from tests.test_hf_accumulation import float64_loss
     from tests.test_hf_trainer import Record, Tokens, arguments, tiny_gpt2
@@ -61,7 +62,7 @@ def train(name: str, steps: int, batch: int, directory: str, **options
     trainer.train()
     full = [[g.full_tensor() if hasattr(g, "full_tensor") else g for g in step]  # FSDP2's shards
             for step in record.grads]
-    return full, trainer.args.world_size
+    return full, trainer.args.world_size, trainer._partitioned is not None
 
 
 #: engine -> the trainer's options for it
