@@ -1,6 +1,6 @@
 """Memory per rank of a parameter penalty on sharded parameters, DeepSpeed's ZeRO-2 and ZeRO-3
 and FSDP2 (run under ``DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 -m
-tests.reliability.deepspeed_memory [ZeRO-2 ZeRO-3 FSDP2]``, all three where none is named;
+tests.reliability.sharded_memory [ZeRO-2 ZeRO-3 FSDP2]``, all three where none is named;
 FSDP2 alone needs no DeepSpeed): the peak growth of tensor memory during one optimizer step of
 2 micro-batches (forwards, backwards, the optimizer's step) of an MLP, its task loss alone and
 with ``sam`` (a finite difference) as each engine takes it: over DeepSpeed's engine through
