@@ -8,18 +8,14 @@ whole batch's, and each step puts the shards back bitwise. Slow: two processes."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from gradreg import sharding
-from tests.distributed import run_processes
+from tests.distributed import run_ranks
 from tests.penalties.ranks_fsdp_sharded import CASES, DTYPES
 from tests.penalties.ranks_zero_sharded import reference
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sharding.supports_exact_step(),
                                  reason="fully_shard is public from torch 2.6")]
@@ -31,10 +27,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 1e-6}
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp_sharded")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_fsdp_sharded", str(out)],
-                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT, timeout=300)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return run_ranks("tests.penalties.ranks_fsdp_sharded", out)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -15,8 +15,6 @@ Slow: DeepSpeed's engine, and two processes."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +26,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-from tests.distributed import free_port, run_processes
+from tests.distributed import free_port, run_ranks
 from tests.penalties.ranks_deepspeed import CASES, train, zero
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 #: the cases run on 2 processes per ZeRO stage (keys of CASES): accumulation, exact and finite
 #: difference under ZeRO-2; finite differences, one micro-batch per step, under ZeRO-3
@@ -42,11 +39,8 @@ TWO_RANKS = {2: ("sam_2", "gr_2", "gnp_1", "gnp_fd_2"), 3: ("sam_2", "gnp_fd_1")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("deepspeed")
     plan = "/".join(f"{stage}={','.join(cases)}" for stage, cases in TWO_RANKS.items())
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_deepspeed", str(out), plan],
-                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2", "DS_ACCELERATOR": "cpu"} for rank in (0, 1)],
-                  cwd=ROOT, timeout=600)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return run_ranks("tests.penalties.ranks_deepspeed", out, plan, timeout=600,
+                     DS_ACCELERATOR="cpu")
 
 
 @pytest.mark.parametrize(("stage", "case"), [(stage, case) for stage, cases in

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from tests.distributed import run_processes
+from tests.distributed import run_processes, run_ranks
 from tests.penalties.ranks_hf import CASES, ENGINES, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +27,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ranks")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_hf", str(out),
-                   ",".join(ENGINES), ",".join(CASES)],
-                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT, timeout=600)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return run_ranks("tests.penalties.ranks_hf", out, ",".join(ENGINES), ",".join(CASES),
+                     timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -11,29 +11,21 @@ processes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("deepspeed")
 
-from tests.distributed import run_processes
+from tests.distributed import run_ranks
 from tests.penalties.ranks_zero_sharded import CASES, reference
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("zero_sharded")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_zero_sharded", str(out)],
-                  [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "LOCAL_WORLD_SIZE": "2", "DS_ACCELERATOR": "cpu"} for rank in (0, 1)],
-                  cwd=ROOT, timeout=300)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return run_ranks("tests.penalties.ranks_zero_sharded", out, DS_ACCELERATOR="cpu")
 
 
 @pytest.mark.parametrize("case", list(CASES))

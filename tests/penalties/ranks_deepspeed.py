@@ -16,6 +16,7 @@ import torch
 
 from gradreg import GradientError
 from gradreg.penalties import asam, double_backprop, gr, param_grad_norm, sam
+from tests.distributed import end_rank
 
 #: case -> (penalty, gradient_accumulation_steps)
 CASES = {f"{name}_{steps}": (name, steps) for name in ("sam", "asam", "gr", "gnp_fd", "gnp",
@@ -81,6 +82,4 @@ def main(out: Path, plan: dict[str, list[str]]) -> None:
 if __name__ == "__main__":
     main(Path(sys.argv[1]), {stage: cases.split(",") for stage, cases in
                              (part.split("=") for part in sys.argv[2].split("/"))})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

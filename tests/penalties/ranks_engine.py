@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gradreg.penalties import GradientPenalty, accumulated_backward, param_grad_norm, sam
+from tests.distributed import end_rank
 from tests.penalties.ranks_problem import problem
 
 LR = 0.1
@@ -76,6 +77,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

@@ -6,7 +6,6 @@ on ``gathered_parameters`` inside ``penalty_step``; rank 0 saves the full gradie
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from gradreg import sharding
 from gradreg.penalties import param_grad_norm
 from gradreg.penalties.accumulation import accumulated_backward
+from tests.distributed import end_rank
 from tests.one_rank_fsdp import shard
 from tests.penalties.ranks_problem import METHODS, STEP, WEIGHT, problem
 
@@ -53,6 +53,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

@@ -10,7 +10,6 @@ rank's shards back bitwise. The one-process reference is
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from gradreg.sharding import ShardedPenalty
+from tests.distributed import end_rank
 from tests.one_rank_fsdp import shard
 from tests.penalties.ranks_zero_sharded import (
     LR,
@@ -78,6 +78,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

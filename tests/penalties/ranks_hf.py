@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gradreg.penalties import asam, double_backprop, gr, param_grad_norm, sam
+from tests.distributed import end_rank
 
 #: case -> (penalty, gradient_accumulation_steps)
 CASES = {f"{name}_{steps}": (name, steps) for name in ("sam", "asam", "gr", "gnp", "db")
@@ -86,6 +87,4 @@ def main(out: Path, engines: list[str], cases: list[str]) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(","))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

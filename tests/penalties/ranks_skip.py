@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gradreg import GradientError
 from gradreg.penalties import param_grad_norm, sam
 from gradreg.penalties.accumulation import accumulated_backward
+from tests.distributed import end_rank
 from tests.penalties.ranks_problem import problem
 
 
@@ -60,6 +61,4 @@ def main(out: Path, case: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's teardown at exit hung now and then on torch 2.4
+    end_rank()

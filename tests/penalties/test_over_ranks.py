@@ -13,7 +13,7 @@ import torch
 from gradreg import GradientError, sharding
 from gradreg.penalties import param_grad_norm
 from gradreg.penalties.accumulation import Accumulation
-from tests.distributed import run_processes
+from tests.distributed import run_processes, run_ranks
 from tests.penalties.ranks_problem import METHODS, OWN_STEPS, own_step, problem, step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,10 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ranks")
-    run_processes([sys.executable, "-m", "tests.penalties.ranks_run", str(out)],
-                  [{"RANK": str(rank), "WORLD_SIZE": "2"} for rank in (0, 1)], cwd=ROOT,
-                  timeout=120)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return run_ranks("tests.penalties.ranks_run", out, timeout=120)
 
 
 @pytest.mark.parametrize("method", METHODS)
