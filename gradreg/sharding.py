@@ -1,7 +1,7 @@
 r"""Exact gradient penalties on FSDP2-sharded modules: :func:`penalty_step` around the step;
 and :class:`ShardedPenalty`, a parameter penalty's finite difference (``sam``, ``gr``,
 ``param_grad_norm(method="finite_difference")``) of the whole batch's gradient on each rank's
-shards, the parameters never gathered whole (its extra memory two buffers of the rank's shard).
+shards, the parameters never gathered whole (its extra memory one buffer of the rank's shard).
 
 A penalty such as R1, :math:`P = \operatorname{mean}_i \lVert \nabla_{x_i} D_\theta(x_i)
 \rVert^2`, is differentiated twice: the inner ``torch.autograd.grad(create_graph=True)`` builds
@@ -353,9 +353,10 @@ class ModuleShards:
                 p.grad = None  # a parameter the second pass reached and the first did not
         self._listed = None
 
-    def zero_gradients(self) -> None:
+    def scale_gradients(self, factor: Tensor) -> None:
         with torch.no_grad():
-            torch._foreach_zero_(self.gradients())
+            shards = self.gradients()[:self.count]
+            torch._foreach_mul_(shards, factor.to(shards[0].dtype))
 
     @contextmanager
     def shifted(self, directions: Sequence[Tensor], amount: Tensor) -> Iterator[None]:
@@ -421,7 +422,7 @@ class ShardedPenalty:
     difference of the 2-norm) of the whole step's gradient :math:`\bar g` on an FSDP2 module
     (``fully_shard``), all ranks' shares and ``micro_batches`` micro-batches (each
     micro-batch's mean loss equally weighted), each rank on its own shards: its extra memory
-    two buffers of its shard of the parameters, :math:`O(\text{parameters}/W)`::
+    one buffer of its shard of the parameters, :math:`O(\text{parameters}/W)`::
 
         sharpness = ShardedPenalty(model, sam(0.05), micro_batches=2)
         for step_batches in batches:

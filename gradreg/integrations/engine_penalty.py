@@ -29,8 +29,8 @@ ZeRO-3 (the parameters partitioned between forwards), the finite differences (``
 offloaded, run on each rank's partitions
 (:class:`~gradreg.integrations.zero_sharded.ShardedStep`: the engine's own backward of each
 micro-batch is the first pass, and at the step's boundary a second pass through the engine at
-the shifted partitions; no forward on the unwrapped module, each rank's extra memory two
-buffers of its partition); the others with the shift applied to each rank's partition
+the shifted partitions; no forward on the unwrapped module, each rank's extra memory one
+buffer of its partition); the others with the shift applied to each rank's partition
 (:func:`zero3_shifted_parameters`) and the penalty's gradient handed to the parameters
 gathered whole (:func:`gathered_whole`), parameter-sized buffers on every rank. Refused in one
 line: under ZeRO-3 what :func:`check_zero3` names

@@ -91,7 +91,7 @@ method="finite_difference")``) on a model sharded whole takes it on each rank's 
 trainer's backward of each micro-batch is the first pass (FSDP's reduce-scatter into the
 sharded gradients), and after the step's last one a second pass of its micro-batches at the
 shifted shards, the step's gradient left in the shards for the trainer's clipping and
-optimizer; extra memory two of the rank's shards, and the reported loss is the task's (the
+optimizer; extra memory one of the rank's shards, and the reported loss is the task's (the
 penalty in ``penalty_values`` after the step). For every other penalty the step's
 micro-batches run holding the model's parameters gathered (a double backward needs them;
 :class:`gradreg.sharding.HeldStep`), and FSDP's reduce-scatter, the mean over the ranks, runs
@@ -119,7 +119,7 @@ partitions (:class:`~gradreg.integrations.zero_sharded.ShardedStep`, the penalty
 2-norm, float32): the trainer's own backward of each micro-batch is the first pass; before the
 engine's step (which accelerate's backward of the step's last micro-batch runs) a second pass of
 the step's micro-batches through the engine at the shifted partitions, and the step's gradient
-written into the engine's partitions; extra memory two of the rank's partitions, and the
+written into the engine's partitions; extra memory one of the rank's partitions, and the
 reported loss is the task's (the penalty in ``penalty_values`` after the step). Otherwise (fp16,
 an offloaded optimizer, another penalty due beside it, micro-batch means the trainer sums) the
 shift is applied to each rank's partition (and to a parameter held gathered), so ZeRO-3's own

@@ -1,5 +1,5 @@
 r"""A parameter penalty's finite difference on DeepSpeed ZeRO-3's partitions:
-:class:`ShardedStep`, each rank's extra memory a few buffers of its own partition, not of the
+:class:`ShardedStep`, each rank's extra memory one buffer of its own partition, not of the
 whole parameters.
 
 The arithmetic is :class:`gradreg.penalties.shards.ShardedStep`'s (the one FSDP2's
@@ -15,10 +15,11 @@ of the step's gradient, reduce-scattered and averaged over the ranks and the mic
 ``safe_get_local_grad``/``safe_set_local_grad``; the parameters' partitions (``ds_tensor``)
 are shifted and put back bitwise by :func:`shifted_partitions`.
 
-Each rank holds one partition-sized copy of :math:`\bar g` (its own share) and one of the
-parameters' partitions (put back from it), plus the parameters ZeRO-3 keeps gathered
-(``ds_persist``: below its persistence threshold), whose :math:`\bar g` is gathered whole to
-shift them: memory :math:`O(\text{parameters}/W)`. Taken: the 2-norm (``p=2``), float32 (fp16
+Each rank holds one partition-sized copy: of the penalized parameters' partitions (put back
+from it) and of the other parameters' gradients, the step's gradient computed in ZeRO-3's own
+buffers; plus the parameters ZeRO-3 keeps gathered (``ds_persist``: below its persistence
+threshold), whose :math:`\bar g` is gathered whole to shift them: memory
+:math:`O(\text{parameters}/W)`. Taken: the 2-norm (``p=2``), float32 (fp16
 and bf16 not yet tested), the optimizer's states on the device (no ``offload_optimizer``);
 :class:`~gradreg.integrations.engine_penalty.EnginePenalty` takes the others with the
 parameters gathered whole.
@@ -138,12 +139,13 @@ class ZeroShards:
             local.narrow(0, 0, n).copy_(g)
             safe_set_local_grad(p, local)
 
-    def zero_gradients(self) -> None:
+    def scale_gradients(self, factor: Tensor) -> None:
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-        self.engine.optimizer.zero_grad()
-        for p in self.params:
-            safe_set_local_grad(p, safe_get_local_grad(p).zero_())
+        for p, n in zip(self.params[:self.count], self.counts, strict=False):
+            local = safe_get_local_grad(p)
+            local.narrow(0, 0, n).mul_(factor.to(local.dtype))
+            safe_set_local_grad(p, local)
 
     def shifted(self, directions: Sequence[Tensor], amount: Tensor) -> AbstractContextManager:
         from deepspeed.utils import safe_get_local_grad

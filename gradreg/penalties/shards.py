@@ -30,10 +30,14 @@ the difference quotient of :class:`~gradreg.penalties.accumulation.Accumulation`
 the engine's shards before the optimizer's step: the optimizer, and its gradient clipping, see
 this gradient only. The parameters' shards are put back bitwise after the second pass.
 
-Each rank holds one shard-sized copy of :math:`\bar g` and one of the parameters' shards (put
-back from it): memory :math:`O(\text{parameters}/W)`. The first pass is the step's own backward
-of each micro-batch; the second costs one more forward and backward per micro-batch, as any
-finite difference.
+It is computed in the engine's own gradient buffers, as :math:`(1 - w)\,\bar g^{(r)} + w\,
+\bar g'^{(r)}` (:math:`w = c\,\lVert v \rVert / h`): the shards become :math:`(1 - w)\,\bar
+g^{(r)}` after the shift, and the second pass's backwards, of its losses times :math:`w`, add
+:math:`w\,\bar g'^{(r)}` to them. Each rank holds one copy of its shards of the penalized
+parameters (put back from it bitwise) and of the other parameters' gradients (which take
+:math:`\bar g^{(r)}` alone): one shard-sized buffer in all, memory :math:`O(\text{parameters}
+/W)`. The first pass is the step's own backward of each micro-batch; the second costs one more
+forward and backward per micro-batch, as any finite difference.
 """
 
 from __future__ import annotations
@@ -91,8 +95,9 @@ class Shards(Protocol):
     def set_gradients(self, values: Sequence[Tensor]) -> None:
         """Write ``values`` (shaped as :meth:`gradients`) into the shards of the gradients."""
 
-    def zero_gradients(self) -> None:
-        """Zero the gradients, so that the next backward writes them rather than adds."""
+    def scale_gradients(self, factor: Tensor) -> None:
+        """Multiply the penalized parameters' gradients by ``factor`` where the engine keeps
+        them (its next backward adds to them)."""
 
     def shifted(self, directions: Sequence[Tensor], amount: Tensor) -> AbstractContextManager:
         """The block runs at the penalized parameters plus ``amount`` times ``directions`` (this
@@ -100,7 +105,8 @@ class Shards(Protocol):
         it."""
 
     def backward(self, loss: Tensor) -> None:
-        """The engine's backward of one micro-batch's loss, as the step's own."""
+        """The engine's backward of one micro-batch's loss, as the step's own, added to the
+        gradients."""
 
     def buffers(self) -> list[Tensor]:
         """The module's buffers, put back after each forward of the second pass."""
@@ -138,8 +144,9 @@ class ShardedStep:
         if shards.group is not None:
             agreed_over_ranks({"micro-batches": len(kept),
                                "penalized parameters' entries": shards.entries()}, shards.name)
-        mean = [t.clone() for t in shards.gradients()]  # ḡ's shards: the one copy kept
-        square = torch.stack([t.square().sum() for t in mean[:count]]).sum()
+        gradients = shards.gradients()  # ḡ's shards, the engine's own
+        mean, others = gradients[:count], gradients[count:]
+        square = torch.stack([t.square().sum() for t in mean]).sum()
         if shards.group is not None:  # S = ||ḡ||², the same on every rank
             torch.distributed.all_reduce(square, group=shards.group)
         leaf = square.detach().requires_grad_()
@@ -156,18 +163,21 @@ class ShardedStep:
         step = parameter_step(config.step, config.shift, roundoff)
         shift, scale = shift_length(config.shift, step, length, config.gain)
         along = torch.where(length > 0, shift / torch.where(length > 0, length, 1.0), 0.0)
-        with shards.shifted(mean[:count], along * along_g):  # θ + h v̂ = θ + amount ḡ
-            shards.zero_gradients()  # the second pass's first backward writes, not adds
-            self._second_pass(kept)
-        weight = scale * factor  # ḡ + c ||v||/h (ḡ' - ḡ)
-        for g, now in zip(mean[:count], shards.gradients()[:count], strict=True):
-            g.lerp_(now, weight.to(g.dtype))
-        shards.set_gradients(mean)
+        weight = scale * factor  # w: the step's gradient ḡ + w (ḡ' - ḡ) = (1 - w) ḡ + w ḡ'
+        # the other parameters' ḡ kept (with the penalized parameters' shards, which the shift
+        # keeps to put them back, one shard-sized copy in all); the penalized ones' gradients
+        # become (1 - w) ḡ in the engine's buffers, to which the second pass adds w ḡ'
+        kept_others = [t.clone() for t in others]
+        with shards.shifted(mean, along * along_g):  # θ + h v̂ = θ + amount ḡ
+            shards.scale_gradients(1 - weight)
+            self._second_pass(kept, weight)
+        shards.set_gradients(shards.gradients()[:count] + kept_others)
         return weighted
 
-    def _second_pass(self, kept: list[tuple[LossOf, GeneratorState]]) -> None:
+    def _second_pass(self, kept: list[tuple[LossOf, GeneratorState]], weight: Tensor) -> None:
         """Each kept micro-batch's forward from its random state, the modules' buffers put back
-        after it (BatchNorm counts each micro-batch once), and the engine's backward."""
+        after it (BatchNorm counts each micro-batch once), and the engine's backward of its loss
+        times ``weight``, added to the gradients."""
         shards = self.shards
         buffers = shards.buffers()
         before = [b.clone() for b in buffers]
@@ -182,7 +192,7 @@ class ShardedStep:
                     f"{', '.join(sorted(set(unreplayed.drawn)))}, which no captured state "
                     "replays: draw from torch's global generator (dropout, torch.rand without "
                     "generator=).")
-            shards.backward(loss)
+            shards.backward(loss * weight.to(loss.dtype))
             if buffers:
                 torch._foreach_copy_(buffers, before)
         self._checked = True
