@@ -119,14 +119,15 @@ def ddp_strategy(strategy: object, manual_optimization: bool, global_batch: bool
 
 def check_global_batch(trainer: L.Trainer, penalties: Mapping[str, GradientPenalty]) -> None:
     """Raise ``ValueError`` where ``data.global_batch`` cannot give the one-process steps: more
-    than one rank under a strategy other than DDP (``trainer=fsdp_cpu``), or a penalty of the
-    parameter gradient with accumulated micro-batches
+    than one rank under a strategy that does not weight the ranks' slices
+    (:class:`~gradreg.lightning.global_batch.GlobalBatches`: DDP's, and FSDP2's with
+    ``global_batch``), or a penalty of the parameter gradient with accumulated micro-batches
     (:func:`~gradreg.lightning.global_batch.check_splittable`)."""
-    if trainer.world_size > 1 and not isinstance(trainer.strategy, GlobalBatchDDPStrategy):
+    if trainer.world_size > 1 and not getattr(trainer.strategy, "weights_global_batches", False):
         raise ValueError(
-            f"global batches are split over the ranks by DDP only, not by "
-            f"{type(trainer.strategy).__name__}: use trainer=ddp_cpu or trainer=ddp_spawn_cpu, "
-            "or data.global_batch=false (data.batch_size per rank)")
+            f"global batches are split over the ranks by DDP and FSDP2 (trainer=ddp_cpu, "
+            f"ddp_spawn_cpu, fsdp_cpu), not by {type(trainer.strategy).__name__}: use one of "
+            "them, or data.global_batch=false (data.batch_size per rank)")
     check_splittable(penalties, trainer.world_size, trainer.accumulate_grad_batches)
 
 

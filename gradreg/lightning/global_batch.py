@@ -11,7 +11,9 @@ backpropagates, automatic or manual optimization) by the slice's weight
     \frac1W \sum_r w_r \nabla L_r = \frac1N \sum_r n_r \nabla L_r = \nabla L,
     \qquad L_r = \frac1{n_r} \sum_{i \in r} \ell_i,
 
-the gradient of the mean over the whole batch, uneven slices included. That holds for every
+the gradient of the mean over the whole batch, uneven slices included; so does FSDP2's
+:class:`~gradreg.lightning.sharded.ShardedPenaltyStrategy` with ``global_batch=True``
+(``trainer=fsdp_cpu``), whose reduce-scatter averages the ranks as DDP does. That holds for every
 loss that is a mean of per-sample terms, as gradreg's penalties are (each sample's input
 gradient depends on that sample only). A penalty of the *parameter* gradient
 (``points="parameters"``, e.g. ``param_grad_norm``, ``sam``) is not a mean of per-sample terms:
@@ -39,7 +41,7 @@ from torch.optim import Optimizer
 from gradreg.lightning.data.splits import RankSlices
 from gradreg.penalties import GradientPenalty
 
-__all__ = ["GlobalBatchDDPStrategy", "check_splittable", "slice_rows"]
+__all__ = ["GlobalBatchDDPStrategy", "GlobalBatches", "check_splittable", "slice_rows"]
 
 
 def check_splittable(penalties: Mapping[str, GradientPenalty], world: int,
@@ -74,13 +76,12 @@ def slice_rows(trainer: pl.Trainer | None, rows: int) -> int | None:
     return rows
 
 
-class GlobalBatchDDPStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy`` (same arguments: ``find_unused_parameters=True``,
-    ``start_method="spawn"`` ...) whose backward scales the loss by the weight of the rank's
-    slice of the global batch (module docstring). Use it with a data module built with
-    ``global_batch=True`` and ``Trainer(use_distributed_sampler=False)``; a training loader
-    without :class:`~gradreg.lightning.data.splits.RankSlices` raises ``ValueError`` at its
-    first step."""
+class GlobalBatches:
+    """What a data-parallel strategy adds to weight the ranks' slices of global batches (module
+    docstring): the loss of each training step scaled by its slice's weight before the
+    strategy's backward, where ``weights_global_batches``; :class:`GlobalBatchDDPStrategy` and,
+    with ``global_batch=True``, :class:`~gradreg.lightning.sharded.ShardedPenaltyStrategy`
+    (FSDP2) have it before Lightning's strategy in their bases."""
 
     #: what :class:`~gradreg.lightning.data.splits.SplitDataModule` asks of a strategy for global
     #: batches
@@ -89,20 +90,31 @@ class GlobalBatchDDPStrategy(DDPStrategy):
     _slice_weight = 1.0
 
     def setup(self, trainer: pl.Trainer) -> None:
-        check_splittable(getattr(self.lightning_module, "penalties", {}), self.world_size,
-                         trainer.accumulate_grad_batches)
+        if self.weights_global_batches:
+            check_splittable(getattr(self.lightning_module, "penalties", {}), self.world_size,
+                             trainer.accumulate_grad_batches)
         super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        slices = self.lightning_module.trainer.train_dataloader.batch_sampler
-        if not isinstance(slices, RankSlices):
-            raise ValueError(
-                f"{type(self).__name__} weights the ranks' slices of global batches: build the "
-                "data module with global_batch=True and the Trainer with "
-                "use_distributed_sampler=False")
-        self._slice_weight = slices.weights.popleft()
+        if self.weights_global_batches:
+            slices = self.lightning_module.trainer.train_dataloader.batch_sampler
+            if not isinstance(slices, RankSlices):
+                raise ValueError(
+                    f"{type(self).__name__} weights the ranks' slices of global batches: build "
+                    "the data module with global_batch=True and the Trainer with "
+                    "use_distributed_sampler=False")
+            self._slice_weight = slices.weights.popleft()
         return super().training_step(*args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any,
                  **kwargs: Any) -> Tensor:
         return super().backward(closure_loss * self._slice_weight, optimizer, *args, **kwargs)
+
+
+class GlobalBatchDDPStrategy(GlobalBatches, DDPStrategy):
+    """Lightning's ``DDPStrategy`` (same arguments: ``find_unused_parameters=True``,
+    ``start_method="spawn"`` ...) whose backward scales the loss by the weight of the rank's
+    slice of the global batch (module docstring). Use it with a data module built with
+    ``global_batch=True`` and ``Trainer(use_distributed_sampler=False)``; a training loader
+    without :class:`~gradreg.lightning.data.splits.RankSlices` raises ``ValueError`` at its
+    first step."""

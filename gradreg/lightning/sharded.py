@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from gradreg import GradientError, sharding
 from gradreg.lightning.compat import data_parallel_over_all_ranks
+from gradreg.lightning.global_batch import GlobalBatches
 from gradreg.sharding import HeldStep, is_sharded
 
 __all__ = ["ShardedPenaltyStrategy"]
@@ -44,15 +45,18 @@ def _shard(module: nn.Module, mesh: Any) -> None:
     fully_shard(module, mesh=mesh)
 
 
-class ShardedPenaltyStrategy(ModelParallelStrategy):
+class ShardedPenaltyStrategy(GlobalBatches, ModelParallelStrategy):
     """``ModelParallelStrategy`` with FSDP2 on the submodules named ``modules`` (those the
     LightningModule has), every rank one shard (data parallel over all ranks, no tensor
-    parallelism), penalties exact (module docstring)."""
+    parallelism), penalties exact (module docstring). ``global_batch``: the ranks' slices of
+    global batches weighted by their samples (:class:`~gradreg.lightning.global_batch
+    .GlobalBatches`, ``data.global_batch``), as ``GlobalBatchDDPStrategy`` does under DDP."""
 
     def __init__(self, modules: Sequence[str] = ("critic", "generator", "backbone"),
-                 **kwargs: Any) -> None:
+                 global_batch: bool = False, **kwargs: Any) -> None:
         super().__init__(tensor_parallel_size=1, **kwargs)
         self.sharded_names = tuple(modules)
+        self.weights_global_batches = global_batch
         self._held: list[HeldStep] = []
 
     def connect(self, model: L.LightningModule) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradreg import sharding
+
 from .helpers import (
     LONG,
     TINY,
@@ -32,15 +34,17 @@ def test_gan_recipe_with_its_dashboards_trains_on_two_processes(tmp_path: Path) 
     (["trainer=ddp_cpu", "penalty=param_grad_norm", "trainer.accumulate_grad_batches=2"],
      "error: data.global_batch: penalty 'param_grad_norm' (points='parameters') on global "
      "batches split over 2 ranks with accumulate_grad_batches=2"),
-    (["trainer=fsdp_cpu"], "error: data.global_batch: global batches are split over the ranks by "
-                           "DDP only, not by ShardedPenaltyStrategy: use trainer=ddp_cpu"),
+    pytest.param(["trainer=fsdp_cpu", "penalty=sam", "trainer.accumulate_grad_batches=2"],
+                 "error: data.global_batch: penalty 'sam' (points='parameters') on global "
+                 "batches split over 2 ranks with accumulate_grad_batches=2",
+                 marks=pytest.mark.skipif(not sharding.supports_exact_step(),
+                                          reason="FSDP2's public API: torch >= 2.6")),
 ])
 def test_global_batches_that_two_ranks_cannot_split_exactly_are_one_line(
         tmp_path: Path, overrides: list[str], message: str) -> None:
     """A penalty of the parameter gradient with accumulated micro-batches (an uneven last
     window would be weighted otherwise than the task; without accumulation it is the whole
-    batch's, tests/lightning/data/test_global_batch.py); under FSDP an uneven last batch was
-    averaged 1/2-1/2."""
+    batch's, tests/lightning/data/test_global_batch.py)."""
     result = run_script("data.global_batch=true", *overrides, *TINY, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines()[-1].startswith(message), result.stderr[-3000:]

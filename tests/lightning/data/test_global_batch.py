@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
 
+from gradreg import sharding
 from gradreg.lightning.data import DigitsDataModule
 from gradreg.lightning.data.splits import RankSlices
 from gradreg.lightning.global_batch import check_splittable
@@ -122,18 +123,22 @@ def test_batch_size_must_be_a_positive_integer(size: object) -> None:
         DigitsDataModule(batch_size=size)
 
 
-@pytest.mark.parametrize(("batch_size", "val_fraction", "steps", "penalty"), [
-    (64, 0.15, 20, "double_backprop"),  # the digits' epoch: 19 x 64 + 41, cut 20/21 at the end
-    (8, 1462 / 1797, 9, "double_backprop"),  # 65 = 8 x 8 + 1: rank 0's last slice is empty
+@pytest.mark.parametrize(("batch_size", "val_fraction", "steps", "penalty", "engine"), [
+    (64, 0.15, 20, "double_backprop", "ddp"),  # the digits' epoch: 19 x 64 + 41, cut 20/21
+    (8, 1462 / 1797, 9, "double_backprop", "ddp"),  # 65 = 8 x 8 + 1: rank 0's last slice empty
     # a penalty of the parameter gradient: 233 = 3 x 64 + 41, the last batch cut 20/21
-    (64, 1294 / 1797, 4, "sam"),
-    (64, 1294 / 1797, 4, "param_grad_norm"),
+    (64, 1294 / 1797, 4, "sam", "ddp"),
+    (64, 1294 / 1797, 4, "param_grad_norm", "ddp"),
+    # FSDP2 (the backbone sharded): the same weights of uneven slices
+    pytest.param(64, 1294 / 1797, 4, "sam", "fsdp", marks=[pytest.mark.slow, pytest.mark.skipif(
+        not sharding.supports_exact_step(), reason="FSDP2's public API: torch >= 2.6")]),
 ])
 def test_two_ranks_with_global_batches_take_the_single_process_steps(
-        tmp_path: Path, batch_size: int, val_fraction: float, steps: int, penalty: str) -> None:
-    """Real DDP (2 gloo ranks): after a whole epoch of double backprop with Adam, the parameters
-    are those of one process to float rounding (measured 1.5e-8 after the digits' 20 steps, where
-    an unweighted mean was 4.4e-5 off; 4.5e-8 after 158 steps of batch 8)."""
+        tmp_path: Path, batch_size: int, val_fraction: float, steps: int, penalty: str,
+        engine: str) -> None:
+    """Real DDP or FSDP2 (2 gloo ranks): after a whole epoch of double backprop with Adam, the
+    parameters are those of one process to float rounding (measured 1.5e-8 after the digits' 20
+    steps, where an unweighted mean was 4.4e-5 off; 4.5e-8 after 158 steps of batch 8)."""
     root = Path(__file__).resolve().parents[3]
     for devices in (1, 2):
         ranks = [{"PYTHONPATH": str(root)}] if devices == 1 else [
@@ -141,7 +146,7 @@ def test_two_ranks_with_global_batches_take_the_single_process_steps(
             for rank in range(2)]
         run_processes([sys.executable, "-m", "tests.lightning.data.global_batch_run", str(devices),
                        str(tmp_path / f"{devices}.pt"), str(steps), str(batch_size),
-                       str(val_fraction), penalty], ranks, cwd=root)
+                       str(val_fraction), penalty, engine], ranks, cwd=root)
     one, two = (torch.load(tmp_path / f"{d}.pt") for d in (1, 2))
     assert one.keys() == two.keys()
     for name in one:
