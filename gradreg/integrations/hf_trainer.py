@@ -532,8 +532,7 @@ class PenaltyMixin:
         sharded = dtensor_type()
         if not all(isinstance(p, sharded) for p in params + others):
             return False
-        self._partitioned = (name, ShardedStep(
-            sharding.ModuleShards(model, params + others, len(params), 1), penalty, len(params)))
+        self._partitioned = (name, sharding.ShardedPenalty(model, penalty, params).step)
         return True
 
     def _on_partitions(self, due: Mapping[str, GradientPenalty], model: nn.Module,

@@ -142,7 +142,7 @@ class ZeroShards:
     def scale_gradients(self, factor: Tensor) -> None:
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-        for p, n in zip(self.params[:self.count], self.counts, strict=False):
+        for p, n in zip(self.params[:self.count], self.counts[:self.count], strict=True):
             local = safe_get_local_grad(p)
             local.narrow(0, 0, n).mul_(factor.to(local.dtype))
             safe_set_local_grad(p, local)
